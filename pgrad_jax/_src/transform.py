@@ -46,6 +46,11 @@ def _check_positive(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
 def _rollout_transform(
     inner_opt: optax.GradientTransformation,
     B: int,
@@ -68,11 +73,8 @@ def _rollout_transform(
   _check_positive("B", B)
   if num_domains is not None:
     _check_positive("num_domains", num_domains)
-  if order not in schedule_lib.ORDERS:
-    raise ValueError(
-        f"order must be one of {schedule_lib.ORDERS}, got {order!r}.")
-  if nonfinite not in NONFINITE:
-    raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}.")
+  _check_choice("order", order, schedule_lib.ORDERS)
+  _check_choice("nonfinite", nonfinite, NONFINITE)
   steps = 0 if num_domains is None else num_domains * B
   m = 0 if num_domains is None or not spectrum else steps + 1
 
@@ -246,6 +248,8 @@ def pgrad(
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
   _check_positive("k", k)
+  _check_choice("weighting", weighting, principal_lib.WEIGHTINGS)
+  _check_choice("components", components, principal_lib.COMPONENTS)
 
   def reduce(out):
     result = principal_lib.principal_gradient(

@@ -1,0 +1,582 @@
+"""Multi-domain image datasets for DomainBed-style experiments, and a registry.
+
+Every dataset is a `MultiDomainDataset`: one random-access source per domain,
+each usable directly as a Grain data source. Elements are
+``{"image": float32 (H, W, C), "label": int32 scalar}``, channels-last.
+
+Adding a dataset takes one decorated builder function::
+
+    @register_dataset("MyDataset")
+    def my_dataset(*, data_dir=None, seed=0) -> MultiDomainDataset:
+      return image_folder_dataset("MyDataset", "my_dataset", data_dir)
+
+Sources of the data:
+
+* ``RotatedDigits`` / ``ColoredDigits``: scikit-learn's bundled 8x8 digits,
+  always available offline.
+* ``RotatedMNIST`` / ``ColoredMNIST`` / ``DomainNet``: TensorFlow Datasets,
+  prepared beforehand in the ``array_record`` format (nothing is downloaded at
+  run time).
+* ``PACS`` / ``VLCS`` / ``OfficeHome`` / ``TerraIncognita``: image folders in
+  the layout written by DomainBed's download script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from PIL import Image
+
+DIGIT_SIZE = 28
+ROTATION_ANGLES = (0, 15, 30, 45, 60, 75)
+# Domain name -> probability that the colour disagrees with the (noisy) label.
+COLOR_ENVIRONMENTS = {"+90%": 0.1, "+80%": 0.2, "-90%": 0.9}
+COLOR_LABEL_NOISE = 0.25
+
+PHOTO_SIZE = 224
+IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+IMAGENET_STD = np.array([0.229, 0.224, 0.225], np.float32)
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png"})
+
+# Where folder datasets are looked for when no data_dir is given.
+DEFAULT_FOLDER_DATA_DIR = Path("data")
+DOMAINNET_DOMAINS = (
+    "clipart", "infograph", "painting", "quickdraw", "real", "sketch"
+)
+
+# {"image": float32 (H, W, C) array, "label": int32 scalar}.
+Element = dict[str, np.ndarray | np.int32]
+
+
+class DatasetNotFoundError(FileNotFoundError):
+  """The files of a dataset are not on this machine."""
+
+
+class DomainSource(Protocol):
+  """A random-access source of one domain's examples (a Grain data source)."""
+
+  def __len__(self) -> int:
+    ...
+
+  def __getitem__(self, index: int) -> Element:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiDomainDataset:
+  """A dataset split into domains that share one label space.
+
+  Attributes:
+    name: the registry name, e.g. ``"RotatedDigits"``.
+    domain_names: one human-readable name per domain.
+    domains: one `DomainSource` per domain, in the order of ``domain_names``.
+    num_classes: the number of classes; labels are in ``[0, num_classes)``.
+    input_shape: the ``(H, W, C)`` shape of every image.
+  """
+
+  name: str
+  domain_names: tuple[str, ...]
+  domains: tuple[DomainSource, ...]
+  num_classes: int
+  input_shape: tuple[int, int, int]
+
+  def __post_init__(self):
+    if len(self.domain_names) != len(self.domains):
+      raise ValueError(
+          f"{self.name}: {len(self.domain_names)} domain names for"
+          f" {len(self.domains)} domains."
+      )
+
+
+class ArraySource:
+  """A `DomainSource` over in-memory arrays."""
+
+  def __init__(self, images: np.ndarray, labels: np.ndarray):
+    """Wraps arrays of examples.
+
+    Args:
+      images: ``(N, H, W, C)`` images; stored as float32.
+      labels: ``(N,)`` integer labels; stored as int32.
+    """
+    images = np.asarray(images, np.float32)
+    labels = np.asarray(labels, np.int32)
+    if images.ndim != 4 or labels.shape != images.shape[:1]:
+      raise ValueError(
+          "Expected images (N, H, W, C) and labels (N,), got"
+          f" {images.shape} and {labels.shape}."
+      )
+    self.images = images
+    self.labels = labels
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def __getitem__(self, index: int) -> Element:
+    return {"image": self.images[index], "label": self.labels[index]}
+
+
+def photo_to_array(image: Image.Image) -> np.ndarray:
+  """DomainBed's test-time photo transform, channels-last.
+
+  Resizes to 224x224 (bilinear), scales to [0, 1] and normalises with the
+  ImageNet mean and standard deviation.
+
+  Args:
+    image: a Pillow image of any mode.
+
+  Returns:
+    A float32 ``(224, 224, 3)`` array.
+  """
+  image = image.convert("RGB").resize(
+      (PHOTO_SIZE, PHOTO_SIZE), Image.Resampling.BILINEAR
+  )
+  pixels = np.asarray(image, np.float32) / 255.0
+  return (pixels - IMAGENET_MEAN) / IMAGENET_STD
+
+
+class FolderSource:
+  """A `DomainSource` that reads photos from files when indexed."""
+
+  def __init__(self, paths: Sequence[str | Path], labels: Sequence[int]):
+    """Lists the files of one domain.
+
+    Args:
+      paths: one image file per example.
+      labels: the class index of each file.
+    """
+    if len(paths) != len(labels):
+      raise ValueError(f"{len(paths)} paths for {len(labels)} labels.")
+    self.paths = tuple(Path(p) for p in paths)
+    self.labels = np.asarray(labels, np.int32)
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, index: int) -> Element:
+    path = self.paths[index]
+    try:
+      with Image.open(path) as image:
+        pixels = photo_to_array(image)
+    except OSError as err:  # Includes PIL's UnidentifiedImageError.
+      raise OSError(f"Cannot read image {path}: {err}") from err
+    return {"image": pixels, "label": self.labels[index]}
+
+
+class TfdsPhotoSource:
+  """A `DomainSource` over a tfds data source of ``image``/``label`` records."""
+
+  def __init__(self, source: Sequence[Mapping[str, Any]]):
+    self.source = source
+
+  def __len__(self) -> int:
+    return len(self.source)
+
+  def __getitem__(self, index: int) -> Element:
+    record = self.source[index]
+    return {
+        "image": photo_to_array(Image.fromarray(record["image"])),
+        "label": np.int32(record["label"]),
+    }
+
+
+# ----------------------------------------------------------------------------
+# Registry.
+
+DatasetBuilder = Callable[..., MultiDomainDataset]
+DATASETS: dict[str, DatasetBuilder] = {}
+
+
+def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
+  """Registers a builder ``fn(*, data_dir, seed) -> MultiDomainDataset``.
+
+  Args:
+    name: the name `get_dataset` will know it by.
+
+  Returns:
+    A decorator that registers the builder and returns it unchanged.
+  """
+
+  def decorator(builder: DatasetBuilder) -> DatasetBuilder:
+    if name in DATASETS:
+      raise ValueError(f"Dataset {name!r} is already registered.")
+    DATASETS[name] = builder
+    return builder
+
+  return decorator
+
+
+def get_dataset(
+    name: str, *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """Builds a registered dataset.
+
+  Args:
+    name: a key of `DATASETS`.
+    data_dir: where the data lives. ``None`` means the TFDS default directory
+      for TFDS datasets and ``./data`` for folder datasets; the digit datasets
+      ignore it.
+    seed: seeds how the synthetic datasets deal and perturb their images.
+
+  Returns:
+    The dataset.
+
+  Raises:
+    ValueError: ``name`` is not registered.
+    DatasetNotFoundError: the dataset's files are missing.
+  """
+  if name not in DATASETS:
+    raise ValueError(
+        f"Unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}."
+    )
+  return DATASETS[name](data_dir=data_dir, seed=seed)
+
+
+# ----------------------------------------------------------------------------
+# Rotated and coloured digits (DomainBed's RotatedMNIST and ColoredMNIST).
+
+
+def _deal(num_examples: int, num_domains: int, seed: int) -> list[np.ndarray]:
+  """Shuffles example indices and deals them round-robin into domains."""
+  order = np.random.default_rng([seed, 0]).permutation(num_examples)
+  return [order[i::num_domains] for i in range(num_domains)]
+
+
+def _resize_rotate(images: np.ndarray, angle: float) -> np.ndarray:
+  """Bilinearly resizes ``(N, h, w)`` grey images to 28x28, then rotates them.
+
+  The rotation is counter-clockwise about the centre, bilinear, without
+  expanding the canvas, and fills the corners with zeros.
+  """
+  out = np.empty((len(images), DIGIT_SIZE, DIGIT_SIZE), np.float32)
+  for k, grey in enumerate(images):
+    image = Image.fromarray(np.asarray(grey, np.float32))  # Mode "F".
+    image = image.resize((DIGIT_SIZE, DIGIT_SIZE), Image.Resampling.BILINEAR)
+    image = image.rotate(angle, resample=Image.Resampling.BILINEAR)
+    out[k] = np.asarray(image)
+  # Bilinear weights can overshoot by a rounding error.
+  return np.clip(out, 0.0, 1.0)
+
+
+def rotated_dataset(
+    name: str, images: np.ndarray, labels: np.ndarray, *, seed: int
+) -> MultiDomainDataset:
+  """DomainBed's RotatedMNIST recipe applied to any grey digit images.
+
+  The images are shuffled with ``seed`` and dealt round-robin into one domain
+  per angle of `ROTATION_ANGLES`, resized to 28x28 and rotated by that angle.
+
+  Args:
+    name: the dataset's name.
+    images: ``(N, h, w)`` grey images with values in [0, 1].
+    labels: ``(N,)`` digit labels in ``[0, 10)``.
+    seed: seeds the shuffle.
+
+  Returns:
+    A dataset with 6 domains named ``"0"``, ``"15"``, ..., ``"75"``.
+  """
+  parts = _deal(len(images), len(ROTATION_ANGLES), seed)
+  domains = tuple(
+      ArraySource(_resize_rotate(images[idx], angle)[..., None], labels[idx])
+      for idx, angle in zip(parts, ROTATION_ANGLES)
+  )
+  return MultiDomainDataset(
+      name=name,
+      domain_names=tuple(str(angle) for angle in ROTATION_ANGLES),
+      domains=domains,
+      num_classes=10,
+      input_shape=(DIGIT_SIZE, DIGIT_SIZE, 1),
+  )
+
+
+def colored_dataset(
+    name: str, images: np.ndarray, labels: np.ndarray, *, seed: int
+) -> MultiDomainDataset:
+  """DomainBed's ColoredMNIST recipe applied to any grey digit images.
+
+  The images are shuffled with ``seed``, dealt round-robin into the domains
+  of `COLOR_ENVIRONMENTS` and resized to 28x28 (DomainBed instead subsamples
+  MNIST to 14x14). In a domain with environment ``e`` the binary label is
+  ``digit < 5``, flipped with probability 0.25, and the colour is the label
+  flipped with probability ``e``. The image has two channels holding the grey
+  image; the channel that is not the colour is zeroed.
+
+  Args:
+    name: the dataset's name.
+    images: ``(N, h, w)`` grey images with values in [0, 1].
+    labels: ``(N,)`` digit labels in ``[0, 10)``.
+    seed: seeds the shuffle and the per-domain label and colour noise.
+
+  Returns:
+    A dataset with 3 domains named ``"+90%"``, ``"+80%"``, ``"-90%"``.
+  """
+  parts = _deal(len(images), len(COLOR_ENVIRONMENTS), seed)
+  domains = []
+  for i, (idx, env) in enumerate(zip(parts, COLOR_ENVIRONMENTS.values())):
+    # Stream 0 of the seed is the deal's; each domain gets its own stream.
+    rng = np.random.default_rng([seed, i + 1])
+    binary = (labels[idx] < 5) ^ (rng.random(len(idx)) < COLOR_LABEL_NOISE)
+    color = binary ^ (rng.random(len(idx)) < env)
+    # A one-hot channel mask keeps channel `color` and zeroes `1 - color`.
+    mask = np.eye(2, dtype=np.float32)[color.astype(np.int32)]
+    grey = _resize_rotate(images[idx], 0.0)
+    colored = grey[..., None] * mask[:, None, None, :]
+    domains.append(ArraySource(colored, binary))
+  return MultiDomainDataset(
+      name=name,
+      domain_names=tuple(COLOR_ENVIRONMENTS),
+      domains=tuple(domains),
+      num_classes=2,
+      input_shape=(DIGIT_SIZE, DIGIT_SIZE, 2),
+  )
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+  """scikit-learn's 1,797 8x8 digits, scaled from 0..16 to [0, 1]."""
+  from sklearn.datasets import load_digits  # Slow import; only needed here.
+
+  digits = load_digits()
+  return digits.images.astype(np.float32) / 16.0, digits.target
+
+
+def _tfds_missing_message(
+    name: str, tfds_names: Sequence[str], data_dir: str, problem: str
+) -> str:
+  names = list(tfds_names)
+  prepare = (
+      f"tfds.builder(n, data_dir='{data_dir}')"
+      f".download_and_prepare(file_format='array_record') for n in {names}"
+  )
+  return (
+      f"{name} needs the TFDS dataset(s) {', '.join(tfds_names)} in {data_dir},"
+      f" {problem}. Nothing is downloaded at run time. On a machine with"
+      ' network access run\n  pip install "pgrad_jax[tfds-prepare]"\n'
+      f'  python -c "import tensorflow_datasets as tfds; [{prepare}]"\n'
+      "then copy that directory here and pass it as data_dir."
+  )
+
+
+def _tfds_sources(
+    name: str, tfds_names: Sequence[str], data_dir: str | Path | None
+) -> list[Sequence[Mapping[str, Any]]]:
+  """Opens all examples (train+test) of prepared TFDS datasets, offline.
+
+  Args:
+    name: the dataset needing them, for messages.
+    tfds_names: TFDS names such as ``"mnist"`` or ``"domainnet/real"``.
+    data_dir: the TFDS data directory; ``None`` means the TFDS default.
+
+  Returns:
+    One TFDS data source per name.
+
+  Raises:
+    DatasetNotFoundError: some are not prepared as array_record files.
+  """
+  import tensorflow_datasets as tfds  # Slow import; only needed here.
+
+  data_dir = None if data_dir is None else str(data_dir)
+  builders = [
+      tfds.builder(n, data_dir=data_dir, try_gcs=False) for n in tfds_names
+  ]
+  root = str(builders[0].data_dir_root)
+  # Checked up front so that tfds never starts a download.
+  missing = [n for n, b in zip(tfds_names, builders) if not b.is_prepared()]
+  if missing:
+    raise DatasetNotFoundError(
+        _tfds_missing_message(name, missing, root, "which are not prepared")
+    )
+  try:
+    return [b.as_data_source(split="train+test") for b in builders]
+  except NotImplementedError as err:  # Prepared, but not as array_record.
+    raise DatasetNotFoundError(
+        _tfds_missing_message(
+            name, tfds_names, root, "which are not in the array_record format"
+        )
+    ) from err
+
+
+def _load_mnist(
+    name: str, data_dir: str | Path | None
+) -> tuple[np.ndarray, np.ndarray]:
+  """MNIST's 70,000 train+test images in [0, 1], and their labels."""
+  (source,) = _tfds_sources(name, ["mnist"], data_dir)
+  records = source.__getitems__(range(len(source)))  # One batched read.
+  images = np.stack([r["image"][..., 0] for r in records])
+  labels = np.array([r["label"] for r in records])
+  return images.astype(np.float32) / 255.0, labels
+
+
+@register_dataset("RotatedDigits")
+def rotated_digits(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """RotatedMNIST's recipe on scikit-learn's digits: 6 domains, 10 classes."""
+  del data_dir  # The digits ship with scikit-learn.
+  return rotated_dataset("RotatedDigits", *_load_digits(), seed=seed)
+
+
+@register_dataset("ColoredDigits")
+def colored_digits(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """ColoredMNIST's recipe on scikit-learn's digits: 3 domains, 2 classes."""
+  del data_dir  # The digits ship with scikit-learn.
+  return colored_dataset("ColoredDigits", *_load_digits(), seed=seed)
+
+
+@register_dataset("RotatedMNIST")
+def rotated_mnist(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """DomainBed's RotatedMNIST from TFDS ``mnist``: 6 domains, 10 classes."""
+  return rotated_dataset(
+      "RotatedMNIST", *_load_mnist("RotatedMNIST", data_dir), seed=seed
+  )
+
+
+@register_dataset("ColoredMNIST")
+def colored_mnist(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """DomainBed's ColoredMNIST from TFDS ``mnist``: 3 domains, 2 classes."""
+  return colored_dataset(
+      "ColoredMNIST", *_load_mnist("ColoredMNIST", data_dir), seed=seed
+  )
+
+
+@register_dataset("DomainNet")
+def domainnet(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """DomainNet from TFDS ``domainnet/<domain>``: 6 domains, 345 classes."""
+  del seed  # Real domains; nothing to randomise.
+  sources = _tfds_sources(
+      "DomainNet", [f"domainnet/{d}" for d in DOMAINNET_DOMAINS], data_dir
+  )
+  domains = tuple(TfdsPhotoSource(s) for s in sources)
+  return MultiDomainDataset(
+      name="DomainNet",
+      domain_names=DOMAINNET_DOMAINS,
+      domains=domains,
+      num_classes=345,
+      input_shape=(PHOTO_SIZE, PHOTO_SIZE, 3),
+  )
+
+
+# ----------------------------------------------------------------------------
+# Image-folder datasets (DomainBed's download layout).
+
+
+def _list_images(folder: Path) -> list[Path]:
+  return sorted(
+      p for p in folder.rglob("*")
+      if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+  )
+
+
+def image_folder_dataset(
+    name: str, dir_name: str, data_dir: str | Path | None
+) -> MultiDomainDataset:
+  """Reads ``<data_dir>/<dir_name>/<domain>/<class>/<image>`` folders.
+
+  Domains are the sorted sub-folders; classes are the sorted class folders,
+  which every domain must have. Images are decoded only when indexed.
+
+  Args:
+    name: the dataset's name, for messages.
+    dir_name: the dataset's folder under ``data_dir``.
+    data_dir: the folder holding ``dir_name``; ``None`` means ``./data``.
+
+  Returns:
+    The dataset, with photos transformed by `photo_to_array`.
+
+  Raises:
+    DatasetNotFoundError: the dataset's folder does not exist.
+    ValueError: a domain has no images, or lacks a class.
+  """
+  root = Path(DEFAULT_FOLDER_DATA_DIR if data_dir is None else data_dir)
+  root = root / dir_name
+  if not root.is_dir():
+    raise DatasetNotFoundError(
+        f"{name} not found: {root} is not a directory. Download it with"
+        f" DomainBed's script (python -m domainbed.scripts.download"
+        f" --data_dir <data_dir>), or put it there as"
+        f" {dir_name}/<domain>/<class>/<image>."
+    )
+  domain_dirs = sorted(p for p in root.iterdir() if p.is_dir())
+  if not domain_dirs:
+    raise ValueError(f"{name}: {root} has no domain folders.")
+
+  # For every domain: class name -> its image files.
+  files = []
+  for domain_dir in domain_dirs:
+    by_class = {
+        c.name: _list_images(c)
+        for c in sorted(domain_dir.iterdir()) if c.is_dir()
+    }
+    by_class = {c: paths for c, paths in by_class.items() if paths}
+    if not by_class:
+      raise ValueError(f"{name}: domain folder {domain_dir} has no images.")
+    files.append(by_class)
+  classes = sorted(set().union(*files))
+  for domain_dir, by_class in zip(domain_dirs, files):
+    missing = [c for c in classes if c not in by_class]
+    if missing:
+      raise ValueError(
+          f"{name}: domain {domain_dir.name!r} ({domain_dir}) has no images"
+          f" of class(es) {missing}."
+      )
+
+  domains = tuple(
+      FolderSource(
+          [p for c in classes for p in by_class[c]],
+          [k for k, c in enumerate(classes) for _ in by_class[c]],
+      )
+      for by_class in files
+  )
+  return MultiDomainDataset(
+      name=name,
+      domain_names=tuple(d.name for d in domain_dirs),
+      domains=domains,
+      num_classes=len(classes),
+      input_shape=(PHOTO_SIZE, PHOTO_SIZE, 3),
+  )
+
+
+@register_dataset("PACS")
+def pacs(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """PACS: 4 domains (art, cartoon, photo, sketch), 7 classes."""
+  del seed
+  return image_folder_dataset("PACS", "PACS", data_dir)
+
+
+@register_dataset("VLCS")
+def vlcs(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """VLCS: 4 domains (Caltech101, LabelMe, SUN09, VOC2007), 5 classes."""
+  del seed
+  return image_folder_dataset("VLCS", "VLCS", data_dir)
+
+
+@register_dataset("OfficeHome")
+def office_home(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """OfficeHome: 4 domains (art, clipart, product, real), 65 classes."""
+  del seed
+  return image_folder_dataset("OfficeHome", "office_home", data_dir)
+
+
+@register_dataset("TerraIncognita")
+def terra_incognita(
+    *, data_dir: str | Path | None = None, seed: int = 0
+) -> MultiDomainDataset:
+  """TerraIncognita: 4 camera-trap locations, 10 classes."""
+  del seed
+  return image_folder_dataset("TerraIncognita", "terra_incognita", data_dir)

@@ -1,0 +1,179 @@
+"""Tests for experiments/input_pipeline.py."""
+
+import grain
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import datasets
+from experiments import input_pipeline
+
+SIZES = (50, 37, 21)
+
+
+def _fake_dataset() -> datasets.MultiDomainDataset:
+  """Constant 4x4 images whose value is 1000 * domain + index."""
+  domains = []
+  for d, size in enumerate(SIZES):
+    codes = 1000.0 * d + np.arange(size)
+    images = np.broadcast_to(codes[:, None, None, None], (size, 4, 4, 1))
+    domains.append(datasets.ArraySource(images, np.arange(size) % 3))
+  return datasets.MultiDomainDataset(
+      name="Fake",
+      domain_names=("a", "b", "c"),
+      domains=tuple(domains),
+      num_classes=3,
+      input_shape=(4, 4, 1),
+  )
+
+
+@pytest.fixture(name="dataset")
+def fixture_dataset():
+  return _fake_dataset()
+
+
+@pytest.fixture(name="splits")
+def fixture_splits(dataset):
+  return input_pipeline.split_domains(dataset, seed=0)
+
+
+def _train_iter(dataset, splits, seed=0, **kwargs):
+  return input_pipeline.make_train_iterator(
+      dataset, [0, 2], splits, batch_size=8, seed=seed, **kwargs
+  )
+
+
+def _take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def _assert_same_batches(batches, others):
+  assert len(batches) == len(others)
+  for a, b in zip(batches, others):
+    np.testing.assert_array_equal(a["image"], b["image"])
+    np.testing.assert_array_equal(a["label"], b["label"])
+
+
+def test_splits_are_disjoint_cover_the_domain_and_hold_out_20_percent(
+    dataset, splits
+):
+  assert len(splits) == len(SIZES)
+  for (in_idx, out_idx), size in zip(splits, SIZES):
+    assert len(out_idx) == int(0.2 * size)
+    assert not set(in_idx) & set(out_idx)
+    np.testing.assert_array_equal(
+        np.sort(np.concatenate([in_idx, out_idx])), np.arange(size)
+    )
+
+
+def test_splits_depend_on_the_seed(dataset, splits):
+  again = input_pipeline.split_domains(dataset, seed=0)
+  other = input_pipeline.split_domains(dataset, seed=1)
+  for (a, _), (b, _) in zip(splits, again):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(splits[0][0], other[0][0])
+
+
+def test_train_batches_stack_domains_and_sample_the_in_split(dataset, splits):
+  batches = _take(_train_iter(dataset, splits), 20)
+  for batch in batches:
+    assert batch["image"].shape == (2, 8, 4, 4, 1)
+    assert batch["image"].dtype == np.float32
+    assert batch["label"].shape == (2, 8)
+    assert batch["label"].dtype == np.int32
+  for row, d in enumerate([0, 2]):
+    codes = np.concatenate([b["image"][row, :, 0, 0, 0] for b in batches])
+    domains, indices = np.divmod(codes.astype(int), 1000)
+    assert np.all(domains == d)
+    assert set(indices) <= set(splits[d][0])
+    labels = np.concatenate([b["label"][row] for b in batches])
+    np.testing.assert_array_equal(labels, indices % 3)
+    # 160 draws from at most 40 examples: with replacement, some repeat.
+    assert len(set(indices)) < len(indices)
+
+
+def test_train_batches_are_a_function_of_seed_and_step(dataset, splits):
+  batches = _take(_train_iter(dataset, splits), 8)
+  _assert_same_batches(batches, _take(_train_iter(dataset, splits), 8))
+  _assert_same_batches(
+      batches, _take(_train_iter(dataset, splits, num_threads=0), 8)
+  )
+  _assert_same_batches(
+      batches[5:], _take(_train_iter(dataset, splits, start_step=5), 3)
+  )
+  other = next(_train_iter(dataset, splits, seed=1))
+  assert not np.array_equal(batches[0]["image"], other["image"])
+
+
+def test_train_iterator_state_round_trips(dataset, splits):
+  iterator = _train_iter(dataset, splits)
+  _take(iterator, 5)
+  state = iterator.get_state()
+  expected = _take(iterator, 3)
+  fresh = _train_iter(dataset, splits)
+  fresh.set_state(state)
+  _assert_same_batches(_take(fresh, 3), expected)
+
+
+def test_train_iterator_resumes_from_an_orbax_checkpoint(
+    dataset, splits, tmp_path
+):
+  iterator = _train_iter(dataset, splits)
+  _take(iterator, 5)
+  save = grain.checkpoint.CheckpointSave(iterator)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    manager.save(5, args=ocp.args.Composite(data=save))
+    manager.wait_until_finished()
+  expected = _take(iterator, 3)
+
+  fresh = _train_iter(dataset, splits)
+  restore = grain.checkpoint.CheckpointRestore(fresh)
+  with ocp.CheckpointManager(tmp_path) as manager:
+    assert manager.latest_step() == 5
+    restored = manager.restore(5, args=ocp.args.Composite(data=restore))
+  assert restored.data is fresh
+  _assert_same_batches(_take(fresh, 3), expected)
+
+
+def test_make_train_iterator_validates_arguments(dataset, splits):
+  make = input_pipeline.make_train_iterator
+  with pytest.raises(ValueError, match="train_domains"):
+    make(dataset, [], splits, batch_size=8, seed=0)
+  with pytest.raises(ValueError, match="batch_size"):
+    make(dataset, [0], splits, batch_size=0, seed=0)
+
+
+@pytest.mark.parametrize("batch_size", [4, 7, 100])
+def test_eval_batches_cover_the_indices_once_in_order(
+    dataset, splits, batch_size
+):
+  indices = splits[1][1]
+  batches = list(
+      input_pipeline.eval_batches(dataset, 1, indices, batch_size=batch_size)
+  )
+  sizes = [len(b["label"]) for b in batches]
+  assert all(s == batch_size for s in sizes[:-1])
+  assert 0 < sizes[-1] <= batch_size
+  codes = np.concatenate([b["image"][:, 0, 0, 0] for b in batches])
+  np.testing.assert_array_equal(codes, 1000 + indices)
+  np.testing.assert_array_equal(
+      np.concatenate([b["label"] for b in batches]), indices % 3
+  )
+  assert batches[0]["image"].shape[1:] == (4, 4, 1)
+
+
+def test_pipeline_on_rotated_digits():
+  dataset = datasets.get_dataset("RotatedDigits", seed=0)
+  splits = input_pipeline.split_domains(dataset, seed=0)
+  batch = next(
+      input_pipeline.make_train_iterator(
+          dataset, [1, 2, 3, 4, 5], splits, batch_size=16, seed=0
+      )
+  )
+  assert batch["image"].shape == (5, 16, 28, 28, 1)
+  assert batch["label"].shape == (5, 16)
+  sizes = [
+      len(b["label"])
+      for b in input_pipeline.eval_batches(dataset, 0, splits[0][0])
+  ]
+  assert sum(sizes) == len(splits[0][0])

@@ -1,0 +1,295 @@
+"""pgrad's interface: errors, options, jit, dtypes and Flax integration."""
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.flatten_util import ravel_pytree
+
+import pgrad_jax
+
+
+def loss_fn(params, batch):
+  return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def problem(n=2, b=6, dtype=jnp.float32):
+  x = jax.random.normal(jax.random.key(0), (n, b, 3), dtype)
+  y = jnp.sin(x.sum(-1)) + jnp.arange(n, dtype=dtype)[:, None]
+  params = {"w": jnp.full((3,), 0.1, dtype), "b": jnp.zeros((), dtype)}
+  return params, {"x": x, "y": y}
+
+
+def update(tx, params, batches, state=None, **kw):
+  state = tx.init(params) if state is None else state
+  return tx.update(None, state, params, loss_fn=kw.pop("loss_fn", loss_fn),
+                   batches=batches, **kw)
+
+
+def flat(tree):
+  return np.asarray(ravel_pytree(tree)[0], np.float64)
+
+
+# --- bad input ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(k=0), "k must be a positive integer"),
+    (dict(B=0), "B must be a positive integer"),
+    (dict(B=2.0), "B must be a positive integer"),
+    (dict(order="sorted"), "order must be one of"),
+    (dict(weighting="l3"), "weighting must be one of"),
+    (dict(components="middle"), "components must be one of"),
+    (dict(nonfinite="ignore"), "nonfinite must be one of"),
+    (dict(num_domains=0), "num_domains must be a positive integer"),
+])
+def test_bad_construction(kw, match):
+  with pytest.raises(ValueError, match=match):
+    pgrad_jax.pgrad(optax.sgd(0.1), **kw)
+
+
+def test_batch_not_divisible_by_B_names_working_sizes():
+  params, batches = problem(b=7)
+  with pytest.raises(ValueError, match=r"B=3 does not divide.*7.*6 or 9"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1), B=3), params, batches)
+
+
+def test_leaves_disagree():
+  params, batches = problem()
+  batches["y"] = batches["y"][:, :4]
+  with pytest.raises(ValueError, match=r"disagree.*\['x'\]: \(2, 6\).*\['y'\]: \(2, 4\)"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches)
+
+
+def test_leaf_without_domain_axis():
+  params, batches = problem()
+  batches["y"] = batches["y"][0]
+  with pytest.raises(ValueError, match="leading axes"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches)
+
+
+def test_non_callable_loss():
+  params, batches = problem()
+  with pytest.raises(TypeError, match="loss_fn must be a callable"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches, loss_fn="mse")
+
+
+def test_missing_extras():
+  params, batches = problem()
+  tx = pgrad_jax.pgrad(optax.sgd(0.1))
+  with pytest.raises(TypeError, match="needs loss_fn"):
+    tx.update(None, tx.init(params), params, batches=batches)
+  with pytest.raises(ValueError, match="needs batches"):
+    tx.update(None, tx.init(params), params, loss_fn=loss_fn)
+
+
+def test_non_scalar_loss():
+  params, batches = problem()
+  per_example = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2
+  with pytest.raises(TypeError, match="scalar floating-point loss.*shape=\\(6,\\)"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches, loss_fn=per_example)
+
+
+def test_aux_without_has_aux():
+  params, batches = problem()
+  with_aux = lambda p, b: (loss_fn(p, b), {"n": 1.0})
+  with pytest.raises(TypeError, match="has_aux=True"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches, loss_fn=with_aux)
+
+
+def test_num_domains_mismatch():
+  params, batches = problem(n=2)
+  with pytest.raises(ValueError, match="num_domains=2"):
+    update(pgrad_jax.pgrad(optax.sgd(0.1), num_domains=3), params, batches)
+
+
+def test_integer_params_rejected():
+  with pytest.raises(TypeError, match="floating-point params"):
+    pgrad_jax.pgrad(optax.sgd(0.1)).init({"w": jnp.zeros(2), "step": 0})
+
+
+# --- non-finite losses --------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [pgrad_jax.pgrad, pgrad_jax.fish])
+def test_nonfinite_update_is_skipped(make):
+  params, batches = problem()
+  batches["x"] = batches["x"].at[1, 0, 0].set(jnp.nan)
+  tx = make(optax.adam(0.1))
+  state = tx.init(params)
+  updates, new_state = update(tx, params, batches, state=state)
+  assert np.all(flat(updates) == 0)
+  assert int(new_state.num_skipped) == 1
+  for new, old in zip(jax.tree.leaves(new_state.inner_state),
+                      jax.tree.leaves(state.inner_state)):
+    np.testing.assert_array_equal(new, old)
+  # The PRNG still advances, so the next update draws a new order.
+  assert not np.array_equal(new_state.key, state.key)
+
+
+def test_nonfinite_propagates_when_asked():
+  params, batches = problem()
+  batches["x"] = batches["x"].at[1, 0, 0].set(jnp.nan)
+  updates, _ = update(pgrad_jax.pgrad(optax.adam(0.1), nonfinite="propagate"),
+                      params, batches)
+  assert not np.all(np.isfinite(flat(updates)))
+
+
+# --- options --------------------------------------------------------------------
+
+
+def test_inner_state_carries_over_or_resets():
+  params, batches = problem()
+  for reset, expected in [(False, 4), (True, 2)]:
+    tx = pgrad_jax.pgrad(optax.adam(0.1), reset_inner_state=reset)
+    _, state = update(tx, params, batches)
+    _, state = update(tx, params, batches, state=state)
+    # Two domains, one chunk: two inner Adam steps per outer step.
+    assert int(state.inner_state[0].count) == expected
+
+
+def test_has_aux():
+  params, batches = problem()
+  with_aux = lambda p, b: (loss_fn(p, b), {"n": jnp.ones(())})
+  plain, _ = update(pgrad_jax.pgrad(optax.sgd(0.1), order="fixed"), params,
+                    batches)
+  aux, _ = update(pgrad_jax.pgrad(optax.sgd(0.1), order="fixed", has_aux=True),
+                  params, batches, loss_fn=with_aux)
+  np.testing.assert_allclose(flat(aux), flat(plain), rtol=1e-6)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, True])
+def test_unroll_does_not_change_the_result(unroll):
+  params, batches = problem()
+  ref, _ = update(pgrad_jax.pgrad(optax.adam(0.1), B=3, unroll=True), params,
+                  batches)
+  out, _ = update(pgrad_jax.pgrad(optax.adam(0.1), B=3, unroll=unroll), params,
+                  batches)
+  np.testing.assert_allclose(flat(out), flat(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_trajectory_is_close():
+  params, batches = problem(n=3)
+  ref, _ = update(pgrad_jax.pgrad(optax.adam(0.05), B=2), params, batches)
+  out, _ = update(pgrad_jax.pgrad(optax.adam(0.05), B=2,
+                                  trajectory_dtype=jnp.bfloat16), params, batches)
+  assert jax.tree.map(lambda u: u.dtype, out) == jax.tree.map(
+      lambda p: p.dtype, params)
+  ref, out = flat(ref), flat(out)
+  cos = ref @ out / np.linalg.norm(ref) / np.linalg.norm(out)
+  assert cos > 0.999
+  np.testing.assert_allclose(np.linalg.norm(out), np.linalg.norm(ref), rtol=1e-2)
+
+
+def test_chains_with_other_transforms():
+  params, batches = problem()
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   pgrad_jax.pgrad(optax.adam(0.1), B=2),
+                   optax.add_decayed_weights(1e-4), optax.sgd(0.1))
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params, loss_fn=loss_fn,
+                         batches=batches, unused_extra=1)
+  assert np.all(np.isfinite(flat(updates)))
+
+
+# --- jit and dtypes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_domains", [None, 2])
+def test_jit_compiles_once(num_domains):
+  params, batches = problem()
+  traces = []
+
+  def counted_loss(p, b):
+    traces.append(1)
+    return loss_fn(p, b)
+
+  tx = optax.chain(pgrad_jax.pgrad(optax.adam(0.1), k=2, B=2,
+                                   num_domains=num_domains), optax.sgd(0.1))
+
+  @jax.jit
+  def train_step(params, state, batches):
+    updates, state = tx.update(None, state, params, loss_fn=counted_loss,
+                               batches=batches)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  losses = []
+  for _ in range(4):
+    params, state = train_step(params, state, batches)
+    losses.append(float(loss_fn(params, jax.tree.map(lambda x: x[0], batches))))
+  assert train_step._cache_size() == 1
+  first = len(traces)
+  params, state = train_step(params, state, batches)
+  assert len(traces) == first  # no retrace
+  assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_dtypes(dtype):
+  with jax.enable_x64(dtype == jnp.float64):
+    params, batches = problem(dtype=dtype)
+    tx = pgrad_jax.pgrad(optax.adam(0.05), B=2, num_domains=2)
+    updates, state = jax.jit(
+        lambda p, s: tx.update(None, s, p, loss_fn=loss_fn, batches=batches)
+    )(params, tx.init(params))
+    assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
+    assert np.all(np.isfinite(flat(updates)))
+    # Gram and eigh run in at least float32 (float64 for float64 params).
+    assert state.eigenvalues.dtype == jnp.float32
+    np.testing.assert_allclose(np.linalg.norm(flat(updates)),
+                               float(state.ref_norm),
+                               rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4)
+
+
+# --- Flax ---------------------------------------------------------------------
+
+
+def test_flax_nnx_optimizer():
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  graphdef, _ = nnx.split(model, nnx.Param)
+  optimizer = nnx.Optimizer(
+      model, optax.chain(pgrad_jax.pgrad(optax.adam(1e-2), k=2, B=2),
+                         optax.sgd(0.1)), wrt=nnx.Param)
+  _, batches = problem()
+
+  def model_loss(params, batch):
+    pred = nnx.merge(graphdef, params)(batch["x"])[..., 0]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  @nnx.jit
+  def train_step(model, optimizer, batches):
+    params = nnx.state(model, nnx.Param)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    optimizer.update(model, zeros, loss_fn=model_loss, batches=batches)
+
+  first = model_loss(nnx.state(model, nnx.Param),
+                     jax.tree.map(lambda x: x[0], batches))
+  for _ in range(5):
+    train_step(model, optimizer, batches)
+  after = model_loss(nnx.state(model, nnx.Param),
+                     jax.tree.map(lambda x: x[0], batches))
+  assert after < first
+
+
+def test_flax_linen_model():
+  model = linen.Dense(1)
+  _, batches = problem()
+  params = model.init(jax.random.key(0), batches["x"][0])
+
+  def model_loss(params, batch):
+    pred = model.apply(params, batch["x"])[..., 0]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+  tx = optax.chain(pgrad_jax.pgrad(optax.adam(1e-2), B=3), optax.sgd(0.1))
+  state = tx.init(params)
+  before = model_loss(params, jax.tree.map(lambda x: x[0], batches))
+  step = jax.jit(lambda p, s: tx.update(None, s, p, loss_fn=model_loss,
+                                        batches=batches))
+  for _ in range(5):
+    updates, state = step(params, state)
+    params = optax.apply_updates(params, updates)
+  assert model_loss(params, jax.tree.map(lambda x: x[0], batches)) < before
