@@ -1,0 +1,425 @@
+"""Flax NNX networks for the DomainBed experiments, and a registry to build them.
+
+Every model is a :class:`Classifier`: a ``featurizer`` that maps channels-last
+images ``(N, H, W, C)`` to a feature vector, followed by a linear ``head``.
+Keeping the two apart (as DomainBed does) lets algorithms such as Fishr work
+on the head alone.
+
+Train/eval modes follow the NNX convention: a freshly built model is in train
+mode; ``model.eval()`` switches dropout off and makes ``bn_mode="train"``
+BatchNorm use its running statistics; ``model.train()`` switches back.
+
+BatchNorm (ResNets only) has two modes:
+
+* ``bn_mode="frozen"`` (default, as DomainBed when fine-tuning): normalizes with
+  the running statistics in both modes and never updates them. BN scale and
+  bias stay trainable ``nnx.Param``; the statistics are ``nnx.BatchStat``, so
+  an optimizer over ``nnx.Param`` never sees them.
+* ``bn_mode="train"``: in train mode, normalizes with the batch statistics and
+  updates the running averages (``nnx.BatchStat``) on every forward pass.
+
+Dropout on the pooled features (DomainBed's ``resnet_dropout``) draws its mask
+from the ``rngs`` passed to ``__call__`` when given (an ``nnx.Rngs`` or a raw
+key), else from the ``dropout`` stream (or ``default``) of the ``rngs`` the
+model was built with.
+
+Purely functional use (e.g. under ``jax.jit`` with an Optax optimizer)::
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(params, rest, x, y, key):
+    # copy=True gives fresh Variables at this trace level, which BatchNorm
+    # (bn_mode="train") needs to update its statistics inside jax.grad.
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    logits = model(x, rngs=key)  # A fresh key per step drives dropout.
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+  @jax.jit
+  def train_step(params, rest, opt_state, x, y, key):
+    grads, rest = jax.grad(loss_fn, has_aux=True)(params, rest, x, y, key)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), rest, opt_state
+
+Returning ``rest`` carries the running averages updated by ``bn_mode="train"``
+to the next step (with ``bn_mode="frozen"`` it comes back unchanged). Passing
+the key explicitly matters: the dropout stream stored in ``rest`` would only
+advance if ``rest`` were returned, so without a key every step could reuse
+one mask. Evaluation is ``nnx.merge(graphdef, params, rest)`` then
+``.eval()`` (or the stateful model after ``nnx.update(model, params, rest)``).
+"""
+
+from collections.abc import Callable, Sequence
+import functools
+from typing import Literal, TypeVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype
+
+BNMode = Literal["frozen", "train"]
+Rng = nnx.Rngs | jax.Array | None
+
+# torchvision's ResNet init: Kaiming-normal on fan-out. Only matters when
+# training from scratch, since pretrained weights overwrite it.
+_RESNET_CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+class Classifier(nnx.Module):
+  """A featurizer followed by a linear classification head.
+
+  Attributes:
+    featurizer: maps ``(N, H, W, C)`` images to ``(N, num_features)``; has a
+      ``num_features`` attribute and accepts ``rngs`` like ``__call__``.
+    head: the linear layer mapping features to logits.
+  """
+
+  def __init__(
+      self,
+      featurizer: nnx.Module,
+      num_classes: int,
+      *,
+      rngs: nnx.Rngs,
+      dtype: Dtype = jnp.float32,
+      param_dtype: Dtype = jnp.float32,
+  ):
+    self.featurizer = featurizer
+    self.head = nnx.Linear(
+        featurizer.num_features,
+        num_classes,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
+  def features(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns the ``(N, num_features)`` features of images ``x``."""
+    return self.featurizer(x, rngs=rngs)
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns the ``(N, num_classes)`` logits of images ``x``.
+
+    Args:
+      x: images, ``(N, H, W, C)``.
+      rngs: key or ``nnx.Rngs`` for dropout in train mode; overrides the
+        stream stored in the model.
+    """
+    return self.head(self.features(x, rngs=rngs))
+
+
+ModelFactory = Callable[..., nnx.Module]
+F = TypeVar("F", bound=ModelFactory)
+MODELS: dict[str, ModelFactory] = {}
+
+
+def register_model(name: str) -> Callable[[F], F]:
+  """Registers a featurizer factory under ``name`` for :func:`build_model`.
+
+  The factory is called as ``factory(in_channels, *, rngs, dtype,
+  param_dtype, **kwargs)`` and returns a featurizer (see :class:`Classifier`).
+
+  Args:
+    name: the name passed to :func:`build_model`.
+
+  Returns:
+    A decorator that registers its argument and returns it unchanged.
+  """
+
+  def decorator(factory: F) -> F:
+    if name in MODELS:
+      raise ValueError(f"Model {name!r} is already registered.")
+    MODELS[name] = factory
+    return factory
+
+  return decorator
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int,
+    input_shape: Sequence[int],
+    rngs: nnx.Rngs,
+    dtype: Dtype = jnp.float32,
+    param_dtype: Dtype = jnp.float32,
+    **kwargs,
+) -> Classifier:
+  """Builds the registered featurizer ``name`` with a fresh linear head.
+
+  Args:
+    name: a key of :data:`MODELS`, e.g. ``"mnist_cnn"``, ``"resnet50"``.
+    num_classes: number of output logits.
+    input_shape: channels-last shape of one image, ``(H, W, C)``; only ``C``
+      shapes the model (all models pool globally).
+    rngs: initialization keys; its ``dropout`` stream (else ``default``)
+      seeds the model's stored dropout stream.
+    dtype: computation dtype, e.g. ``jnp.bfloat16``.
+    param_dtype: parameter dtype.
+    **kwargs: model options, e.g. ``bn_mode`` and ``dropout`` for ResNets.
+
+  Returns:
+    The :class:`Classifier`, in train mode.
+  """
+  if name not in MODELS:
+    raise KeyError(f"Unknown model {name!r}; registered: {sorted(MODELS)}.")
+  if len(input_shape) != 3:
+    raise ValueError(f"input_shape must be (H, W, C), got {input_shape}.")
+  featurizer = MODELS[name](
+      input_shape[-1], rngs=rngs, dtype=dtype, param_dtype=param_dtype, **kwargs
+  )
+  return Classifier(
+      featurizer, num_classes, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+  )
+
+
+@register_model("mnist_cnn")
+class MNISTCNN(nnx.Module):
+  """DomainBed's MNIST_CNN: four 3x3 convs, each + ReLU + GroupNorm(8).
+
+  Widths are 64, 128 (stride 2), 128, 128; global average pooling gives 128
+  features.
+  """
+
+  WIDTHS = (64, 128, 128, 128)
+  STRIDES = (1, 2, 1, 1)
+
+  def __init__(
+      self,
+      in_channels: int,
+      *,
+      rngs: nnx.Rngs,
+      dtype: Dtype = jnp.float32,
+      param_dtype: Dtype = jnp.float32,
+  ):
+    self.convs = nnx.List()
+    self.norms = nnx.List()
+    for width, stride in zip(self.WIDTHS, self.STRIDES):
+      # Explicit padding 1 matches PyTorch's; 'SAME' would pad stride-2 convs
+      # asymmetrically.
+      self.convs.append(
+          nnx.Conv(
+              in_channels,
+              width,
+              (3, 3),
+              strides=stride,
+              padding=((1, 1), (1, 1)),
+              dtype=dtype,
+              param_dtype=param_dtype,
+              rngs=rngs,
+          )
+      )
+      self.norms.append(
+          nnx.GroupNorm(
+              width,
+              num_groups=8,
+              epsilon=1e-5,  # PyTorch's default.
+              dtype=dtype,
+              param_dtype=param_dtype,
+              rngs=rngs,
+          )
+      )
+      in_channels = width
+    self.num_features = self.WIDTHS[-1]
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns ``(N, 128)`` features; ``rngs`` is unused (no dropout)."""
+    del rngs
+    for conv, norm in zip(self.convs, self.norms):
+      x = norm(nnx.relu(conv(x)))
+    return x.mean(axis=(1, 2))
+
+
+class FrozenBatchNorm(nnx.BatchNorm):
+  """BatchNorm that always normalizes with its running statistics.
+
+  Ignores train/eval mode and never updates ``mean``/``var`` (DomainBed's
+  ``freeze_bn``); ``scale`` and ``bias`` remain trainable parameters.
+  """
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return super().__call__(x, use_running_average=True)
+
+
+def _conv(
+    in_channels: int,
+    out_channels: int,
+    kernel_size: int,
+    stride: int,
+    **kwargs,
+) -> nnx.Conv:
+  """A bias-free conv with PyTorch-style symmetric padding."""
+  pad = kernel_size // 2
+  return nnx.Conv(
+      in_channels,
+      out_channels,
+      (kernel_size, kernel_size),
+      strides=stride,
+      padding=((pad, pad), (pad, pad)),
+      use_bias=False,
+      kernel_init=_RESNET_CONV_INIT,
+      **kwargs,
+  )
+
+
+def _batch_norm(num_features: int, bn_mode: BNMode, **kwargs) -> nnx.BatchNorm:
+  """A BatchNorm with PyTorch's defaults (momentum 0.1 = Flax's 0.9)."""
+  cls = {"frozen": FrozenBatchNorm, "train": nnx.BatchNorm}[bn_mode]
+  return cls(num_features, momentum=0.9, epsilon=1e-5, **kwargs)
+
+
+def _downsample(
+    in_channels: int, out_channels: int, stride: int, bn_mode: BNMode, **kwargs
+) -> nnx.List | None:
+  """torchvision's 1x1 conv + BN shortcut projection, when shapes change."""
+  if stride == 1 and in_channels == out_channels:
+    return None
+  return nnx.List([
+      _conv(in_channels, out_channels, 1, stride, **kwargs),
+      _batch_norm(out_channels, bn_mode, **kwargs),
+  ])
+
+
+def _shortcut(downsample: nnx.List | None, x: jax.Array) -> jax.Array:
+  if downsample is None:
+    return x
+  conv, bn = downsample
+  return bn(conv(x))
+
+
+class BasicBlock(nnx.Module):
+  """Two 3x3 convs (ResNet-18/34). Names mirror torchvision's."""
+
+  expansion = 1
+
+  def __init__(
+      self,
+      in_channels: int,
+      width: int,
+      stride: int,
+      *,
+      bn_mode: BNMode,
+      **kwargs,
+  ):
+    self.conv1 = _conv(in_channels, width, 3, stride, **kwargs)
+    self.bn1 = _batch_norm(width, bn_mode, **kwargs)
+    self.conv2 = _conv(width, width, 3, 1, **kwargs)
+    self.bn2 = _batch_norm(width, bn_mode, **kwargs)
+    self.downsample = _downsample(in_channels, width, stride, bn_mode, **kwargs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = nnx.relu(self.bn1(self.conv1(x)))
+    y = self.bn2(self.conv2(y))
+    return nnx.relu(y + _shortcut(self.downsample, x))
+
+
+class Bottleneck(nnx.Module):
+  """1x1, 3x3, 1x1 convs, strided on the 3x3 as torchvision's ResNet v1.5."""
+
+  expansion = 4
+
+  def __init__(
+      self,
+      in_channels: int,
+      width: int,
+      stride: int,
+      *,
+      bn_mode: BNMode,
+      **kwargs,
+  ):
+    out_channels = width * self.expansion
+    self.conv1 = _conv(in_channels, width, 1, 1, **kwargs)
+    self.bn1 = _batch_norm(width, bn_mode, **kwargs)
+    self.conv2 = _conv(width, width, 3, stride, **kwargs)
+    self.bn2 = _batch_norm(width, bn_mode, **kwargs)
+    self.conv3 = _conv(width, out_channels, 1, 1, **kwargs)
+    self.bn3 = _batch_norm(out_channels, bn_mode, **kwargs)
+    self.downsample = _downsample(
+        in_channels, out_channels, stride, bn_mode, **kwargs
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = nnx.relu(self.bn1(self.conv1(x)))
+    y = nnx.relu(self.bn2(self.conv2(y)))
+    y = self.bn3(self.conv3(y))
+    return nnx.relu(y + _shortcut(self.downsample, x))
+
+
+_BlockType = type[BasicBlock] | type[Bottleneck]
+# depth -> (block, blocks in each of the four stages).
+RESNET_SPECS: dict[int, tuple[_BlockType, tuple[int, ...]]] = {
+    18: (BasicBlock, (2, 2, 2, 2)),
+    50: (Bottleneck, (3, 4, 6, 3)),
+}
+# Attribute names of the four stages, as in torchvision.
+RESNET_STAGES = ("layer1", "layer2", "layer3", "layer4")
+
+
+class ResNet(nnx.Module):
+  """A torchvision-architecture ResNet featurizer (no ``fc``), with dropout.
+
+  Attribute names mirror torchvision (``conv1``, ``bn1``, ``layer1``.. with
+  integer block indices) so converted checkpoints map one-to-one; see
+  ``experiments.pretrained``.
+  """
+
+  def __init__(
+      self,
+      in_channels: int = 3,
+      *,
+      depth: int,
+      bn_mode: BNMode = "frozen",
+      dropout: float = 0.0,
+      rngs: nnx.Rngs,
+      dtype: Dtype = jnp.float32,
+      param_dtype: Dtype = jnp.float32,
+  ):
+    """Builds the network.
+
+    Args:
+      in_channels: number of input channels; pretrained RGB stems are adapted
+        by ``experiments.pretrained.adapt_input_channels``.
+      depth: a key of :data:`RESNET_SPECS` (18 or 50).
+      bn_mode: ``"frozen"`` or ``"train"``; see the module docstring.
+      dropout: dropout rate on the pooled features, active in train mode.
+      rngs: initialization keys; also seeds the stored dropout stream.
+      dtype: computation dtype.
+      param_dtype: parameter dtype (BN statistics stay float32).
+    """
+    if depth not in RESNET_SPECS:
+      raise ValueError(
+          f"depth must be one of {sorted(RESNET_SPECS)}, got {depth}."
+      )
+    if bn_mode not in ("frozen", "train"):
+      raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
+    block, stage_sizes = RESNET_SPECS[depth]
+    layer_kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.conv1 = _conv(in_channels, 64, 7, 2, **layer_kwargs)
+    self.bn1 = _batch_norm(64, bn_mode, **layer_kwargs)
+    channels = 64
+    for stage, (name, num_blocks) in enumerate(zip(RESNET_STAGES, stage_sizes)):
+      width = 64 * 2**stage
+      blocks = nnx.List()
+      for i in range(num_blocks):
+        # The first block of every stage but the first halves the resolution.
+        stride = 2 if stage > 0 and i == 0 else 1
+        blocks.append(
+            block(channels, width, stride, bn_mode=bn_mode, **layer_kwargs)
+        )
+        channels = width * block.expansion
+      setattr(self, name, blocks)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    self.num_features = channels
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns ``(N, num_features)`` pooled features, after dropout."""
+    x = nnx.relu(self.bn1(self.conv1(x)))
+    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    for name in RESNET_STAGES:
+      for block in getattr(self, name):
+        x = block(x)
+    return self.dropout(x.mean(axis=(1, 2)), rngs=rngs)
+
+
+register_model("resnet18")(functools.partial(ResNet, depth=18))
+register_model("resnet50")(functools.partial(ResNet, depth=50))

@@ -1,0 +1,484 @@
+"""Tests for experiments.models and experiments.pretrained."""
+
+import sys
+import types
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from experiments import models
+from experiments import pretrained
+
+FEATURES = {"mnist_cnn": 128, "resnet18": 512, "resnet50": 2048}
+SIZE = 32  # Small images keep the ResNets fast.
+
+
+def _build(name, channels=3, seed=0, **kwargs):
+  return models.build_model(
+      name,
+      num_classes=5,
+      input_shape=(SIZE, SIZE, channels),
+      rngs=nnx.Rngs(seed),
+      **kwargs,
+  )
+
+
+def _images(channels=3, n=2, seed=0):
+  return jax.random.normal(jax.random.key(seed), (n, SIZE, SIZE, channels))
+
+
+def _batch_stats(model):
+  return jax.tree.map(np.array, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+
+
+def _abstract_forward(name, channels=3, **kwargs):
+  """(model, logits, features) of an abstract model: shapes and dtypes only.
+
+  Abstract evaluation traces the same code as a real call without compiling
+  it, which keeps shape checks on the large models fast.
+  """
+  model = nnx.eval_shape(lambda: _build(name, channels, **kwargs))
+  graphdef, state = nnx.split(model)
+
+  def forward(state, x):
+    model = nnx.merge(graphdef, state)
+    return model(x), model.features(x)
+
+  x = jax.ShapeDtypeStruct((2, SIZE, SIZE, channels), jnp.float32)
+  return model, *jax.eval_shape(forward, state, x)
+
+
+def _assert_trees_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def _trees_equal(a, b):
+  return all(jax.tree.leaves(jax.tree.map(np.array_equal, a, b)))
+
+
+# ---------------------------------------------------------------------------
+# A torchvision-style ResNet state dict, written from torchvision's layer
+# naming and shapes (OIHW kernels), independently of experiments.models.
+
+
+def torchvision_resnet_shapes(depth):
+  """Returns torchvision's ``resnet{depth}().state_dict()`` names and shapes."""
+  bottleneck, stages = {18: (False, (2, 2, 2, 2)), 50: (True, (3, 4, 6, 3))}[depth]
+  shapes = {}
+
+  def conv(name, out_c, in_c, k):
+    shapes[f"{name}.weight"] = (out_c, in_c, k, k)
+
+  def bn(name, c):
+    for leaf in ("weight", "bias", "running_mean", "running_var"):
+      shapes[f"{name}.{leaf}"] = (c,)
+    shapes[f"{name}.num_batches_tracked"] = ()
+
+  conv("conv1", 64, 3, 7)
+  bn("bn1", 64)
+  in_c = 64
+  for stage, num_blocks in enumerate(stages):
+    width = 64 * 2**stage
+    out_c = 4 * width if bottleneck else width
+    for b in range(num_blocks):
+      prefix = f"layer{stage + 1}.{b}"
+      if bottleneck:
+        convs = [(width, in_c, 1), (width, width, 3), (out_c, width, 1)]
+      else:
+        convs = [(width, in_c, 3), (out_c, width, 3)]
+      for j, (o, i, k) in enumerate(convs, start=1):
+        conv(f"{prefix}.conv{j}", o, i, k)
+        bn(f"{prefix}.bn{j}", o)
+      if b == 0 and (stage > 0 or in_c != out_c):
+        conv(f"{prefix}.downsample.0", out_c, in_c, 1)
+        bn(f"{prefix}.downsample.1", out_c)
+      in_c = out_c
+  shapes["fc.weight"] = (1000, in_c)
+  shapes["fc.bias"] = (1000,)
+  return shapes
+
+
+def random_state_dict(depth, seed=0):
+  rng = np.random.default_rng(seed)
+  state_dict = {}
+  for name, shape in torchvision_resnet_shapes(depth).items():
+    if name.endswith("num_batches_tracked"):
+      state_dict[name] = np.array(100, np.int64)
+    elif name.endswith(("running_var", "bn1.weight", "bn2.weight", "bn3.weight")):
+      state_dict[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    else:
+      state_dict[name] = (0.1 * rng.normal(size=shape)).astype(np.float32)
+  return state_dict
+
+
+@pytest.fixture(scope="module")
+def resnet18_npz(tmp_path_factory):
+  """A random torchvision resnet18 state dict and its converted .npz."""
+  state_dict = random_state_dict(18)
+  path = tmp_path_factory.mktemp("weights") / "resnet18.npz"
+  converted = pretrained.convert_torchvision_state_dict(state_dict, 18)
+  pretrained.save_npz(converted, path)
+  return state_dict, path
+
+
+def conv2d_oihw_reference(x_nhwc, weight_oihw, stride, pad):
+  """PyTorch's Conv2d (cross-correlation, zero padding), by explicit loops."""
+  x = np.pad(
+      np.asarray(x_nhwc, np.float64).transpose(0, 3, 1, 2),
+      ((0, 0), (0, 0), (pad, pad), (pad, pad)),
+  )
+  k = weight_oihw.shape[-1]
+  out_h = (x.shape[2] - k) // stride + 1
+  out_w = (x.shape[3] - k) // stride + 1
+  out = np.zeros((x.shape[0], out_h, out_w, weight_oihw.shape[0]))
+  for i in range(out_h):
+    for j in range(out_w):
+      patch = x[:, :, i * stride : i * stride + k, j * stride : j * stride + k]
+      out[:, i, j] = np.einsum("nihw,oihw->no", patch, weight_oihw)
+  return out
+
+
+# ---------------------------------------------------------------------------
+# Models.
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 8])
+@pytest.mark.parametrize("name", ["mnist_cnn", "resnet18", "resnet50"])
+def test_output_shapes(name, channels):
+  model, logits, features = _abstract_forward(name, channels)
+  assert logits.shape == (2, 5)
+  assert features.shape == (2, FEATURES[name])
+  assert model.featurizer.num_features == FEATURES[name]
+  assert isinstance(model.head, nnx.Linear)
+
+
+def test_mnist_cnn_forward():
+  logits = _build("mnist_cnn", channels=2)(_images(2))
+  assert logits.shape == (2, 5)
+  assert np.isfinite(logits).all()
+
+
+def test_mnist_cnn_layers():
+  model = _build("mnist_cnn", channels=2)
+  convs = model.featurizer.convs
+  assert [c.kernel.shape for c in convs] == [
+      (3, 3, 2, 64),
+      (3, 3, 64, 128),
+      (3, 3, 128, 128),
+      (3, 3, 128, 128),
+  ]
+  assert [c.strides for c in convs] == [1, 2, 1, 1]
+  assert all(n.num_groups == 8 for n in model.featurizer.norms)
+  assert model.head.kernel.shape == (128, 5)
+
+
+@pytest.mark.parametrize(
+    "depth, featurizer_params, torchvision_total",
+    [(18, 11_176_512, 11_689_512), (50, 23_508_032, 25_557_032)],
+)
+def test_resnet_parameter_counts(depth, featurizer_params, torchvision_total):
+  shapes = torchvision_resnet_shapes(depth)
+  buffers = ("running_mean", "running_var", "num_batches_tracked")
+  sizes = {
+      k: int(np.prod(s)) for k, s in shapes.items() if not k.endswith(buffers)
+  }
+  assert sum(sizes.values()) == torchvision_total  # torchvision's own count.
+  without_fc = [v for k, v in sizes.items() if not k.startswith("fc.")]
+  assert sum(without_fc) == featurizer_params
+
+  model = nnx.eval_shape(lambda: _build(f"resnet{depth}"))
+  params = nnx.state(model.featurizer, nnx.Param)
+  assert sum(p.size for p in jax.tree.leaves(params)) == featurizer_params
+
+
+def test_frozen_bn_never_updates_and_stats_are_not_params():
+  model = _build("resnet18")  # bn_mode="frozen" by default.
+  before = _batch_stats(model)
+  assert jax.tree.leaves(before)
+  model.train()
+  train_out = model(_images())
+  model(_images(seed=1))
+  _assert_trees_equal(_batch_stats(model), before)
+  model.eval()
+  np.testing.assert_array_equal(model(_images()), train_out)
+
+  param_paths = [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+  assert param_paths
+  assert not any(p[-1] in ("mean", "var") for p in param_paths)
+  assert ("featurizer", "bn1", "scale") in param_paths  # BN affine trains.
+
+
+def test_train_bn_updates_stats_in_train_mode_only():
+  model = _build("resnet18", bn_mode="train")
+  before = _batch_stats(model)
+  train_out = model(_images())
+  after = _batch_stats(model)
+  assert not _trees_equal(after, before)
+  model.eval()
+  eval_out = model(_images())
+  _assert_trees_equal(_batch_stats(model), after)
+  assert not np.allclose(eval_out, train_out)
+
+
+def test_dropout_only_in_train_mode():
+  model = _build("resnet18", dropout=0.5)
+  x = _images()
+  model.eval()
+  clean = np.asarray(model.features(x))
+  np.testing.assert_array_equal(model.features(x), clean)
+  model.train()  # Frozen BN: only dropout differs from eval mode.
+  dropped = np.asarray(model.features(x))
+  # The stored stream advances, so each call draws a new mask.
+  assert not np.array_equal(model.features(x), dropped)
+  # Kept features are scaled by 1 / (1 - rate).
+  expected = np.where(dropped == 0, 0, 2 * clean)
+  np.testing.assert_allclose(dropped, expected, rtol=1e-6)
+  assert 0.3 < np.mean(dropped == 0) < 0.7
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(
+      model.features(x, rngs=key), model.features(x, rngs=key)
+  )
+
+
+@pytest.mark.parametrize("name", ["mnist_cnn", "resnet50"])
+def test_bfloat16_compute_with_float32_params(name):
+  model, logits, _ = _abstract_forward(name, dtype=jnp.bfloat16)
+  assert logits.dtype == jnp.bfloat16
+  param_dtypes = {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))}
+  assert param_dtypes == {jnp.dtype(jnp.float32)}
+
+
+def test_functional_jit_step_with_dropout_keys_and_bn_updates():
+  # bn_mode="train" is the demanding case: BN mutates state under jit + grad.
+  model = _build("resnet18", bn_mode="train", dropout=0.5)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  x, y = _images(), jnp.array([0, 3])
+
+  def loss_fn(params, rest, key):
+    # copy=True: fresh Variables at this trace level, so BN may update them.
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    logits = model(x, rngs=key)
+    loss = -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(2), y])
+    return loss, nnx.state(model, nnx.Not(nnx.Param))
+
+  step = jax.jit(jax.grad(loss_fn, has_aux=True))
+  grads, new_rest = step(params, rest, jax.random.key(0))
+  assert jax.tree.structure(grads) == jax.tree.structure(params)
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+  grads_again, _ = step(params, rest, jax.random.key(0))
+  _assert_trees_equal(grads_again, grads)
+  grads_other, _ = step(params, rest, jax.random.key(1))
+  assert not _trees_equal(grads_other, grads)
+
+  def pure(state, variable_type):
+    return nnx.to_pure_dict(nnx.filter_state(state, variable_type))
+
+  assert not _trees_equal(pure(new_rest, nnx.BatchStat), pure(rest, nnx.BatchStat))
+  # An explicit key leaves the model's stored dropout stream untouched.
+  _assert_trees_equal(pure(new_rest, nnx.RngCount), pure(rest, nnx.RngCount))
+
+
+def test_registry():
+  with pytest.raises(KeyError, match="resnet50"):
+    _build("no_such_model")
+  with pytest.raises(ValueError, match="already registered"):
+    models.register_model("resnet18")(models.ResNet)
+  with pytest.raises(ValueError, match="bn_mode"):
+    nnx.eval_shape(lambda: _build("resnet18", bn_mode="eval"))
+
+  @models.register_model("tiny_test_model")
+  class Tiny(nnx.Module):
+
+    def __init__(self, in_channels, *, rngs, dtype, param_dtype):
+      self.num_features = in_channels
+
+    def __call__(self, x, *, rngs=None):
+      return x.mean(axis=(1, 2))
+
+  try:
+    assert _build("tiny_test_model", channels=4)(_images(4)).shape == (2, 5)
+  finally:
+    del models.MODELS["tiny_test_model"]
+
+
+# ---------------------------------------------------------------------------
+# Pretrained weights.
+
+
+def test_convert_torchvision_state_dict_layout(resnet18_npz):
+  state_dict, _ = resnet18_npz
+  tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
+  assert "fc" not in tree
+  assert set(tree["bn1"]) == {"scale", "bias", "mean", "var"}
+  np.testing.assert_array_equal(
+      tree["layer2"][0]["downsample"][0]["kernel"],
+      state_dict["layer2.0.downsample.0.weight"].transpose(2, 3, 1, 0),
+  )
+  np.testing.assert_array_equal(
+      tree["layer3"][1]["bn2"]["var"], state_dict["layer3.1.bn2.running_var"]
+  )
+  abstract = nnx.eval_shape(lambda: _build("resnet18"))
+  expected = nnx.to_pure_dict(
+      nnx.state(abstract.featurizer, (nnx.Param, nnx.BatchStat))
+  )
+  assert jax.tree.structure(tree) == jax.tree.structure(expected)
+  assert jax.tree.map(np.shape, tree) == jax.tree.map(np.shape, expected)
+
+
+@pytest.mark.parametrize(
+    "name, stride, pad, input_hw, channels",
+    [("conv1", 2, 3, 11, 3), ("layer2.0.conv1", 2, 1, 6, 64)],
+)
+def test_converted_conv_matches_oihw_convolution(
+    resnet18_npz, name, stride, pad, input_hw, channels
+):
+  state_dict, path = resnet18_npz
+  model = _build("resnet18")
+  pretrained.load_pretrained(model, path)
+  conv = model.featurizer  # Walk the torchvision name down the NNX modules.
+  for part in name.split("."):
+    conv = conv[int(part)] if part.isdigit() else getattr(conv, part)
+  x = jax.random.normal(jax.random.key(0), (2, input_hw, input_hw, channels))
+  weight = state_dict[f"{name}.weight"]
+  expected = conv2d_oihw_reference(x, weight, stride, pad)
+  np.testing.assert_allclose(conv(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_load_pretrained_npz_sets_featurizer_and_keeps_head(resnet18_npz):
+  state_dict, path = resnet18_npz
+  model = _build("resnet18")
+  head = nnx.to_pure_dict(nnx.clone(nnx.state(model.head)))
+  pretrained.load_pretrained(model, path)
+  bn = model.featurizer.layer4[1].bn2
+  np.testing.assert_array_equal(
+      bn.mean[...], state_dict["layer4.1.bn2.running_mean"]
+  )
+  np.testing.assert_array_equal(bn.scale[...], state_dict["layer4.1.bn2.weight"])
+  _assert_trees_equal(nnx.to_pure_dict(nnx.state(model.head)), head)
+
+  # Frozen BN applies PyTorch's eval-mode formula with the loaded statistics.
+  x = np.random.default_rng(0).normal(size=(2, 3, 3, 64)).astype(np.float32)
+  mean, var, scale, bias = (
+      state_dict[f"bn1.{leaf}"]
+      for leaf in ("running_mean", "running_var", "weight", "bias")
+  )
+  expected = (x - mean) / np.sqrt(var + 1e-5) * scale + bias
+  actual = model.featurizer.bn1(x)
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("channels", [1, 8])
+def test_load_pretrained_adapts_stem_channels(resnet18_npz, channels):
+  state_dict, path = resnet18_npz
+  model = _build("resnet18", channels)
+  pretrained.load_pretrained(model, path)
+  rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
+  kernel = np.asarray(model.featurizer.conv1.kernel[...])
+  assert kernel.shape == (7, 7, channels, 64)
+  for c in range(channels):  # DomainBed's rule: channel c copies RGB c % 3.
+    np.testing.assert_array_equal(kernel[:, :, c], rgb[:, :, c % 3])
+  assert model(_images(channels)).shape == (2, 5)
+
+
+def _featurizer_state(model):
+  return nnx.to_pure_dict(
+      nnx.state(model.featurizer, (nnx.Param, nnx.BatchStat))
+  )
+
+
+def test_orbax_round_trip(tmp_path):
+  source = _build("resnet18", bn_mode="train", seed=1)
+  source(_images())  # Moves the BN statistics away from their init.
+  pretrained.save_featurizer(source, tmp_path / "featurizer")
+  target = _build("resnet18", seed=2)
+  pretrained.load_pretrained(target, tmp_path / "featurizer")
+  _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
+
+
+def test_orbax_checkpoint_of_an_nnx_state_loads(tmp_path):
+  source = _build("mnist_cnn", seed=1)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", nnx.state(source.featurizer, nnx.Param))
+  checkpointer.wait_until_finished()
+  target = _build("mnist_cnn", seed=2)
+  pretrained.load_pretrained(target, tmp_path / "state")
+  _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
+
+
+def test_mismatched_weights_raise_clear_errors(resnet18_npz, tmp_path):
+  state_dict, path = resnet18_npz
+  with pytest.raises(ValueError, match=r"missing[\s\S]*layer1/0/conv3/kernel"):
+    # Shapes suffice to detect the mismatch, so the model can stay abstract.
+    pretrained.load_pretrained(nnx.eval_shape(lambda: _build("resnet50")), path)
+
+  tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
+  tree["layer1"][0]["conv2"]["kernel"] = np.zeros((3, 3, 64, 32), np.float32)
+  pretrained.save_npz(tree, tmp_path / "bad.npz")
+  with pytest.raises(ValueError, match=r"shape mismatch.*layer1/0/conv2/kernel"):
+    pretrained.load_pretrained(_build("resnet18"), tmp_path / "bad.npz")
+
+  incomplete = dict(state_dict)
+  del incomplete["layer3.0.bn1.running_mean"]
+  incomplete["layer5.0.conv1.weight"] = np.zeros((1, 1, 1, 1), np.float32)
+  with pytest.raises(ValueError) as error:
+    pretrained.convert_torchvision_state_dict(incomplete, 18)
+  assert "missing (1): layer3/0/bn1/mean" in str(error.value)
+  assert "unexpected (1): layer5/0/conv1/kernel" in str(error.value)
+
+
+def test_missing_file_explains_how_to_get_weights(tmp_path):
+  path = tmp_path / "resnet50.npz"
+  with pytest.raises(FileNotFoundError, match="IMAGENET1K_V1") as error:
+    pretrained.load_pretrained(_build("mnist_cnn"), path)
+  assert str(path) in str(error.value)
+  assert "experiments.pretrained convert" in str(error.value)
+
+
+@pytest.mark.parametrize("depth", [18, 50])
+def test_infer_depth(depth):
+  shapes = torchvision_resnet_shapes(depth)
+  assert pretrained._infer_depth(shapes) == depth
+
+
+def test_convert_cli_without_torch_explains(monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "torch", None)  # Makes `import torch` fail.
+  assert pretrained.main(["convert", "--in", "a.pth", "--out", "a.npz"]) == 1
+  assert "needs PyTorch" in capsys.readouterr().err
+
+
+class _FakeTensor:
+  """The bits of torch.Tensor that the converter uses."""
+
+  def __init__(self, array):
+    self.array = array
+
+  def detach(self):
+    return self
+
+  def cpu(self):
+    return self
+
+  def numpy(self):
+    return self.array
+
+
+def test_convert_cli_end_to_end(resnet18_npz, monkeypatch, tmp_path):
+  state_dict, _ = resnet18_npz
+
+  def load(path, map_location, weights_only):
+    assert (path, map_location, weights_only) == ("r.pth", "cpu", True)
+    return {k: _FakeTensor(v) for k, v in state_dict.items()}
+
+  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(load=load))
+  out = tmp_path / "r.npz"
+  assert pretrained.main(["convert", "--in", "r.pth", "--out", str(out)]) == 0
+  model = _build("resnet18")
+  pretrained.load_pretrained(model, out)
+  np.testing.assert_array_equal(
+      model.featurizer.conv1.kernel[...],
+      state_dict["conv1.weight"].transpose(2, 3, 1, 0),
+  )
