@@ -178,7 +178,8 @@ class MNISTCNN(nnx.Module):
   """DomainBed's MNIST_CNN: four 3x3 convs, each + ReLU + GroupNorm(8).
 
   Widths are 64, 128 (stride 2), 128, 128; global average pooling gives 128
-  features.
+  features. ``widths`` narrows the network for CPU-sized experiments (each
+  width must be a multiple of the 8 GroupNorm groups).
   """
 
   WIDTHS = (64, 128, 128, 128)
@@ -189,12 +190,16 @@ class MNISTCNN(nnx.Module):
       in_channels: int,
       *,
       rngs: nnx.Rngs,
+      widths: Sequence[int] = WIDTHS,
       dtype: Dtype = jnp.float32,
       param_dtype: Dtype = jnp.float32,
   ):
+    if len(widths) != len(self.STRIDES) or any(w % 8 for w in widths):
+      raise ValueError(f"widths must be {len(self.STRIDES)} multiples of 8, "
+                       f"got {tuple(widths)}.")
     self.convs = nnx.List()
     self.norms = nnx.List()
-    for width, stride in zip(self.WIDTHS, self.STRIDES):
+    for width, stride in zip(widths, self.STRIDES):
       # Explicit padding 1 matches PyTorch's; 'SAME' would pad stride-2 convs
       # asymmetrically.
       self.convs.append(
@@ -220,10 +225,10 @@ class MNISTCNN(nnx.Module):
           )
       )
       in_channels = width
-    self.num_features = self.WIDTHS[-1]
+    self.num_features = widths[-1]
 
   def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
-    """Returns ``(N, 128)`` features; ``rngs`` is unused (no dropout)."""
+    """Returns ``(N, widths[-1])`` features; ``rngs`` is unused (no dropout)."""
     del rngs
     for conv, norm in zip(self.convs, self.norms):
       x = norm(nnx.relu(conv(x)))

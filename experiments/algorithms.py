@@ -1,0 +1,537 @@
+"""Domain generalization algorithms as pure update functions, and a registry.
+
+A registered builder ``builder(network, hparams, *, num_domains, seed)``
+returns an `Algorithm`, a pair of pure functions:
+
+* ``init(params) -> state``: the algorithm's state (its optimizer state and
+  anything else it tracks, PRNG keys included);
+* ``update(params, stats, state, batches, key) -> (params, stats, state,
+  metrics)``: one training step on ``batches``, one batch per training domain
+  stacked on a leading axis: ``{"image": (n, b, H, W, C), "label": (n, b)}``.
+
+``params`` are the model's ``nnx.Param`` and ``stats`` its ``nnx.BatchStat``
+(empty unless a ResNet runs with ``bn_mode="train"``). ``update`` has no side
+effects, so a training loop jits it once. Its ``metrics`` are scalars or
+arrays; a loop averages them over the steps between evaluations, except the
+running totals named in `COUNTERS`, whose latest value it reports.
+
+Conventions shared by all algorithms:
+
+* Weight decay (the paper's "optional weight decay") is
+  ``optax.add_decayed_weights`` on the direction the optimizer steps along:
+  PGrad's and Fish's outer update, or the gradient fed to Adam (as PyTorch
+  Adam's ``weight_decay``, which DomainBed uses).
+* Dropout: every example gets a key split from the step's key, and a forward
+  pass over a batch uses its first example's key, so every inner step of a
+  rollout draws fresh masks.
+* BatchNorm in ``"train"`` mode: a rollout's loss function returns only a
+  scalar, so no algorithm keeps the statistics of its loss's forward passes.
+  Instead, after the parameter update, one train-mode forward pass with the new
+  parameters over all of the step's (un-mixed) examples updates the running
+  statistics. (With frozen BatchNorm that pass changes nothing, and XLA drops
+  it as dead code.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import pgrad_jax
+
+Params = nnx.State
+Stats = nnx.State
+Batches = dict[str, jax.Array]
+Metrics = dict[str, jax.Array]
+HParams = Mapping[str, Any]
+
+# Metrics that are running totals rather than per-step values.
+COUNTERS = ("num_skipped",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+  """A `models.Classifier` taken apart for pure functions.
+
+  Attributes:
+    graphdef: the model's structure.
+    constants: its state that is neither ``nnx.Param`` nor ``nnx.BatchStat``
+      (e.g. the stored dropout stream, unused since keys are passed in).
+  """
+
+  graphdef: nnx.GraphDef
+  constants: nnx.State
+
+  @classmethod
+  def split(cls, model: nnx.Module) -> tuple[Network, Params, Stats]:
+    """Returns the network, the model's params and its BatchNorm statistics."""
+    graphdef, params, stats, constants = nnx.split(
+        model, nnx.Param, nnx.BatchStat, ...)
+    return cls(graphdef, constants), params, stats
+
+  def bind(
+      self, params: Params, stats: Stats, *, train: bool = True
+  ) -> nnx.Module:
+    """The model with these params and statistics, in train or eval mode."""
+    # Fresh Variables: a State built in an outer trace (e.g. the stats closed
+    # over by a loss function) must not be mutated from inside a grad.
+    model = nnx.merge(self.graphdef, params, stats, self.constants, copy=True)
+    if train:
+      model.train()
+    else:
+      model.eval()
+    return model
+
+  def logits(
+      self,
+      params: Params,
+      stats: Stats,
+      images: jax.Array,
+      key: jax.Array | None = None,
+      *,
+      train: bool = True,
+  ) -> tuple[jax.Array, Stats]:
+    """The logits of ``images`` and the statistics after the forward pass."""
+    model = self.bind(params, stats, train=train)
+    return model(images, rngs=key), nnx.state(model, nnx.BatchStat)
+
+  def refresh_stats(
+      self, params: Params, stats: Stats, batches: Batches
+  ) -> Stats:
+    """Updates BatchNorm running statistics with a train-mode forward pass.
+
+    Args:
+      params: the parameters to run the pass with.
+      stats: the statistics to update; empty when nothing to do.
+      batches: the step's batches, with keys from `with_example_keys`.
+
+    Returns:
+      The updated statistics.
+    """
+    if not jax.tree.leaves(stats):
+      return stats
+    batch = merge_domains(batches)
+    _, stats = self.logits(params, stats, batch["image"], batch["key"][0])
+    return stats
+
+
+class Algorithm(NamedTuple):
+  """The pure functions of a training algorithm (see the module docstring)."""
+
+  init: Callable[[Params], Any]
+  update: Callable[
+      [Params, Stats, Any, Batches, jax.Array],
+      tuple[Params, Stats, Any, Metrics]]
+
+
+AlgorithmBuilder = Callable[..., Algorithm]
+ALGORITHMS: dict[str, AlgorithmBuilder] = {}
+
+
+def register_algorithm(
+    name: str, **options: Any
+) -> Callable[[AlgorithmBuilder], AlgorithmBuilder]:
+  """Registers ``builder(network, hparams, *, num_domains, seed, **options)``.
+
+  Args:
+    name: the name `build_algorithm` knows it by.
+    **options: keyword arguments bound to the builder, so that variants of one
+      algorithm register the same builder with different options.
+
+  Returns:
+    A decorator that registers the builder and returns it unchanged.
+  """
+
+  def decorator(builder: AlgorithmBuilder) -> AlgorithmBuilder:
+    if name in ALGORITHMS:
+      raise ValueError(f"Algorithm {name!r} is already registered.")
+    ALGORITHMS[name] = functools.partial(builder, **options)
+    return builder
+
+  return decorator
+
+
+def build_algorithm(
+    name: str,
+    network: Network,
+    hparams: HParams,
+    *,
+    num_domains: int,
+    seed: int = 0,
+) -> Algorithm:
+  """Builds a registered algorithm.
+
+  Args:
+    name: a key of `ALGORITHMS`.
+    network: the model, from `Network.split`.
+    hparams: its hyperparameters (see ``experiments.hparams_registry``).
+    num_domains: the number of training domains.
+    seed: seeds the algorithm's own randomness (e.g. PGrad's domain order).
+
+  Returns:
+    The algorithm.
+  """
+  if name not in ALGORITHMS:
+    raise ValueError(
+        f"Unknown algorithm {name!r}; known: {', '.join(ALGORITHMS)}.")
+  return ALGORITHMS[name](network, hparams, num_domains=num_domains, seed=seed)
+
+
+# ----------------------------------------------------------------------------
+# Shared pieces.
+
+
+def merge_domains(batches: Batches) -> Batches:
+  """Pools the domains: leaves ``(n, b, ...)`` become ``(n * b, ...)``."""
+  return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
+
+
+def with_example_keys(batches: Batches, key: jax.Array) -> Batches:
+  """Adds ``"key"``: one PRNG key per example, for dropout."""
+  n, b = batches["label"].shape
+  keys = jax.random.split(key, n * b)
+  return {**batches, "key": keys.reshape((n, b) + keys.shape[1:])}
+
+
+def cross_entropy(logits: jax.Array, batch: Batches) -> jax.Array:
+  """Per-example cross-entropy; MixUp's two-label form for mixed batches."""
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+  if "mix_label" in batch:
+    weight = batch["mix_weight"]
+    loss = weight * loss + (1 - weight) * (
+        optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["mix_label"]))
+  return loss
+
+
+def batch_loss(
+    network: Network, stats: Stats
+) -> Callable[[Params, Batches], jax.Array]:
+  """``loss_fn(params, batch) -> mean cross-entropy`` of a keyed batch."""
+
+  def loss_fn(params, batch):
+    logits, _ = network.logits(params, stats, batch["image"], batch["key"][0])
+    return cross_entropy(logits, batch).mean()
+
+  return loss_fn
+
+
+def mixup(
+    batches: Batches, key: jax.Array, alpha: float, num_chunks: int = 1
+) -> Batches:
+  """DomainBed's inter-domain MixUp, separately for every chunk.
+
+  Every domain's batch is split into ``num_chunks`` chunks, as a PGrad-B
+  rollout splits it. For every chunk index, the domains are put in a random
+  cyclic order and each is mixed with the next (DomainBed's
+  ``random_pairs_of_minibatches``), with ``lambda ~ Beta(alpha, alpha)`` drawn
+  per pair: ``image = lambda * image_i + (1 - lambda) * image_j``. With
+  ``num_chunks=1`` this is DomainBed's MixUp.
+
+  Args:
+    batches: ``{"image": (n, b, ...), "label": (n, b), ...}``; other leaves
+      pass through.
+    key: a PRNG key.
+    alpha: the Beta distribution's parameter.
+    num_chunks: chunks per domain batch; must divide ``b``.
+
+  Returns:
+    The batches with mixed images, the partner's labels as ``"mix_label"``
+    and ``lambda`` per example as ``"mix_weight"`` (see `cross_entropy`).
+  """
+  n, b = batches["label"].shape
+
+  def mix_round(batch, key):
+    order_key, weight_key = jax.random.split(key)
+    order = jax.random.permutation(order_key, n)
+    # Domain order[i] is mixed with domain order[i + 1], cyclically.
+    partner = jnp.zeros(n, jnp.int32).at[order].set(jnp.roll(order, -1))
+    weight = jax.random.beta(weight_key, alpha, alpha, (n,))
+    images = batch["image"]
+    w = weight.reshape((n,) + (1,) * (images.ndim - 1)).astype(images.dtype)
+    return {
+        **batch,
+        "image": w * images + (1 - w) * images[partner],
+        "mix_label": batch["label"][partner],
+        "mix_weight": jnp.broadcast_to(weight[:, None], batch["label"].shape),
+    }
+
+  def to_rounds(x):  # (n, b, ...) -> (num_chunks, n, b / num_chunks, ...)
+    chunked = x.reshape((n, num_chunks, b // num_chunks) + x.shape[2:])
+    return jnp.swapaxes(chunked, 0, 1)
+
+  def from_rounds(x):
+    return jnp.swapaxes(x, 0, 1).reshape((n, b) + x.shape[3:])
+
+  mixed = jax.vmap(mix_round)(jax.tree.map(to_rounds, batches),
+                              jax.random.split(key, num_chunks))
+  return jax.tree.map(from_rounds, mixed)
+
+
+def _adam(hparams: HParams) -> optax.GradientTransformation:
+  return optax.chain(optax.add_decayed_weights(hparams["weight_decay"]),
+                     optax.adam(hparams["lr"]))
+
+
+def _gradient_algorithm(
+    network: Network,
+    hparams: HParams,
+    objective: Callable[[Params, Stats, Batches, jax.Array],
+                        tuple[jax.Array, Metrics]],
+) -> Algorithm:
+  """Adam on ``objective(params, stats, batches, key) -> (loss, metrics)``."""
+  tx = _adam(hparams)
+
+  def update(params, stats, state, batches, key):
+    data_key, objective_key = jax.random.split(key)
+    batches = with_example_keys(batches, data_key)
+    grads, metrics = jax.grad(objective, has_aux=True)(
+        params, stats, batches, objective_key)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return params, network.refresh_stats(params, stats, batches), state, metrics
+
+  return Algorithm(tx.init, update)
+
+
+def _rollout_algorithm(
+    network: Network,
+    hparams: HParams,
+    rollout: optax.GradientTransformationExtraArgs,
+    outer_lr: float,
+    *,
+    mix_chunks: int | None = None,
+) -> Algorithm:
+  """SGD(``outer_lr``) on a rollout transform (`pgrad_jax.pgrad` or ``fish``).
+
+  ``mix_chunks`` (the rollout's ``B``) turns on `mixup` inside every chunk.
+  """
+  tx = optax.chain(rollout, optax.add_decayed_weights(hparams["weight_decay"]),
+                   optax.sgd(outer_lr))
+
+  def update(params, stats, state, batches, key):
+    data_key, mix_key = jax.random.split(key)
+    batches = with_example_keys(batches, data_key)
+    inputs = batches
+    if mix_chunks is not None:
+      inputs = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks)
+    updates, state = tx.update(None, state, params,
+                               loss_fn=batch_loss(network, stats),
+                               batches=inputs)
+    params = optax.apply_updates(params, updates)
+    rollout_state: pgrad_jax.PGradState = state[0]
+    metrics = {"loss": rollout_state.loss,
+               "ref_norm": rollout_state.ref_norm,
+               "num_skipped": rollout_state.num_skipped}
+    if rollout_state.eigenvalues.size:
+      eigenvalues = rollout_state.eigenvalues
+      total = eigenvalues.sum()
+      metrics["eigenvalues"] = eigenvalues / jnp.where(total > 0, total, 1.0)
+    return params, network.refresh_stats(params, stats, batches), state, metrics
+
+  return Algorithm(tx.init, update)
+
+
+# ----------------------------------------------------------------------------
+# The algorithms.
+
+
+@register_algorithm("ERM")
+def erm(network: Network, hparams: HParams, *, num_domains: int,
+        seed: int) -> Algorithm:
+  """Empirical risk minimisation: Adam on the loss of all domains pooled."""
+  del num_domains, seed
+
+  def objective(params, stats, batches, key):
+    del key
+    loss = batch_loss(network, stats)(params, merge_domains(batches))
+    return loss, {"loss": loss}
+
+  return _gradient_algorithm(network, hparams, objective)
+
+
+def pgrad(
+    network: Network,
+    hparams: HParams,
+    *,
+    num_domains: int,
+    seed: int,
+    order: str = "random",
+    parallel: bool = False,
+    mix: bool = False,
+) -> Algorithm:
+  """PGrad and its variants: ``pgrad_jax.pgrad`` (Adam inside) + SGD outside.
+
+  Args:
+    network: the model.
+    hparams: ``lr`` (inner Adam), ``outer_lr``, ``k``, ``B``,
+      ``weight_decay`` and, with ``mix``, ``mixup_alpha``.
+    num_domains: the number of training domains.
+    seed: seeds the random domain order.
+    order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F).
+    parallel: every inner step starts from the same point (PGradParallel).
+    mix: MixUp inside every chunk's loss (PGrad-BMix).
+
+  Returns:
+    The algorithm.
+  """
+  rollout = pgrad_jax.pgrad(
+      optax.adam(hparams["lr"]), k=hparams["k"], B=hparams["B"], order=order,
+      parallel=parallel, num_domains=num_domains, seed=seed)
+  return _rollout_algorithm(network, hparams, rollout, hparams["outer_lr"],
+                            mix_chunks=hparams["B"] if mix else None)
+
+
+# The "-B" variants differ only in their hparams (B = 3).
+register_algorithm("PGrad")(pgrad)
+register_algorithm("PGrad-F", order="fixed")(pgrad)
+register_algorithm("PGrad-B")(pgrad)
+register_algorithm("PGrad-BMix", mix=True)(pgrad)
+register_algorithm("PGradParallel", parallel=True)(pgrad)
+
+
+@register_algorithm("Fish")
+def fish(network: Network, hparams: HParams, *, num_domains: int,
+         seed: int) -> Algorithm:
+  """Fish: ``theta += meta_lr * (theta_inner - theta)`` after a rollout."""
+  rollout = pgrad_jax.fish(optax.adam(hparams["lr"]), num_domains=num_domains,
+                           seed=seed)
+  return _rollout_algorithm(network, hparams, rollout, hparams["meta_lr"])
+
+
+class FishrState(NamedTuple):
+  """Fishr's state.
+
+  Attributes:
+    opt_state: Adam's state.
+    ema: ``(num_domains, P)``, the moving average of every domain's variance
+      of the per-example gradients of the ``P`` head parameters.
+    count: the number of updates taken.
+  """
+
+  opt_state: optax.OptState
+  ema: jax.Array
+  count: jax.Array
+
+
+def head_gradients(
+    network: Network,
+    params: Params,
+    stats: Stats,
+    images: jax.Array,
+    labels: jax.Array,
+    key: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Logits and per-example cross-entropy gradients w.r.t. the head.
+
+  The gradients stay differentiable w.r.t. all ``params``, featurizer
+  included, as Fishr's penalty needs.
+
+  Args:
+    network: the model.
+    params: its parameters.
+    stats: its BatchNorm statistics.
+    images: ``(N, H, W, C)``.
+    labels: ``(N,)``.
+    key: dropout key.
+
+  Returns:
+    ``(logits (N, C), gradients (N, P))``, ``P`` the number of head params.
+  """
+  model = network.bind(params, stats)
+  features = model.features(images, rngs=key)
+  head_def, head_params, head_rest = nnx.split(model.head, nnx.Param, ...)
+
+  def example_loss(head_params, feature, label):
+    logits = nnx.merge(head_def, head_params, head_rest)(feature)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+
+  grads = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(
+      head_params, features, labels)
+  flat = [g.reshape(len(labels), -1) for g in jax.tree.leaves(grads)]
+  return model.head(features), jnp.concatenate(flat, axis=1)
+
+
+def fishr_penalty(variances: jax.Array) -> jax.Array:
+  """Mean over domains of the mean squared distance to the mean variance.
+
+  Args:
+    variances: ``(num_domains, P)`` gradient variances.
+
+  Returns:
+    The scalar penalty of DomainBed's Fishr.
+  """
+  return jnp.mean((variances - variances.mean(axis=0)) ** 2)
+
+
+@register_algorithm("Fishr")
+def fishr(network: Network, hparams: HParams, *, num_domains: int,
+          seed: int) -> Algorithm:
+  """Fishr (Rame et al., ICML 2022) as in DomainBed.
+
+  The penalty matches across domains the variance of the per-example gradients
+  of the classifier head. Each domain's variance is smoothed by an exponential
+  moving average (``ema``; the average starts at zero and its value is
+  divided by ``1 - ema``, as DomainBed's ``MovingAverage``). The penalty's
+  weight is 0 for the first ``penalty_anneal_iters`` steps and ``lambda``
+  after; Adam restarts when it switches on.
+  """
+  del seed
+  tx = _adam(hparams)
+  ema, weight, anneal = (hparams["ema"], hparams["lambda"],
+                         hparams["penalty_anneal_iters"])
+
+  def init(params):
+    size = sum(leaf.size for leaf in jax.tree.leaves(params["head"]))
+    return FishrState(tx.init(params), jnp.zeros((num_domains, size)),
+                      jnp.zeros((), jnp.int32))
+
+  def objective(params, stats, batches, state):
+    n, b = batches["label"].shape
+    batch = merge_domains(batches)
+    logits, grads = head_gradients(network, params, stats, batch["image"],
+                                   batch["label"], batch["key"][0])
+    nll = cross_entropy(logits, batch).mean()
+    variances = jnp.var(grads.reshape(n, b, -1), axis=1)
+    moving = ema * state.ema + (1 - ema) * variances
+    penalty = fishr_penalty(moving / (1 - ema))
+    objective = nll + jnp.where(state.count >= anneal, weight, 0.0) * penalty
+    return objective, (moving, {"loss": objective, "nll": nll,
+                                "penalty": penalty})
+
+  def update(params, stats, state, batches, key):
+    batches = with_example_keys(batches, key)
+    grads, (moving, metrics) = jax.grad(objective, has_aux=True)(
+        params, stats, batches, state)
+    # The jump in gradient scale when the penalty switches on would mislead
+    # Adam's moment estimates, so DomainBed restarts it there.
+    restart = (state.count == anneal) & (anneal > 0)
+    opt_state = jax.tree.map(lambda new, old: jnp.where(restart, new, old),
+                             tx.init(params), state.opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    state = FishrState(opt_state, moving, state.count + 1)
+    return params, network.refresh_stats(params, stats, batches), state, metrics
+
+  return Algorithm(init, update)
+
+
+@register_algorithm("MixUp")
+def mixup_algorithm(network: Network, hparams: HParams, *, num_domains: int,
+                    seed: int) -> Algorithm:
+  """Inter-domain MixUp (Yan et al., 2020) as in DomainBed; see `mixup`."""
+  del num_domains, seed
+
+  def objective(params, stats, batches, key):
+    mixed = mixup(batches, key, hparams["mixup_alpha"])
+    loss = batch_loss(network, stats)(params, merge_domains(mixed))
+    return loss, {"loss": loss}
+
+  return _gradient_algorithm(network, hparams, objective)

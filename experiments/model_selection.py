@@ -1,0 +1,238 @@
+"""DomainBed's model selection over the records of a sweep.
+
+A *record* is one line of a run's ``results.jsonl``: the run's ``args`` and
+``hparams`` plus the accuracies of one evaluation (``env{i}_in_acc`` and
+``env{i}_out_acc`` for every domain ``i``). A *run* is one
+``(dataset, algorithm, test env, hparams_seed, trial_seed)`` training job.
+
+As in DomainBed (Gulrajani & Lopez-Paz, ICLR 2021), a selection method first
+reduces every run to one ``(val_acc, test_acc)`` pair, then, separately for
+every trial, picks among the hparam draws the run with the best ``val_acc``
+and reports its ``test_acc``. The test accuracy is always the held-out
+domain's ``in`` split; the methods differ in what they validate on:
+
+* `TrainingDomainValidation`: the mean ``out``-split accuracy of the training
+  domains, maximised over a run's checkpoints (early stopping allowed).
+* `OracleSelection`: the held-out domain's ``out`` split, read at a run's
+  last checkpoint only (no early stopping).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import json
+import re
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import numpy as np
+
+Record = dict[str, Any]
+
+_OUT_ACC_KEY = re.compile(r"env(\d+)_out_acc")
+
+
+class RunAccuracy(NamedTuple):
+  """The accuracies a selection method credits one run with (in [0, 1])."""
+
+  val_acc: float
+  test_acc: float
+
+
+def load_records(input_dir: str | Path) -> list[Record]:
+  """Reads every ``results.jsonl`` below a directory, at any depth.
+
+  Args:
+    input_dir: the directory, typically a sweep's output directory.
+
+  Returns:
+    All records, in path order and then line order.
+  """
+  records = []
+  for path in sorted(Path(input_dir).rglob("results.jsonl")):
+    for line in path.read_text().splitlines():
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        # A run killed while writing leaves a truncated last line.
+        continue
+  return records
+
+
+def group_by(
+    records: Iterable[Record], key: Callable[[Record], Hashable]
+) -> dict[Hashable, list[Record]]:
+  """Groups records by ``key(record)``, keeping first-seen key order."""
+  groups = collections.defaultdict(list)
+  for record in records:
+    groups[key(record)].append(record)
+  return dict(groups)
+
+
+def held_out_env(record: Record) -> int:
+  """The single held-out domain of a record's run."""
+  (env,) = record["args"]["test_envs"]
+  return env
+
+
+def num_envs(record: Record) -> int:
+  """The number of domains a record has accuracies for."""
+  return sum(bool(_OUT_ACC_KEY.fullmatch(key)) for key in record)
+
+
+class SelectionMethod(abc.ABC):
+  """A DomainBed model selection method.
+
+  Subclasses define how a run is validated (`run_acc`); picking the best hparam
+  draw (`sweep_acc`) is shared.
+  """
+
+  name: ClassVar[str]
+
+  @classmethod
+  @abc.abstractmethod
+  def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
+    """Reduces the records of one run to its validation and test accuracy.
+
+    Args:
+      run_records: the (non-empty) records of one run with one test env.
+
+    Returns:
+      The run's accuracies.
+    """
+
+  @classmethod
+  def sweep_acc(cls, records: Sequence[Record]) -> float:
+    """The test accuracy of the hparam draw with the best validation accuracy.
+
+    Args:
+      records: the (non-empty) records of one
+        ``(dataset, algorithm, test env, trial_seed)``, over hparam draws.
+
+    Returns:
+      The selected run's test accuracy. Ties go to the lowest hparams_seed.
+    """
+    runs = group_by(records, lambda r: r["args"]["hparams_seed"])
+    accs = [cls.run_acc(runs[seed]) for seed in sorted(runs)]
+    return max(accs, key=lambda acc: acc.val_acc).test_acc
+
+
+class TrainingDomainValidation(SelectionMethod):
+  """DomainBed's ``IIDAccuracySelectionMethod``: training-domain validation.
+
+  Every checkpoint is scored by the mean ``env{i}_out_acc`` over the training
+  domains ``i``; a run's score is its best checkpoint's.
+  """
+
+  name = "training-domain validation set"
+
+  @classmethod
+  def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
+    def checkpoint_acc(record: Record) -> RunAccuracy:
+      held_out = held_out_env(record)
+      val = [
+          record[f"env{i}_out_acc"]
+          for i in range(num_envs(record))
+          if i != held_out
+      ]
+      return RunAccuracy(float(np.mean(val)), record[f"env{held_out}_in_acc"])
+
+    return max(map(checkpoint_acc, run_records), key=lambda acc: acc.val_acc)
+
+
+class OracleSelection(SelectionMethod):
+  """DomainBed's ``OracleSelectionMethod``: test-domain validation.
+
+  A run is scored by the held-out domain's ``out`` split at its last
+  checkpoint only.
+  """
+
+  name = "test-domain validation set (oracle)"
+
+  @classmethod
+  def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
+    last = max(run_records, key=lambda r: r["step"])
+    held_out = held_out_env(last)
+    return RunAccuracy(
+        last[f"env{held_out}_out_acc"], last[f"env{held_out}_in_acc"]
+    )
+
+
+SELECTION_METHODS: tuple[type[SelectionMethod], ...] = (
+    TrainingDomainValidation,
+    OracleSelection,
+)
+
+# (dataset, algorithm, test env) -> {trial_seed: selected test accuracy}.
+SelectedAccuracies = dict[tuple[str, str, int], dict[int, float]]
+
+
+def selected_accuracies(
+    records: Iterable[Record], method: type[SelectionMethod]
+) -> SelectedAccuracies:
+  """Applies a selection method to every trial of every sweep cell.
+
+  Records of runs with more than one test env (DomainBed's leave-one-out
+  runs) are ignored.
+
+  Args:
+    records: records of any number of runs.
+    method: the selection method.
+
+  Returns:
+    For every ``(dataset, algorithm, test env)``, the selected test accuracy
+    of each trial.
+  """
+  single = [r for r in records if len(r["args"]["test_envs"]) == 1]
+  groups = group_by(
+      single,
+      lambda r: (
+          r["args"]["dataset"],
+          r["args"]["algorithm"],
+          held_out_env(r),
+          r["args"]["trial_seed"],
+      ),
+  )
+  result: SelectedAccuracies = collections.defaultdict(dict)
+  for (dataset, algorithm, env, trial), group in groups.items():
+    result[dataset, algorithm, env][trial] = method.sweep_acc(group)
+  return dict(result)
+
+
+def mean_and_error(accs: Sequence[float]) -> tuple[float, float]:
+  """Mean and standard error over trials, in percent, as DomainBed reports.
+
+  DomainBed's ``collect_results.format_mean`` computes
+  ``100 * np.mean(accs)`` and ``100 * np.std(accs / sqrt(n))``, i.e. the
+  population standard deviation (``ddof=0``) divided by ``sqrt(n)``.
+
+  Args:
+    accs: one accuracy in [0, 1] per trial; not empty.
+
+  Returns:
+    ``(mean, standard error)``, both in percent.
+  """
+  accs = np.asarray(accs, np.float64)
+  return 100 * accs.mean(), 100 * accs.std() / np.sqrt(len(accs))
+
+
+def format_mean(accs: Sequence[float]) -> str:
+  """Formats accuracies over trials as ``"mean ± error"`` in percent.
+
+  Args:
+    accs: one accuracy in [0, 1] per trial.
+
+  Returns:
+    For example ``"81.3 ± 0.4"``, or ``"X"`` when there are none.
+
+  >>> format_mean([0.5, 0.7])
+  '60.0 ± 7.1'
+  >>> format_mean([])
+  'X'
+  """
+  if not len(accs):
+    return "X"
+  mean, err = mean_and_error(accs)
+  return f"{mean:.1f} ± {err:.1f}"

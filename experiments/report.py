@@ -1,0 +1,265 @@
+"""Markdown tables and plots of a sweep, in DomainBed's layout.
+
+For every model selection method there is one table per dataset, with a row
+per algorithm and a column per held-out domain plus their average, and a
+summary table with a column per dataset. A cell is the selected test accuracy
+as mean ± standard error over trials, in percent; ``X`` marks a missing
+result. Training curves of the runs with default hparams
+(``hparams_seed`` 0) are plotted next to the tables.
+
+Usage::
+
+    python -m experiments.report --input_dir sweeps/digits \\
+        --output_dir results/digits
+
+writes ``results/digits/results.md`` and ``results/digits/plots/*.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from experiments import algorithms as algorithms_lib
+from experiments import datasets as datasets_lib
+from experiments import model_selection
+from experiments import plots
+from experiments.model_selection import Record, SelectedAccuracies
+
+PLOTS_DIR = "plots"
+# The runs whose training curves are plotted: DomainBed's default hparams.
+PLOTTED_HPARAMS_SEED = 0
+# The algorithms compared in the loss-curve figure, as in PGrad's Figure 3.
+LOSS_CURVE_ALGORITHMS = ("ERM", "PGrad")
+SPECTRUM_ALGORITHM = "PGrad"
+
+
+def _ordered(names: Iterable[str], registry: Iterable[str]) -> list[str]:
+  """Names in registry order, then unregistered ones alphabetically."""
+  names = set(names)
+  known = [n for n in registry if n in names]
+  return known + sorted(names - set(known))
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A Markdown table with a left-aligned first column, the rest centred.
+
+  >>> print(markdown_table(["a", "b"], [["x", "1"]]))
+  | a | b |
+  | :-- | :-: |
+  | x | 1 |
+  """
+  lines = [header, [":--"] + [":-:"] * (len(header) - 1), *rows]
+  return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def table_row(label: str, columns: Sequence[Sequence[float]]) -> list[str]:
+  """A row of accuracies over trials per column, then DomainBed's "Avg".
+
+  Args:
+    label: the first cell.
+    columns: per column, one accuracy in [0, 1] per trial (maybe none).
+
+  Returns:
+    The cells: the label, "mean ± error" per column ("X" when empty), and the
+    mean of the column means ("X" when any column is empty).
+
+  >>> table_row("ERM", [[0.5, 0.7], [0.8]])
+  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0', '70.0']
+  """
+  cells = [model_selection.format_mean(accs) for accs in columns]
+  if all(len(accs) for accs in columns):
+    means = [model_selection.mean_and_error(accs)[0] for accs in columns]
+    average = f"{np.mean(means):.1f}"
+  else:
+    average = "X"
+  return [label, *cells, average]
+
+
+def dataset_table(
+    selected: SelectedAccuracies,
+    dataset: str,
+    algorithms: Sequence[str],
+    num_domains: int,
+) -> str:
+  """One dataset's table: an algorithm per row, a held-out domain per column.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    dataset: the dataset.
+    algorithms: the rows, in order.
+    num_domains: the dataset's number of domains.
+
+  Returns:
+    The Markdown table.
+  """
+  rows = [
+      table_row(algorithm, [
+          list(selected.get((dataset, algorithm, env), {}).values())
+          for env in range(num_domains)
+      ])
+      for algorithm in algorithms
+  ]
+  header = ["Algorithm", *(f"env{i}" for i in range(num_domains)), "Avg"]
+  return markdown_table(header, rows)
+
+
+def trial_averages(
+    selected: SelectedAccuracies, dataset: str, algorithm: str, num_domains: int
+) -> list[float]:
+  """Per trial, the selected test accuracy averaged over held-out domains.
+
+  DomainBed averages whatever domains a trial has; only the trials with a
+  result for every domain are kept here, so that all averages are over the
+  same domains.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    dataset: the dataset.
+    algorithm: the algorithm.
+    num_domains: the dataset's number of domains.
+
+  Returns:
+    One average accuracy in [0, 1] per complete trial.
+  """
+  per_env = [selected.get((dataset, algorithm, env), {})
+             for env in range(num_domains)]
+  trials = set.intersection(*(set(accs) for accs in per_env))
+  return [float(np.mean([accs[t] for accs in per_env])) for t in sorted(trials)]
+
+
+def summary_table(
+    selected: SelectedAccuracies,
+    algorithms: Sequence[str],
+    num_domains: dict[str, int],
+) -> str:
+  """The summary table: an algorithm per row, a dataset per column.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    algorithms: the rows, in order.
+    num_domains: the columns, in order, with their numbers of domains.
+
+  Returns:
+    The Markdown table.
+  """
+  rows = [
+      table_row(algorithm, [
+          trial_averages(selected, dataset, algorithm, n)
+          for dataset, n in num_domains.items()
+      ])
+      for algorithm in algorithms
+  ]
+  return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
+
+
+def write_plots(
+    records: Sequence[Record], dataset: str, env: int, plots_dir: Path
+) -> list[tuple[str, Path]]:
+  """Plots the default-hparams runs of one dataset and held-out domain.
+
+  Args:
+    records: all records of the dataset with that single held-out domain.
+    dataset: the dataset.
+    env: the held-out domain.
+    plots_dir: where the PNGs go.
+
+  Returns:
+    ``(caption, path)`` of every plot written; plots lacking their runs are
+    skipped.
+  """
+  runs = [r for r in records
+          if r["args"]["hparams_seed"] == PLOTTED_HPARAMS_SEED]
+  loss_runs = [r for r in runs
+               if r["args"]["algorithm"] in LOSS_CURVE_ALGORITHMS]
+  spectrum_runs = [r for r in runs
+                   if r["args"]["algorithm"] == SPECTRUM_ALGORITHM
+                   and r.get("eigenvalues")]
+  figures = [
+      ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs),
+      ("training loss per domain", "loss", plots.plot_loss_curves, loss_runs),
+      (f"{SPECTRUM_ALGORITHM} eigenvalue spectrum", "eigenvalues",
+       plots.plot_eigenvalue_spectrum, spectrum_runs),
+  ]
+  written = []
+  for caption, suffix, plot, selection in figures:
+    if selection:
+      path = plots_dir / f"{dataset}_env{env}_{suffix}.png"
+      plot(selection, path)
+      written.append((caption, path))
+  return written
+
+
+def render(records: Sequence[Record], output_dir: Path) -> str:
+  """Builds the Markdown report and writes its plots.
+
+  Args:
+    records: all records of a sweep.
+    output_dir: the report's directory; plots go to its ``plots/``.
+
+  Returns:
+    The Markdown text; plots are linked relative to ``output_dir``.
+  """
+  records = [r for r in records if len(r["args"]["test_envs"]) == 1]
+  by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
+  datasets = _ordered(by_dataset, datasets_lib.DATASETS)
+  algorithms = _ordered((r["args"]["algorithm"] for r in records),
+                        algorithms_lib.ALGORITHMS)
+  num_domains = {d: model_selection.num_envs(by_dataset[d][0])
+                 for d in datasets}
+
+  lines = [
+      "# Results",
+      "",
+      f"{len(records)} records. Cells: the selected model's held-out domain"
+      " accuracy (%), mean ± standard error over trials; X: missing.",
+  ]
+  for method in model_selection.SELECTION_METHODS:
+    selected = model_selection.selected_accuracies(records, method)
+    lines += ["", f"## Model selection: {method.name}"]
+    for dataset in datasets:
+      lines += ["", f"### {dataset}", "",
+                dataset_table(selected, dataset, algorithms,
+                              num_domains[dataset])]
+    lines += ["", "### Averages", "",
+              summary_table(selected, algorithms, num_domains)]
+
+  plots_dir = output_dir / PLOTS_DIR
+  plots_dir.mkdir(parents=True, exist_ok=True)
+  lines += ["", f"## Training curves (hparams_seed {PLOTTED_HPARAMS_SEED})"]
+  for dataset in datasets:
+    by_env = model_selection.group_by(by_dataset[dataset],
+                                      model_selection.held_out_env)
+    for env in sorted(by_env):
+      for caption, path in write_plots(by_env[env], dataset, env, plots_dir):
+        link = path.relative_to(output_dir).as_posix()
+        lines += ["", f"{dataset}, held-out env{env}: {caption}", "",
+                  f"![{dataset} env{env} {caption}]({link})"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--input_dir", required=True,
+                      help="Searched recursively for results.jsonl files.")
+  parser.add_argument("--output_dir", required=True)
+  args = parser.parse_args(argv)
+
+  records = model_selection.load_records(args.input_dir)
+  if not records:
+    print(f"No results.jsonl records under {args.input_dir}.", file=sys.stderr)
+    return 1
+  output_dir = Path(args.output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  report = output_dir / "results.md"
+  report.write_text(render(records, output_dir))
+  print(f"Wrote {report}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

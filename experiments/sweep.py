@@ -1,0 +1,372 @@
+"""DomainBed sweeps: datasets x algorithms x held-out domains x hparams x seeds.
+
+Each run trains one ``(dataset, algorithm, test env, hparams_seed,
+trial_seed)`` with ``python -m experiments.train`` in a subprocess, writing to
+``<output_dir>/<md5 of its arguments>``. ``hparams_seed`` 0 is the default
+hparams, the others random draws; the training seed is derived from a hash of
+the run's identity, as in DomainBed.
+
+The sweep is resumable: a run directory holding a ``done`` file is skipped, and
+one without is launched again (training resumes from its last checkpoint), so
+a killed sweep is restarted with the same command.
+
+Usage::
+
+    python -m experiments.sweep launch --datasets RotatedDigits \\
+        --algorithms ERM PGrad --n_hparams 20 --n_trials 3 \\
+        --output_dir sweeps/digits --jobs 2
+    python -m experiments.sweep list --datasets RotatedDigits ...
+    python -m experiments.sweep delete_incomplete --datasets RotatedDigits ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import enum
+import hashlib
+import json
+import shlex
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tqdm
+
+from experiments import algorithms as algorithms_lib
+from experiments import datasets as datasets_lib
+from experiments import hparams_registry
+
+# The datasets that ship with the code, so a default sweep needs no downloads.
+DEFAULT_DATASETS = ("RotatedDigits", "ColoredDigits")
+DEFAULT_TRAIN_COMMAND = f"{shlex.quote(sys.executable)} -m experiments.train"
+# Where a run's stdout and stderr go, inside its directory.
+LOG_FILE = "train.log"
+DONE_FILE = "done"
+
+
+def seed_hash(*args: Any) -> int:
+  """DomainBed's seed derivation: an MD5 of ``str(args)``, modulo 2**31."""
+  digest = hashlib.md5(str(args).encode("utf-8")).hexdigest()
+  return int(digest, 16) % (2**31)
+
+
+class Status(enum.Enum):
+  """Where a run stands, judged from its directory."""
+
+  DONE = "done"
+  INCOMPLETE = "incomplete"
+  NOT_STARTED = "not started"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One training job of a sweep.
+
+  Attributes:
+    args: the training arguments that determine the run's results; they name
+      its directory.
+    output_dir: the run's directory.
+  """
+
+  args: Mapping[str, Any]
+  output_dir: Path
+
+  @classmethod
+  def create(cls, args: Mapping[str, Any], sweep_dir: str | Path) -> Run:
+    """A run whose directory under ``sweep_dir`` is the MD5 of its args."""
+    key = json.dumps(dict(args), sort_keys=True)
+    name = hashlib.md5(key.encode("utf-8")).hexdigest()
+    return cls(dict(args), Path(sweep_dir) / name)
+
+  @property
+  def status(self) -> Status:
+    """Read from the directory now, so it follows the run's progress."""
+    if (self.output_dir / DONE_FILE).exists():
+      return Status.DONE
+    if self.output_dir.exists():
+      return Status.INCOMPLETE
+    return Status.NOT_STARTED
+
+  def command(
+      self, train_command: str, data_dir: str | None = None
+  ) -> list[str]:
+    """The command line that trains this run.
+
+    Args:
+      train_command: the program and leading arguments, e.g.
+        ``"python -m experiments.train"``.
+      data_dir: passed on as ``--data_dir`` unless ``None``.
+
+    Returns:
+      The command as an argument list.
+    """
+    flags = {**self.args, "output_dir": str(self.output_dir)}
+    if data_dir is not None:
+      flags["data_dir"] = data_dir
+    command = shlex.split(train_command)
+    for name, value in sorted(flags.items()):
+      values = value if isinstance(value, list) else [value]
+      command += [f"--{name}", *map(str, values)]
+    return command
+
+  def __str__(self) -> str:
+    a = self.args
+    return (
+        f"{self.status.value:<12} {self.output_dir}  {a['dataset']}"
+        f" {a['algorithm']} test_envs={a['test_envs']}"
+        f" hparams_seed={a['hparams_seed']} trial_seed={a['trial_seed']}"
+    )
+
+
+def _held_out_envs(
+    dataset: str, test_envs: Sequence[int] | None, data_dir: str | None
+) -> list[int]:
+  """The given test envs, or else every domain of the dataset."""
+  if test_envs is not None:
+    return list(test_envs)
+  num_domains = len(
+      datasets_lib.get_dataset(dataset, data_dir=data_dir).domain_names)
+  return list(range(num_domains))
+
+
+def make_runs(
+    *,
+    output_dir: str | Path,
+    datasets: Sequence[str],
+    algorithms: Sequence[str],
+    n_hparams: int,
+    n_trials: int,
+    test_envs: Sequence[int] | None = None,
+    steps: int | None = None,
+    checkpoint_freq: int | None = None,
+    hparams: str | None = None,
+    data_dir: str | None = None,
+) -> list[Run]:
+  """Lists the runs of a sweep, trial by trial.
+
+  Args:
+    output_dir: the sweep's directory.
+    datasets: dataset names.
+    algorithms: algorithm names.
+    n_hparams: hparams seeds ``0 .. n_hparams - 1`` are run (0: defaults).
+    n_trials: trial seeds ``0 .. n_trials - 1`` are run.
+    test_envs: the domains to hold out, one per run; ``None`` holds out every
+      domain of each dataset in turn.
+    steps: passed on to training unless ``None``.
+    checkpoint_freq: passed on to training unless ``None``.
+    hparams: a JSON object of fixed hparams. Each run gets the ones its
+      algorithm has (so ``penalty_anneal_iters`` reaches only Fishr's runs);
+      a name that no swept algorithm has is an error.
+    data_dir: where the datasets are, to count their domains. It is no part
+      of a run's identity, so a sweep whose data moves still resumes.
+
+  Returns:
+    The runs.
+  """
+  optional = {"steps": steps, "checkpoint_freq": checkpoint_freq}
+  optional = {k: v for k, v in optional.items() if v is not None}
+  fixed = json.loads(hparams) if hparams else {}
+  known = {(d, a): hparams_registry.default_hparams(a, d).keys()
+           for d in datasets for a in algorithms}
+  unknown = sorted(set(fixed).difference(*known.values()))
+  if unknown:
+    raise ValueError(f"No swept algorithm has the hparams {unknown}.")
+  envs = {d: _held_out_envs(d, test_envs, data_dir) for d in datasets}
+  runs = []
+  for trial_seed in range(n_trials):
+    for dataset in datasets:
+      for algorithm in algorithms:
+        for env in envs[dataset]:
+          for hparams_seed in range(n_hparams):
+            args = {
+                "dataset": dataset,
+                "algorithm": algorithm,
+                "test_envs": [env],
+                "hparams_seed": hparams_seed,
+                "trial_seed": trial_seed,
+                "seed": seed_hash(
+                    dataset, algorithm, [env], hparams_seed, trial_seed),
+                **optional,
+            }
+            own = {k: v for k, v in fixed.items()
+                   if k in known[dataset, algorithm]}
+            if own:
+              args["hparams"] = json.dumps(own, sort_keys=True)
+            runs.append(Run.create(args, output_dir))
+  return runs
+
+
+def _train(run: Run, train_command: str, data_dir: str | None) -> int:
+  """Trains one run in a subprocess, logging to its directory."""
+  run.output_dir.mkdir(parents=True, exist_ok=True)
+  # Runs that differ only in seeds or held-out domain compile the same
+  # programs: a persistent compilation cache shared by the sweep compiles
+  # each once.
+  env = {"JAX_COMPILATION_CACHE_DIR": str(run.output_dir.parent / ".jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         **os.environ}
+  # Appends, so the logs of a resumed run follow those of its earlier tries.
+  with open(run.output_dir / LOG_FILE, "a") as log:
+    process = subprocess.run(
+        run.command(train_command, data_dir),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        check=False,
+        env=env,
+    )
+  return process.returncode
+
+
+def launch(
+    runs: Sequence[Run],
+    *,
+    train_command: str = DEFAULT_TRAIN_COMMAND,
+    data_dir: str | None = None,
+    jobs: int = 1,
+) -> list[Run]:
+  """Trains every run that is not done, ``jobs`` at a time.
+
+  Args:
+    runs: the sweep's runs.
+    train_command: the training program, given each run's flags.
+    data_dir: passed on as ``--data_dir`` unless ``None``.
+    jobs: how many runs train at once.
+
+  Returns:
+    The runs whose training exited with an error.
+  """
+  todo = [run for run in runs if run.status is not Status.DONE]
+  failed = []
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+  try:
+    futures = {
+        pool.submit(_train, run, train_command, data_dir): run for run in todo
+    }
+    with tqdm.tqdm(
+        total=len(runs), initial=len(runs) - len(todo), unit="run"
+    ) as progress:
+      for future in concurrent.futures.as_completed(futures):
+        if future.result() != 0:
+          failed.append(futures[future])
+        progress.update()
+  finally:
+    # On Ctrl-C the running children get the signal too; start no others.
+    pool.shutdown(cancel_futures=True)
+  return failed
+
+
+def summary(runs: Sequence[Run]) -> str:
+  """How many runs are in each status."""
+  counts = {status: 0 for status in Status}
+  for run in runs:
+    counts[run.status] += 1
+  return f"{len(runs)} runs: " + ", ".join(
+      f"{n} {status.value}" for status, n in counts.items())
+
+
+def delete_incomplete(runs: Sequence[Run]) -> list[Run]:
+  """Deletes the directories of incomplete runs; returns those runs."""
+  incomplete = [run for run in runs if run.status is Status.INCOMPLETE]
+  for run in incomplete:
+    shutil.rmtree(run.output_dir)
+  return incomplete
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "command", nargs="?", default="launch",
+      choices=["launch", "list", "delete_incomplete"],
+      help="launch: train every run that is not done; list: the status of "
+      "every run; delete_incomplete: delete the directories of started but "
+      "unfinished runs. Default: launch.")
+  parser.add_argument(
+      "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
+      choices=list(datasets_lib.DATASETS), metavar="DATASET",
+      help=f"Default: {' '.join(DEFAULT_DATASETS)}.")
+  parser.add_argument(
+      "--algorithms", nargs="+", default=list(algorithms_lib.ALGORITHMS),
+      choices=list(algorithms_lib.ALGORITHMS), metavar="ALGORITHM",
+      help="Default: all of them.")
+  parser.add_argument(
+      "--test_envs", nargs="+", type=int, default=None,
+      help="Domains to hold out, one per run; default: every domain.")
+  parser.add_argument(
+      "--n_hparams", type=int, default=20,
+      help="Runs hparams_seed 0 (default hparams) to n_hparams-1; default: 20.")
+  parser.add_argument("--n_trials", type=int, default=3,
+                      help="Runs trial_seed 0 to n_trials-1; default: 3.")
+  parser.add_argument("--steps", type=int, default=None,
+                      help="Training steps; default: training's default.")
+  parser.add_argument(
+      "--checkpoint_freq", type=int, default=None,
+      help="Steps between evaluations; default: training's default.")
+  parser.add_argument("--hparams", default=None,
+                      help="JSON object of hparams fixed for every run.")
+  parser.add_argument("--output_dir", required=True,
+                      help="The sweep's directory, holding a folder per run.")
+  parser.add_argument("--data_dir", default=None,
+                      help="Passed on to training; default: its default.")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="How many runs train at once; default: 1.")
+  parser.add_argument(
+      "--train_command", default=DEFAULT_TRAIN_COMMAND,
+      help="The training program; each run's flags are appended to it.")
+  parser.add_argument("--yes", action="store_true",
+                      help="Delete without asking for confirmation.")
+  return parser.parse_args(argv)
+
+
+def runs_for(args: argparse.Namespace) -> list[Run]:
+  """The runs of the sweep that parsed command-line flags describe."""
+  return make_runs(
+      output_dir=args.output_dir,
+      datasets=args.datasets,
+      algorithms=args.algorithms,
+      n_hparams=args.n_hparams,
+      n_trials=args.n_trials,
+      test_envs=args.test_envs,
+      steps=args.steps,
+      checkpoint_freq=args.checkpoint_freq,
+      hparams=args.hparams,
+      data_dir=args.data_dir,
+  )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  runs = runs_for(args)
+  if args.command == "list":
+    for run in runs:
+      print(run)
+  print(summary(runs))
+
+  if args.command == "launch":
+    try:
+      failed = launch(runs, train_command=args.train_command,
+                      data_dir=args.data_dir, jobs=args.jobs)
+    except KeyboardInterrupt:
+      print("Interrupted; the same command resumes the sweep.",
+            file=sys.stderr)
+      return 130
+    for run in failed:
+      print(f"Failed (see {run.output_dir / LOG_FILE}): {run}")
+    print(summary(runs))
+    return 1 if failed else 0
+
+  if args.command == "delete_incomplete":
+    n = sum(run.status is Status.INCOMPLETE for run in runs)
+    if not args.yes and input(f"Delete {n} incomplete runs? [y/N] ") != "y":
+      return 1
+    print(f"Deleted {len(delete_incomplete(runs))} incomplete runs.")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

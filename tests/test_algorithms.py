@@ -1,0 +1,229 @@
+"""Tests for experiments/algorithms.py and experiments/hparams_registry.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import algorithms
+from experiments import hparams_registry
+from experiments import models
+
+NUM_DOMAINS, BATCH, NUM_CLASSES = 2, 6, 3
+
+
+class TinyFeaturizer(nnx.Module):
+  """Linear -> BatchNorm (train mode) -> ReLU, so refreshed stats show."""
+
+  def __init__(self, in_features: int, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(in_features, 5, rngs=rngs)
+    self.norm = nnx.BatchNorm(5, rngs=rngs)
+    self.num_features = 5
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return nnx.relu(self.norm(self.linear(x.reshape(x.shape[0], -1))))
+
+
+class Flatten(nnx.Module):
+  """A featurizer without parameters: the pixels are the features."""
+
+  def __init__(self, num_features: int):
+    self.num_features = num_features
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return x.reshape(x.shape[0], -1)
+
+
+def _batches(seed=0, image_shape=(4, 4, 1)):
+  images = jax.random.normal(jax.random.PRNGKey(seed),
+                             (NUM_DOMAINS, BATCH) + image_shape)
+  labels = jnp.arange(NUM_DOMAINS * BATCH).reshape(NUM_DOMAINS, BATCH)
+  return {"image": images, "label": labels % NUM_CLASSES}
+
+
+def _hparams(name):
+  hparams = hparams_registry.default_hparams(name, "RotatedDigits")
+  if name == "Fishr":
+    hparams["penalty_anneal_iters"] = 0  # Penalise from the first step.
+  return hparams
+
+
+@pytest.mark.parametrize("name", list(algorithms.ALGORITHMS))
+def test_every_algorithm_takes_a_finite_step(name):
+  model = models.Classifier(TinyFeaturizer(16, rngs=nnx.Rngs(0)), NUM_CLASSES,
+                            rngs=nnx.Rngs(1))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(name, network, _hparams(name),
+                                         num_domains=NUM_DOMAINS)
+  new_params, new_stats, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), _batches(), jax.random.PRNGKey(1))
+
+  assert np.isfinite(metrics["loss"])
+  for old, new in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)):
+    assert old.shape == new.shape and np.all(np.isfinite(new))
+  assert any(not np.array_equal(old, new) for old, new in
+             zip(jax.tree.leaves(params), jax.tree.leaves(new_params)))
+  # BatchNorm's running mean starts at zero; the refresh moves it.
+  assert np.any(new_stats["featurizer"]["norm"]["mean"][...] != 0)
+  if "eigenvalues" in metrics:
+    eigenvalues = np.asarray(metrics["eigenvalues"])
+    np.testing.assert_allclose(eigenvalues.sum(), 1.0, rtol=1e-5)
+    assert np.all(np.diff(eigenvalues) <= 0)
+
+
+def test_batchnorm_refresh_is_a_train_mode_pass_with_the_new_params():
+  model = models.Classifier(TinyFeaturizer(16, rngs=nnx.Rngs(0)), NUM_CLASSES,
+                            rngs=nnx.Rngs(1))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm("ERM", network, _hparams("ERM"),
+                                         num_domains=NUM_DOMAINS)
+  batches = _batches()
+  new_params, new_stats, _, _ = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), batches, jax.random.PRNGKey(1))
+  _, expected = network.logits(new_params, stats,
+                               batches["image"].reshape(-1, 4, 4, 1))
+  for got, want in zip(jax.tree.leaves(new_stats), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _numpy_head_variances(params, images, labels):
+  """Per-domain variance of per-example CE gradients of a linear head."""
+  features = np.asarray(images, np.float64).reshape(NUM_DOMAINS, BATCH, -1)
+  kernel = np.asarray(params["head"]["kernel"][...], np.float64)
+  bias = np.asarray(params["head"]["bias"][...], np.float64)
+  logits = features @ kernel + bias
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  residual = probs - np.eye(NUM_CLASSES)[np.asarray(labels)]
+  # d CE / d kernel = feature (outer) residual; d CE / d bias = residual.
+  grads = np.concatenate([
+      (features[..., :, None] * residual[..., None, :]).reshape(
+          NUM_DOMAINS, BATCH, -1),
+      residual], axis=-1)
+  return grads.var(axis=1)
+
+
+def _numpy_penalty(variances):
+  return np.mean((variances - variances.mean(axis=0)) ** 2)
+
+
+def test_fishr_penalty_matches_numpy_per_example_gradients():
+  image_shape = (2, 2, 1)
+  model = models.Classifier(Flatten(4), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  hparams = {**_hparams("Fishr"), "lambda": 10.0, "ema": 0.9}
+  algorithm = algorithms.build_algorithm("Fishr", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+
+  # First step: the moving average starts at zero, so its corrected value
+  # is the variance itself.
+  batches = _batches(seed=0, image_shape=image_shape)
+  var1 = _numpy_head_variances(params, batches["image"], batches["label"])
+  params, stats, state, metrics = update(params, stats, state, batches,
+                                         jax.random.PRNGKey(0))
+  np.testing.assert_allclose(metrics["penalty"], _numpy_penalty(var1),
+                             rtol=1e-4)
+  np.testing.assert_allclose(
+      metrics["loss"], metrics["nll"] + 10.0 * metrics["penalty"], rtol=1e-5)
+
+  # Second step: (0.9 * 0.1 * var1 + 0.1 * var2) / 0.1.
+  batches = _batches(seed=1, image_shape=image_shape)
+  var2 = _numpy_head_variances(params, batches["image"], batches["label"])
+  _, _, _, metrics = update(params, stats, state, batches,
+                            jax.random.PRNGKey(1))
+  np.testing.assert_allclose(
+      metrics["penalty"], _numpy_penalty(0.9 * var1 + var2), rtol=1e-4)
+
+
+def test_fishr_penalty_is_off_before_the_anneal_step():
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  hparams = {**_hparams("Fishr"), "penalty_anneal_iters": 5}
+  algorithm = algorithms.build_algorithm("Fishr", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  _, _, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), _batches(), jax.random.PRNGKey(0))
+  assert metrics["penalty"] > 0
+  np.testing.assert_allclose(metrics["loss"], metrics["nll"])
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_mixup_mixes_every_chunk_with_the_same_chunk_of_another_domain(
+    num_chunks):
+  batches = _batches()
+  # Label = domain, so the partner domain can be read off "mix_label".
+  batches["label"] = jnp.repeat(jnp.arange(NUM_DOMAINS)[:, None], BATCH, 1)
+  mixed = jax.jit(algorithms.mixup, static_argnums=(2, 3))(
+      batches, jax.random.PRNGKey(3), 0.2, num_chunks)
+  images = np.asarray(batches["image"])
+  size = BATCH // num_chunks
+  for chunk in range(num_chunks):
+    part = slice(chunk * size, (chunk + 1) * size)
+    partners = np.asarray(mixed["mix_label"][:, part])
+    weights = np.asarray(mixed["mix_weight"][:, part])
+    # One partner and one weight per (domain, chunk); partners form a cycle.
+    assert np.all(partners == partners[:, :1])
+    assert np.all(weights == weights[:, :1])
+    assert sorted(partners[:, 0]) == list(range(NUM_DOMAINS))
+    for d in range(NUM_DOMAINS):
+      partner, weight = partners[d, 0], weights[d, 0]
+      assert partner != d and 0.0 <= weight <= 1.0
+      np.testing.assert_allclose(
+          mixed["image"][d, part],
+          weight * images[d, part] + (1 - weight) * images[partner, part],
+          rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(mixed["label"], batches["label"])
+
+
+def test_mixed_cross_entropy_weights_the_two_labels():
+  logits = jnp.array([[2.0, 0.0, -1.0]])
+  batch = {"label": jnp.array([0]), "mix_label": jnp.array([2]),
+           "mix_weight": jnp.array([0.3])}
+  log_probs = np.asarray(jax.nn.log_softmax(logits))[0]
+  np.testing.assert_allclose(
+      algorithms.cross_entropy(logits, batch),
+      [-(0.3 * log_probs[0] + 0.7 * log_probs[2])], rtol=1e-6)
+
+
+def test_registry():
+  assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
+          "Fish", "Fishr", "MixUp"} <= set(algorithms.ALGORITHMS)
+  with pytest.raises(ValueError, match="already registered"):
+    algorithms.register_algorithm("ERM")(algorithms.erm)
+  with pytest.raises(ValueError, match="Unknown algorithm"):
+    algorithms.build_algorithm("SGD", None, {}, num_domains=2)
+
+
+@pytest.mark.parametrize("dataset, model, lr, batch", [
+    ("RotatedDigits", "mnist_cnn", 1e-3, 63),
+    ("PACS", "resnet50", 5e-5, 33),
+    ("DomainNet", "resnet50", 5e-5, 24),
+])
+def test_pgrad_b_defaults_follow_the_paper(dataset, model, lr, batch):
+  hparams = hparams_registry.default_hparams("PGrad-B", dataset)
+  assert hparams_registry.default_model(dataset) == model
+  assert hparams["lr"] == lr and hparams["outer_lr"] == 0.1
+  assert hparams["k"] == 4 and hparams["B"] == 3
+  assert hparams["batch_size"] == batch and hparams["weight_decay"] == 0.0
+
+
+def test_random_hparams_are_seeded_and_in_range():
+  assert (hparams_registry.random_hparams("Fishr", "PACS", 0)
+          == hparams_registry.default_hparams("Fishr", "PACS"))
+  draws = [hparams_registry.random_hparams("Fishr", "PACS", seed)
+           for seed in range(1, 30)]
+  assert draws[0] == hparams_registry.random_hparams("Fishr", "PACS", 1)
+  assert draws[0] != hparams_registry.random_hparams("Fishr", "PACS", 1, 1)
+  for hparams in draws:
+    assert 1e-5 <= hparams["lr"] <= 10**-3.5
+    assert 10 <= hparams["lambda"] <= 1e4
+    assert 0.9 <= hparams["ema"] <= 0.99
+    assert hparams["resnet_dropout"] in (0.0, 0.1, 0.5)
+  pgrad = hparams_registry.random_hparams("PGrad-B", "PACS", 7)
+  assert pgrad["lr"] == 5e-5 and pgrad["batch_size"] == 33
+  assert 1e-6 <= pgrad["weight_decay"] <= 1e-4
