@@ -330,7 +330,7 @@ def _rollout_algorithm(
     metrics = {"loss": rollout_state.loss,
                "ref_norm": rollout_state.ref_norm,
                "num_skipped": rollout_state.num_skipped}
-    if rollout_state.eigenvalues.size:
+    if rollout_state.eigenvalues is not None:
       eigenvalues = rollout_state.eigenvalues
       total = eigenvalues.sum()
       metrics["eigenvalues"] = eigenvalues / jnp.where(total > 0, total, 1.0)

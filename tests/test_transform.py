@@ -293,3 +293,26 @@ def test_flax_linen_model():
     updates, state = step(params, state)
     params = optax.apply_updates(params, updates)
   assert model_loss(params, jax.tree.map(lambda x: x[0], batches)) < before
+
+
+@pytest.mark.parametrize("make", [
+    lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2),
+    lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2, num_domains=2),
+    lambda: pgrad_jax.fish(optax.adam(0.1), num_domains=2),
+], ids=["pgrad", "pgrad-num_domains", "fish"])
+def test_state_round_trips_through_orbax(make, tmp_path):
+  import orbax.checkpoint as ocp
+  params, batches = problem()
+  tx = make()
+  _, state = update(tx, params, batches)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(tmp_path / "state", state)
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  # Resuming from the restored state continues exactly.
+  after, _ = update(tx, params, batches, state=restored)
+  expected, _ = update(tx, params, batches, state=state)
+  np.testing.assert_array_equal(flat(after), flat(expected))

@@ -22,22 +22,22 @@ class PGradState(NamedTuple):
       step to the next unless ``reset_inner_state=True``.
     key: the PRNG key that draws the random domain order.
     eigenvalues: ``(m,)`` spectrum of the last trajectory's centred Gram
-      matrix, descending, with ``m = num_domains * B + 1``; empty unless
+      matrix, descending, with ``m = num_domains * B + 1``; None unless
       ``num_domains`` was given (the state's shapes are fixed at ``init``,
-      which sees only the params), and always empty for :func:`fish`.
+      which sees only the params), and always None for :func:`fish`.
     ref_norm: ``||theta_0 - theta_end||`` of the last rollout.
     loss: the mean inner loss of the last rollout.
     losses: ``(num_domains * B,)`` inner loss of every step of the last
-      rollout, in visiting order; empty unless ``num_domains`` was given.
+      rollout, in visiting order; None unless ``num_domains`` was given.
     num_skipped: how many updates ``nonfinite="skip"`` has skipped.
   """
 
   inner_state: optax.OptState
   key: jax.Array
-  eigenvalues: jax.Array
+  eigenvalues: jax.Array | None
   ref_norm: jax.Array
   loss: jax.Array
-  losses: jax.Array
+  losses: jax.Array | None
   num_skipped: jax.Array
 
 
@@ -89,10 +89,12 @@ def _rollout_transform(
     return PGradState(
         inner_state=inner_opt.init(params),
         key=jax.random.PRNGKey(seed),
-        eigenvalues=jnp.zeros((m,), jnp.float32),
+        # Absent diagnostics are None, not empty arrays, which checkpointers
+        # such as Orbax refuse to save.
+        eigenvalues=jnp.zeros((m,), jnp.float32) if m else None,
         ref_norm=jnp.zeros((), jnp.float32),
         loss=jnp.zeros((), jnp.float32),
-        losses=jnp.zeros((steps,), jnp.float32),
+        losses=jnp.zeros((steps,), jnp.float32) if steps else None,
         num_skipped=jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, *, loss_fn=None, batches=None,
@@ -140,11 +142,10 @@ def _rollout_transform(
     new_state = PGradState(
         inner_state=inner_state,
         key=key,
-        eigenvalues=eigenvalues[:m].astype(jnp.float32) if m else
-        state.eigenvalues,
+        eigenvalues=eigenvalues.astype(jnp.float32) if m else None,
         ref_norm=ref_norm.astype(jnp.float32),
         loss=jnp.mean(out.losses),
-        losses=out.losses if steps else state.losses,
+        losses=out.losses if steps else None,
         num_skipped=state.num_skipped + skipped.astype(jnp.int32))
     return step, new_state
 
@@ -299,7 +300,7 @@ def fish(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`PGradState`
-    (its ``eigenvalues`` are empty).
+    (its ``eigenvalues`` are None).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -322,7 +323,7 @@ def fish(
     end = jax.tree.map(lambda d: -d[-1], out.displacements)
     ref_norm = jnp.sqrt(sum(jnp.sum(jnp.square(e.astype(jnp.float32)))
                             for e in jax.tree.leaves(end)))
-    return end, jnp.zeros((0,), jnp.float32), ref_norm
+    return end, None, ref_norm
 
   return _rollout_transform(
       inner_opt, B, reduce=reduce, spectrum=False, order=order, parallel=False,
