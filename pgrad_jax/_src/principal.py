@@ -67,8 +67,16 @@ def gram(displacements: optax.Params) -> jax.Array:
   def leaf_gram(x):
     axes = tuple(range(1, x.ndim))
     out = jnp.promote_types(x.dtype, jnp.float32)
+    # With a leaf sharded over explicit mesh axes, JAX needs to be told where
+    # the product goes: replicated, so only (s, s) partial sums are reduced.
+    sharding = jax.typeof(x).sharding
+    replicated = None
+    if any(sharding.spec):
+      replicated = jax.sharding.NamedSharding(sharding.mesh,
+                                              jax.sharding.PartitionSpec())
     return jax.lax.dot_general(
-        x, x, ((axes, axes), ((), ())), preferred_element_type=out)
+        x, x, ((axes, axes), ((), ())), preferred_element_type=out,
+        out_sharding=replicated)
 
   return sum(jax.tree.leaves(jax.tree.map(leaf_gram, displacements)))
 
@@ -129,14 +137,42 @@ def principal_gradient(
     Wang, Grigsby and Qi, `PGrad: Learning Principal Gradients for Domain
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
+  kk = gram(displacements)
+  if dtype is not None:
+    kk = kk.astype(jnp.promote_types(dtype, jnp.float32))
+  beta, lam, ref_norm = coefficients(
+      kk, k, weighting=weighting, calibrate_length=calibrate_length,
+      components=components, reference=reference, rtol=rtol)
+  return Principal(weighted_sum(beta, displacements), lam, ref_norm)
+
+
+def coefficients(
+    kk: jax.Array,
+    k: int,
+    *,
+    weighting: Weighting = "l2",
+    calibrate_length: bool = True,
+    components: Components = "top",
+    reference: Literal["end", "mean"] = "end",
+    rtol: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Everything :func:`principal_gradient` computes from the Gram matrix.
+
+  Args:
+    kk: the ``(s, s)`` Gram matrix of the stored displacements.
+    k, weighting, calibrate_length, components, reference, rtol: as in
+      :func:`principal_gradient`.
+
+  Returns:
+    ``(beta, eigenvalues, ref_norm)``: the principal gradient is
+    ``sum_i beta_i D_i`` (see :func:`weighted_sum`); ``eigenvalues`` has
+    length ``s + 1``.
+  """
   if weighting not in WEIGHTINGS:
     raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}.")
   if components not in COMPONENTS:
     raise ValueError(
         f"components must be one of {COMPONENTS}, got {components!r}.")
-  kk = gram(displacements)
-  if dtype is not None:
-    kk = kk.astype(jnp.promote_types(dtype, jnp.float32))
   steps = kk.shape[0]
   m = steps + 1
   # Row/column 0 is theta_0 itself, whose displacement is zero.
@@ -178,8 +214,11 @@ def principal_gradient(
   if calibrate_length:
     coef = coef * ref_norm
   beta = (centre @ coef)[1:]
+  return beta, lam, ref_norm
 
-  update = jax.tree.map(
+
+def weighted_sum(beta: jax.Array, displacements: optax.Params) -> optax.Updates:
+  """``sum_i beta_i D_i`` leaf by leaf, accumulated in at least float32."""
+  return jax.tree.map(
       lambda d: jnp.tensordot(beta.astype(jnp.promote_types(d.dtype, jnp.float32)),
                               d, axes=1).astype(d.dtype), displacements)
-  return Principal(update, lam, ref_norm)

@@ -78,6 +78,39 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
   return num_domains, per_domain
 
 
+def split_chunks(x: jax.Array, num_chunks: int, per_chunk: int) -> jax.Array:
+  """Reshapes ``(n, b, ...)`` to ``(n, num_chunks, per_chunk, ...)``.
+
+  Under a mesh with explicit axes, a per-domain batch axis sharded over devices
+  hands its mesh axes to the within-chunk axis: every chunk is then spread
+  over the same devices and each inner step runs data-parallel, at the price
+  of one reshuffle of the batch per update. (Kept on the chunk axis instead,
+  each chunk would live on a fraction of the devices, and JAX rejects the
+  reshape as ambiguous.)
+  """
+  x = jnp.asarray(x)  # A NumPy batch could not be indexed by the scan.
+  shape = (x.shape[0], num_chunks, per_chunk) + x.shape[2:]
+  sharding = jax.typeof(x).sharding
+  spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+  if spec[1] is None:
+    return x.reshape(shape)
+  out_sharding = jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(spec[0], None, *spec[1:]))
+  return jax.lax.reshape(x, shape, out_sharding=out_sharding)
+
+
+def vary_over(tree: Any, axis_name: Any) -> Any:
+  """Marks ``tree`` as varying over the mapped axis (or axes) ``axis_name``.
+
+  Inside ``shard_map`` (with its default ``check_vma=True``) the gradient
+  with respect to replicated params comes back already summed over the axis;
+  with respect to a varying copy it is each device's own gradient, which
+  ``pmean`` then averages, as it does with ``check_vma=False`` or ``pmap``.
+  """
+  return jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"),
+                      tree)
+
+
 def check_loss_fn(
     loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool
 ) -> None:
@@ -147,9 +180,7 @@ def rollout(
   """
   num_domains, per_domain = batch_shape(batches, num_chunks)
   chunked = jax.tree.map(
-      lambda x: x.reshape(
-          (num_domains, num_chunks, per_domain // num_chunks) + x.shape[2:]),
-      batches)
+      lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
   check_loss_fn(loss_fn, params,
                 jax.tree.map(lambda x: x[0, 0], chunked), has_aux)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
@@ -159,7 +190,8 @@ def rollout(
     domain, chunk = schedule
     batch = jax.tree.map(lambda x: x[domain, chunk], chunked)
     start = params if parallel else theta
-    loss, grads = grad_fn(start, batch)
+    loss, grads = grad_fn(
+        start if axis_name is None else vary_over(start, axis_name), batch)
     if has_aux:
       loss = loss[0]
     if axis_name is not None:

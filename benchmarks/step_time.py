@@ -1,0 +1,261 @@
+"""Time one update of ERM, Fish, PGrad-B and the bare rollout.
+
+Every method takes the same ``domains x batch`` examples: ERM in one Adam step
+on all of them, the others in ``domains * B`` sequential Adam steps on chunks
+of ``batch / B``. The bare rollout is those inner steps alone
+(``pgrad_jax.rollout``), so "ratio to rollout" is what PGrad's principal
+components cost on top. A PGrad-B update is also split into its parts, each
+jitted and timed on its own: rollout (storing the trajectory), Gram matrix,
+the ``m x m`` eigendecomposition and coefficients, and the weighted sum.
+
+With ``--devices N`` the batch axis is sharded over the first ``N`` devices
+and every method runs data-parallel under ``shard_map`` (gradients averaged
+over the ``data`` axis), each device chunking its own rows.
+
+Run ``python -m benchmarks.step_time --help`` for the flags; the results go to
+stdout as a table and, with ``--out``, to a JSON file.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import PartitionSpec as P
+
+import pgrad_jax
+from benchmarks import common
+from pgrad_jax._src import principal
+from pgrad_jax._src import rollout as rollout_lib
+
+INNER_LR = 1e-3
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", choices=common.MODELS, default="mlp")
+  parser.add_argument("--hidden", type=int, default=2048,
+                      help="MLP hidden width (2048: 4.2M parameters).")
+  parser.add_argument("--image-size", type=int, default=None,
+                      help="Image side for the CNNs (default 28 / 224).")
+  parser.add_argument("--domains", type=int, default=5)
+  parser.add_argument("--batch", type=int, default=63,
+                      help="Examples per domain, split into B chunks.")
+  parser.add_argument("--B", type=int, default=3)
+  parser.add_argument("--k", type=int, default=4)
+  parser.add_argument("--dtype", choices=common.DTYPES, default="float32",
+                      help="Compute dtype; params stay float32.")
+  parser.add_argument("--devices", type=int, default=1,
+                      help="Data-parallel over the first N devices.")
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--unroll", default="auto",
+                      help="Scan unroll: auto (library default), full, or N.")
+  parser.add_argument("--compare-unroll", action="store_true",
+                      help="Time the rollout and PGrad-B rolled (unroll=1) "
+                      "and fully unrolled instead of the default set.")
+  parser.add_argument("--no-split", action="store_true",
+                      help="Skip timing the parts of a PGrad-B update.")
+  parser.add_argument("--out", default=None, help="Write the results as JSON.")
+  return parser.parse_args(argv)
+
+
+class Methods:
+  """The timed updates of one model and config, as jitted functions.
+
+  Each takes ``(params, state, batches)`` with global arrays and runs under
+  ``shard_map`` over the mesh's ``data`` axis: params and state replicated,
+  batches split on their per-domain batch axis.
+  """
+
+  def __init__(self, model: common.Model, args: argparse.Namespace,
+               mesh: jax.sharding.Mesh):
+    self.model, self.args, self.mesh = model, args, mesh
+    self.inner = optax.adam(INNER_LR)
+
+  def data_parallel(self, fn):
+    return jax.jit(jax.shard_map(
+        fn, mesh=self.mesh, in_specs=(P(), P(), P(None, common.DATA)),
+        out_specs=P()))
+
+  def erm(self):
+    """One Adam step on all ``domains x batch`` examples."""
+    def step(params, opt_state, batches):
+      flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
+      # Each device's own gradient, averaged below (see vary_over).
+      loss, grads = jax.value_and_grad(self.model.loss_fn)(
+          rollout_lib.vary_over(params, common.DATA), flat)
+      loss, grads = jax.lax.pmean((loss, grads), common.DATA)
+      updates, opt_state = self.inner.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    return self.data_parallel(step), self.inner.init(self.model.params)
+
+  def transform(self, tx: optax.GradientTransformationExtraArgs):
+    """One outer step of a pgrad/fish chain, applied to the params."""
+    def step(params, state, batches):
+      updates, state = tx.update(None, state, params,
+                                 loss_fn=self.model.loss_fn, batches=batches)
+      return optax.apply_updates(params, updates), state
+
+    return self.data_parallel(step), tx.init(self.model.params)
+
+  def fish(self, unroll):
+    return self.transform(optax.chain(
+        pgrad_jax.fish(self.inner, self.args.B, unroll=unroll,
+                       axis_name=common.DATA), optax.sgd(0.5)))
+
+  def pgrad(self, unroll):
+    return self.transform(optax.chain(
+        pgrad_jax.pgrad(self.inner, self.args.k, self.args.B, unroll=unroll,
+                        axis_name=common.DATA), optax.sgd(0.1)))
+
+  def rollout(self, unroll, trajectory: bool = False):
+    """The inner steps alone: the end point, or the whole trajectory."""
+    args = self.args
+
+    def step(params, inner_state, batches):
+      domains, chunks = pgrad_jax.domain_schedule(
+          jax.random.key(0), args.domains, args.B, "random")
+      out = pgrad_jax.rollout(
+          self.model.loss_fn, self.inner, params, inner_state, batches,
+          domains, chunks, num_chunks=args.B, unroll=unroll,
+          axis_name=common.DATA)
+      if trajectory:
+        return out
+      end = jax.tree.map(lambda p, d: p + d[-1], params, out.displacements)
+      return end, out.inner_state, out.losses
+
+    return self.data_parallel(step), self.inner.init(self.model.params)
+
+
+def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
+  """Zero-argument calls for the four parts of a PGrad-B update."""
+  args = methods.args
+  step, inner_state = methods.rollout(unroll, trajectory=True)
+  inner_state = common.place(inner_state, methods.mesh)
+  trajectory = step(params, inner_state, batches).displacements
+  gram = jax.jit(pgrad_jax.gram)
+  kk = gram(trajectory)
+  coefficients = jax.jit(lambda kk: principal.coefficients(kk, args.k))
+  beta = coefficients(kk)[0]
+  weighted_sum = jax.jit(principal.weighted_sum)
+  return {
+      "rollout (with trajectory)": lambda: step(params, inner_state, batches),
+      "gram": lambda: gram(trajectory),
+      "eigh (m x m)": lambda: coefficients(kk),
+      "projection": lambda: weighted_sum(beta, trajectory),
+  }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  """Times everything ``args`` asks for and returns the JSON record."""
+  model = common.build_model(args.model, dtype=common.DTYPES[args.dtype],
+                             image_size=args.image_size, hidden=args.hidden)
+  mesh = common.make_mesh(data=args.devices)
+  methods = Methods(model, args, mesh)
+  params = common.place(model.params, mesh)
+  batches = common.shard_batches(
+      common.random_batches(model, args.domains, args.batch), mesh)
+
+  default = rollout_lib.default_unroll()
+  chosen = common.parse_unroll(args.unroll)
+  unrolls = [1, True] if args.compare_unroll else [
+      default if chosen is None else chosen]
+  # name -> (builder, unroll name); each method is compared with the bare
+  # rollout of the same unroll, ERM with the first.
+  builders = {"erm": (methods.erm, common.unroll_name(unrolls[0]))}
+  names = ("rollout", "pgrad-B") if args.compare_unroll else (
+      "rollout", "fish", "pgrad-B")
+  build = {"rollout": methods.rollout, "fish": methods.fish,
+           "pgrad-B": methods.pgrad}
+  for unroll in unrolls:
+    unroll_name = common.unroll_name(unroll)
+    suffix = f" [unroll={unroll_name}]" if args.compare_unroll else ""
+    for name in names:
+      builders[name + suffix] = (
+          lambda b=build[name], u=unroll: b(u), unroll_name)
+  rollout_of = {unroll: name for name, (_, unroll) in builders.items()
+                if name.startswith("rollout")}
+
+  calls = {}
+  for name, (build, _) in builders.items():
+    fn, state = build()
+    state = common.place(state, mesh)
+    calls[name] = lambda fn=fn, state=state: fn(params, state, batches)
+  timings = common.time_interleaved(calls, args.repeats, args.warmup)
+
+  split = {}
+  if not (args.no_split or args.compare_unroll):
+    split = common.time_interleaved(
+        split_calls(methods, params, batches, unrolls[0]), args.repeats,
+        args.warmup)
+
+  erm_ms = timings["erm"].median_ms
+  results = {}
+  for name, timing in timings.items():
+    unroll = builders[name][1]
+    rollout_ms = timings[rollout_of[unroll]].median_ms
+    results[name] = timing.as_dict() | {
+        "unroll": None if name == "erm" else unroll,
+        "ratio_to_rollout": timing.median_ms / rollout_ms,
+        "ratio_to_erm": timing.median_ms / erm_ms,
+    }
+  update_ms = next(t.median_ms for n, t in timings.items()
+                   if n.startswith("pgrad-B"))
+  return {
+      "benchmark": "step_time",
+      "environment": common.environment(),
+      "config": vars(args) | {
+          "num_params": model.num_params,
+          "m": args.domains * args.B + 1,
+          "unroll_default": common.unroll_name(default),
+          "unrolls": [common.unroll_name(u) for u in unrolls],
+          "inner_opt": f"adam({INNER_LR})",
+      },
+      "results": results,
+      "split": {name: t.as_dict() | {"share_of_update": t.median_ms / update_ms}
+                for name, t in split.items()},
+  }
+
+
+def report(record: dict[str, Any]) -> str:
+  """The tables a run prints."""
+  config, env = record["config"], record["environment"]
+  lines = [
+      f"{config['model']} ({config['num_params']:,} params), "
+      f"{config['domains']} domains x {config['batch']}, B={config['B']}, "
+      f"k={config['k']}, m={config['m']}, {config['dtype']}, "
+      f"{config['devices']} x {env['device_kind']} ({env['platform']}), "
+      f"jax {env['jax']}, median of {config['repeats']}",
+      common.format_table(
+          ["method", "median ms", "x rollout", "x ERM", "compile ms"],
+          [[name, r["median_ms"], r["ratio_to_rollout"], r["ratio_to_erm"],
+            r["compile_ms"]] for name, r in record["results"].items()]),
+  ]
+  if record["split"]:
+    lines.append(common.format_table(
+        ["part of pgrad-B", "median ms", "share of update"],
+        [[name, r["median_ms"], r["share_of_update"]]
+         for name, r in record["split"].items()]))
+  return "\n\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  record = run(args)
+  if jax.process_index() != 0:  # Every process times; one reports.
+    return record
+  print(report(record))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(record, f, indent=2)
+      f.write("\n")
+  return record
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

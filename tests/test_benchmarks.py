@@ -1,0 +1,96 @@
+"""The benchmarks run end to end on a tiny config and write complete JSON.
+
+Nothing here asserts on speed or memory: only that the records are whole.
+(The multi-device path of ``step_time`` runs in ``test_sharding.py``.)
+"""
+
+import json
+
+import pytest
+
+from benchmarks import common
+from benchmarks import memory
+from benchmarks import step_time
+
+# A rolled scan compiles fastest.
+TINY = ["--hidden", "8", "--domains", "2", "--batch", "4", "--B", "2",
+        "--k", "2", "--unroll", "1"]
+ENVIRONMENT = {"platform", "device_kind", "device_count", "process_count",
+               "jax", "jaxlib", "optax"}
+
+
+def run_json(main, argv, tmp_path):
+  out = tmp_path / "result.json"
+  returned = main(argv + ["--out", str(out)])
+  written = json.loads(out.read_text())
+  assert written == json.loads(json.dumps(returned))
+  assert written["environment"].keys() == ENVIRONMENT
+  return written
+
+
+def test_step_time(tmp_path, capsys):
+  record = run_json(step_time.main, ["--model", "mlp", *TINY, "--repeats",
+                                     "2", "--warmup", "0"], tmp_path)
+  assert record["config"]["m"] == 5
+  assert record["config"]["devices"] == 1
+  assert record["results"].keys() == {"erm", "rollout", "fish", "pgrad-B"}
+  for result in record["results"].values():
+    assert len(result["times_ms"]) == 2
+    assert {"median_ms", "compile_ms", "ratio_to_rollout", "ratio_to_erm",
+            "unroll"} <= result.keys()
+  assert record["results"]["rollout"]["ratio_to_rollout"] == 1
+  assert record["split"].keys() == {"rollout (with trajectory)", "gram",
+                                    "eigh (m x m)", "projection"}
+  assert "pgrad-B" in capsys.readouterr().out
+
+
+def test_step_time_compare_unroll(tmp_path):
+  record = run_json(step_time.main, ["--model", "mlp", *TINY, "--repeats",
+                                     "1", "--warmup", "0", "--compare-unroll"],
+                    tmp_path)
+  assert record["results"].keys() == {
+      "erm", "rollout [unroll=1]", "pgrad-B [unroll=1]",
+      "rollout [unroll=full]", "pgrad-B [unroll=full]"}
+  results = record["results"]
+  for unroll in ("1", "full"):
+    pgrad, rollout = (results[f"{name} [unroll={unroll}]"]
+                      for name in ("pgrad-B", "rollout"))
+    assert pgrad["unroll"] == unroll
+    assert pgrad["ratio_to_rollout"] == pytest.approx(
+        pgrad["median_ms"] / rollout["median_ms"])
+  assert record["split"] == {}
+
+
+def test_memory(tmp_path):
+  record = run_json(memory.main, TINY, tmp_path)
+  assert [(r["hidden"], r["m"]) for r in record["rows"]] == [(8, 5)]
+  for row in record["rows"]:
+    assert row["trajectory_bytes"] == (row["m"] - 1) * row["d"] * 4
+    assert row["compiled"]["peak"] > 0
+    assert row["bound_bytes"] > row["trajectory_bytes"]
+  bf16 = record["bfloat16_trajectory"]
+  assert 0 <= bf16["relative_error"] < 1
+  assert -1 <= bf16["cosine_similarity"] <= 1 + 1e-9
+
+
+def test_mesh_helpers_on_one_device():
+  mesh = common.make_mesh()
+  assert dict(mesh.shape) == {common.DATA: 1, common.FSDP: 1}
+  model = common.mlp(8)
+  placed = common.place(model.params, mesh, fsdp=True)
+  batches = common.shard_batches(common.random_batches(model, 2, 4), mesh)
+  assert batches["x"].shape == (2, 4, common.MLP_INPUTS)
+  assert tuple(batches["x"].sharding.spec) == (None, common.DATA)
+  assert all(x.sharding.mesh == mesh for x in placed.values()
+             for x in x.values())
+
+
+@pytest.mark.parametrize("shape, size, spec", [
+    ((16, 64), 8, (None, common.FSDP)),
+    ((64,), 8, (common.FSDP,)),
+    ((10,), 8, ()),
+    ((), 8, ()),
+    ((16, 64), 1, ()),
+])
+def test_fsdp_spec(shape, size, spec):
+  assert tuple(common.fsdp_spec(shape, size)) == spec
