@@ -266,4 +266,5 @@ def unroll_name(unroll: int | bool) -> str:
 
 
 def num_bytes(tree: Any) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  return sum(x.size * jnp.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
