@@ -7,6 +7,7 @@ assembled from each process's local rows.
 
 import dataclasses
 import importlib.metadata
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -268,3 +269,12 @@ def unroll_name(unroll: int | bool) -> str:
 def num_bytes(tree: Any) -> int:
   return sum(x.size * jnp.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(tree))
+
+
+def publish(record: dict[str, Any], table: str, out: str | None) -> None:
+  """Prints a benchmark's table and writes its record as JSON to ``out``."""
+  print(table)
+  if out:
+    with open(out, "w") as f:
+      json.dump(record, f, indent=2)
+      f.write("\n")

@@ -15,7 +15,6 @@ the memory saved.
 """
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -195,11 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "bfloat16_trajectory": bfloat16_trajectory(
           args.hidden[-1], args.domains[-1], args, unroll),
   }
-  print(report(record))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(record, f, indent=2)
-      f.write("\n")
+  common.publish(record, report(record), args.out)
   return record
 
 

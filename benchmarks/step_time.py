@@ -17,7 +17,6 @@ stdout as a table and, with ``--out``, to a JSON file.
 """
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -249,11 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   record = run(args)
   if jax.process_index() != 0:  # Every process times; one reports.
     return record
-  print(report(record))
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(record, f, indent=2)
-      f.write("\n")
+  common.publish(record, report(record), args.out)
   return record
 
 
