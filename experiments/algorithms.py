@@ -24,12 +24,12 @@ Conventions shared by all algorithms:
 * Dropout: every example gets a key split from the step's key, and a forward
   pass over a batch uses its first example's key, so every inner step of a
   rollout draws fresh masks.
-* BatchNorm in ``"train"`` mode: a rollout's loss function returns only a
-  scalar, so no algorithm keeps the statistics of its loss's forward passes.
-  Instead, after the parameter update, one train-mode forward pass with the new
-  parameters over all of the step's (un-mixed) examples updates the running
-  statistics. (With frozen BatchNorm that pass changes nothing, and XLA drops
-  it as dead code.)
+* BatchNorm in ``"train"`` mode: the running statistics are those of the
+  loss's own forward passes. A gradient step keeps the statistics of its one
+  forward pass; a rollout hands them to `pgrad_jax` as its model state, so
+  every inner step updates them in turn and the update returns the statistics
+  of the rollout's last step, as a sequence of train-mode steps of the
+  network would. (With frozen BatchNorm there are no statistics to carry.)
 """
 
 from __future__ import annotations
@@ -101,25 +101,6 @@ class Network:
     """The logits of ``images`` and the statistics after the forward pass."""
     model = self.bind(params, stats, train=train)
     return model(images, rngs=key), nnx.state(model, nnx.BatchStat)
-
-  def refresh_stats(
-      self, params: Params, stats: Stats, batches: Batches
-  ) -> Stats:
-    """Updates BatchNorm running statistics with a train-mode forward pass.
-
-    Args:
-      params: the parameters to run the pass with.
-      stats: the statistics to update; empty when nothing to do.
-      batches: the step's batches, with keys from `with_example_keys`.
-
-    Returns:
-      The updated statistics.
-    """
-    if not jax.tree.leaves(stats):
-      return stats
-    batch = merge_domains(batches)
-    _, stats = self.logits(params, stats, batch["image"], batch["key"][0])
-    return stats
 
 
 class Algorithm(NamedTuple):
@@ -212,13 +193,14 @@ def cross_entropy(logits: jax.Array, batch: Batches) -> jax.Array:
 
 
 def batch_loss(
-    network: Network, stats: Stats
-) -> Callable[[Params, Batches], jax.Array]:
-  """``loss_fn(params, batch) -> mean cross-entropy`` of a keyed batch."""
+    network: Network
+) -> Callable[[Params, Batches, Stats], tuple[jax.Array, Stats]]:
+  """``loss_fn(params, batch, stats) -> (mean cross-entropy, new stats)``."""
 
-  def loss_fn(params, batch):
-    logits, _ = network.logits(params, stats, batch["image"], batch["key"][0])
-    return cross_entropy(logits, batch).mean()
+  def loss_fn(params, batch, stats):
+    logits, stats = network.logits(params, stats, batch["image"],
+                                   batch["key"][0])
+    return cross_entropy(logits, batch).mean(), stats
 
   return loss_fn
 
@@ -281,22 +263,23 @@ def _adam(hparams: HParams) -> optax.GradientTransformation:
 
 
 def _gradient_algorithm(
-    network: Network,
     hparams: HParams,
     objective: Callable[[Params, Stats, Batches, jax.Array],
-                        tuple[jax.Array, Metrics]],
+                        tuple[jax.Array, tuple[Metrics, Stats]]],
 ) -> Algorithm:
-  """Adam on ``objective(params, stats, batches, key) -> (loss, metrics)``."""
+  """Adam on ``objective(params, stats, batches, key)``.
+
+  The objective returns ``(loss, (metrics, new_stats))``.
+  """
   tx = _adam(hparams)
 
   def update(params, stats, state, batches, key):
     data_key, objective_key = jax.random.split(key)
     batches = with_example_keys(batches, data_key)
-    grads, metrics = jax.grad(objective, has_aux=True)(
+    grads, (metrics, stats) = jax.grad(objective, has_aux=True)(
         params, stats, batches, objective_key)
     updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    return params, network.refresh_stats(params, stats, batches), state, metrics
+    return optax.apply_updates(params, updates), stats, state, metrics
 
   return Algorithm(tx.init, update)
 
@@ -316,15 +299,27 @@ def _rollout_algorithm(
   tx = optax.chain(rollout, optax.add_decayed_weights(hparams["weight_decay"]),
                    optax.sgd(outer_lr))
 
+  loss_fn = batch_loss(network)
+
   def update(params, stats, state, batches, key):
     data_key, mix_key = jax.random.split(key)
     batches = with_example_keys(batches, data_key)
-    inputs = batches
     if mix_chunks is not None:
-      inputs = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks)
-    updates, state = tx.update(None, state, params,
-                               loss_fn=batch_loss(network, stats),
-                               batches=inputs)
+      batches = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks)
+    # Trained statistics ride along as the rollout's model state for this one
+    # update; the algorithm's own state keeps None there, so its structure
+    # (and checkpoints) do not depend on the BatchNorm mode.
+    stateful = bool(jax.tree.leaves(stats))
+    if stateful:
+      state = optax.tree_utils.tree_set(state, model_state=stats)
+    updates, state = tx.update(
+        None, state, params,
+        loss_fn=loss_fn if stateful else (
+            lambda p, batch: loss_fn(p, batch, stats)[0]),
+        batches=batches)
+    if stateful:
+      stats = optax.tree_utils.tree_get(state, "model_state")
+      state = optax.tree_utils.tree_set(state, model_state=None)
     params = optax.apply_updates(params, updates)
     rollout_state: pgrad_jax.PGradState = state[0]
     metrics = {"loss": rollout_state.loss,
@@ -334,7 +329,7 @@ def _rollout_algorithm(
       eigenvalues = rollout_state.eigenvalues
       total = eigenvalues.sum()
       metrics["eigenvalues"] = eigenvalues / jnp.where(total > 0, total, 1.0)
-    return params, network.refresh_stats(params, stats, batches), state, metrics
+    return params, stats, state, metrics
 
   return Algorithm(tx.init, update)
 
@@ -351,10 +346,10 @@ def erm(network: Network, hparams: HParams, *, num_domains: int,
 
   def objective(params, stats, batches, key):
     del key
-    loss = batch_loss(network, stats)(params, merge_domains(batches))
-    return loss, {"loss": loss}
+    loss, stats = batch_loss(network)(params, merge_domains(batches), stats)
+    return loss, ({"loss": loss}, stats)
 
-  return _gradient_algorithm(network, hparams, objective)
+  return _gradient_algorithm(hparams, objective)
 
 
 def pgrad(
@@ -428,7 +423,7 @@ def head_gradients(
     images: jax.Array,
     labels: jax.Array,
     key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, Stats]:
   """Logits and per-example cross-entropy gradients w.r.t. the head.
 
   The gradients stay differentiable w.r.t. all ``params``, featurizer
@@ -443,7 +438,8 @@ def head_gradients(
     key: dropout key.
 
   Returns:
-    ``(logits (N, C), gradients (N, P))``, ``P`` the number of head params.
+    ``(logits (N, C), gradients (N, P), stats)``, ``P`` the number of head
+    params and ``stats`` the BatchNorm statistics after the forward pass.
   """
   model = network.bind(params, stats)
   features = model.features(images, rngs=key)
@@ -456,7 +452,8 @@ def head_gradients(
   grads = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(
       head_params, features, labels)
   flat = [g.reshape(len(labels), -1) for g in jax.tree.leaves(grads)]
-  return model.head(features), jnp.concatenate(flat, axis=1)
+  return (model.head(features), jnp.concatenate(flat, axis=1),
+          nnx.state(model, nnx.BatchStat))
 
 
 def fishr_penalty(variances: jax.Array) -> jax.Array:
@@ -496,19 +493,20 @@ def fishr(network: Network, hparams: HParams, *, num_domains: int,
   def objective(params, stats, batches, state):
     n, b = batches["label"].shape
     batch = merge_domains(batches)
-    logits, grads = head_gradients(network, params, stats, batch["image"],
-                                   batch["label"], batch["key"][0])
+    logits, grads, stats = head_gradients(
+        network, params, stats, batch["image"], batch["label"],
+        batch["key"][0])
     nll = cross_entropy(logits, batch).mean()
     variances = jnp.var(grads.reshape(n, b, -1), axis=1)
     moving = ema * state.ema + (1 - ema) * variances
     penalty = fishr_penalty(moving / (1 - ema))
     objective = nll + jnp.where(state.count >= anneal, weight, 0.0) * penalty
-    return objective, (moving, {"loss": objective, "nll": nll,
-                                "penalty": penalty})
+    return objective, (moving, stats, {"loss": objective, "nll": nll,
+                                       "penalty": penalty})
 
   def update(params, stats, state, batches, key):
     batches = with_example_keys(batches, key)
-    grads, (moving, metrics) = jax.grad(objective, has_aux=True)(
+    grads, (moving, stats, metrics) = jax.grad(objective, has_aux=True)(
         params, stats, batches, state)
     # The jump in gradient scale when the penalty switches on would mislead
     # Adam's moment estimates, so DomainBed restarts it there.
@@ -518,7 +516,7 @@ def fishr(network: Network, hparams: HParams, *, num_domains: int,
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     state = FishrState(opt_state, moving, state.count + 1)
-    return params, network.refresh_stats(params, stats, batches), state, metrics
+    return params, stats, state, metrics
 
   return Algorithm(init, update)
 
@@ -531,7 +529,7 @@ def mixup_algorithm(network: Network, hparams: HParams, *, num_domains: int,
 
   def objective(params, stats, batches, key):
     mixed = mixup(batches, key, hparams["mixup_alpha"])
-    loss = batch_loss(network, stats)(params, merge_domains(mixed))
-    return loss, {"loss": loss}
+    loss, stats = batch_loss(network)(params, merge_domains(mixed), stats)
+    return loss, ({"loss": loss}, stats)
 
-  return _gradient_algorithm(network, hparams, objective)
+  return _gradient_algorithm(hparams, objective)

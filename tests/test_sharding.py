@@ -140,6 +140,24 @@ def _sharded_report(out_path: str) -> None:
   report["shard_map"] = {"error": rel_error(
       out, single_device(sgd_tx, sgd_update, params, chunk_major))}
 
+  # A model state (a running mean of the inputs, as BatchNorm keeps) follows
+  # the rollout and is averaged over the data axis.
+  def stateful_loss(p, batch, model_state):
+    return mlp_loss(p, batch), 0.9 * model_state + 0.1 * batch["x"].mean(0)
+
+  stateful_tx, stateful_update = make_update(stateful_loss,
+                                             inner=optax.sgd(0.1))
+  _, local_stateful = make_update(stateful_loss, axis_name="data",
+                                  inner=optax.sgd(0.1))
+  state = optax.tree_utils.tree_set(stateful_tx.init(params),
+                                    model_state=jnp.zeros(SIZES[0]))
+  mapped = jax.jit(jax.shard_map(
+      local_stateful, mesh=mesh, in_specs=(P(), P(), P(None, "data")),
+      out_specs=P()))
+  report["shard_map_model_state"] = {"error": rel_error(
+      mapped(params, state, batches)[1].model_state,
+      jax.jit(stateful_update)(params, state, chunk_major)[1].model_state)}
+
   mesh = jax.make_mesh((NUM_DEVICES,), ("fsdp",), axis_types=(AxisType.Auto,))
   out, found = on_mesh(tx, update, mesh, params, batches, by_fsdp, replicated)
   report["fsdp"] = {"error": rel_error(out, expected), **found}
@@ -198,7 +216,8 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("case", ["data_auto", "data_explicit", "shard_map",
-                                  "fsdp", "fsdp_explicit", "data_fsdp"])
+                                  "shard_map_model_state", "fsdp",
+                                  "fsdp_explicit", "data_fsdp"])
 def test_matches_single_device(report, case):
   assert report[case]["error"] < TOLERANCE
 

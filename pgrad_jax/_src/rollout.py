@@ -24,11 +24,14 @@ class Rollout(NamedTuple):
       axis of length ``num_steps``: entry ``i`` is ``theta_{i+1} - theta_0``.
     inner_state: the inner optimizer state after the last step.
     losses: float32 ``(num_steps,)``, the loss at each step's starting point.
+    model_state: the model state after the last step's forward pass (e.g.
+      BatchNorm running statistics); None for a stateless loss.
   """
 
   displacements: optax.Params
   inner_state: optax.OptState
   losses: jax.Array
+  model_state: Any = None
 
 
 def default_unroll() -> int | bool:
@@ -112,23 +115,52 @@ def vary_over(tree: Any, axis_name: Any) -> Any:
 
 
 def check_loss_fn(
-    loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool
+    loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool,
+    model_state: Any = None,
 ) -> None:
-  """Checks at trace time that ``loss_fn(params, batch)`` gives a scalar."""
+  """Checks at trace time that ``loss_fn`` gives a scalar (and a model state).
+
+  With ``model_state`` (not None), ``loss_fn(params, batch, model_state)``
+  must return ``(loss, new_model_state)`` with ``new_model_state`` shaped like
+  ``model_state``; otherwise ``loss_fn(params, batch)`` returns the loss, or
+  ``(loss, aux)`` with ``has_aux``.
+  """
   if not callable(loss_fn):
     raise TypeError(
         "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
         f"{type(loss_fn).__name__}. Pass it as a keyword: "
         "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
-  out = jax.eval_shape(loss_fn, params, batch)
-  if has_aux:
+  if model_state is not None:
+    if has_aux:
+      raise ValueError(
+          "has_aux=True cannot be combined with a model state: with a model "
+          "state, loss_fn(params, batch, model_state) returns "
+          "(loss, new_model_state). Build the transform with has_aux=False.")
+    out = jax.eval_shape(loss_fn, params, batch, model_state)
     if not (isinstance(out, tuple) and len(out) == 2):
-      raise TypeError("With has_aux=True, loss_fn must return (loss, aux); got "
-                      f"{out}.")
-    out = out[0]
-  elif isinstance(out, tuple):
-    raise TypeError("loss_fn returned a tuple; if it returns (loss, aux), "
-                    "build the transform with has_aux=True.")
+      raise TypeError(
+          "With a model state, loss_fn(params, batch, model_state) must return "
+          f"(loss, new_model_state); got {out}.")
+    out, new_state = out
+    expected = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)),
+                            model_state)
+    got = jax.tree.map(lambda x: (x.shape, x.dtype), new_state)
+    if (jax.tree.structure(expected) != jax.tree.structure(got)
+        or expected != got):
+      raise TypeError(
+          "loss_fn's new model state must have the structure, shapes and "
+          f"dtypes of the model state it was given: expected {expected}, got "
+          f"{got}.")
+  else:
+    out = jax.eval_shape(loss_fn, params, batch)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError("With has_aux=True, loss_fn must return (loss, aux); "
+                        f"got {out}.")
+      out = out[0]
+    elif isinstance(out, tuple):
+      raise TypeError("loss_fn returned a tuple; if it returns (loss, aux), "
+                      "build the transform with has_aux=True.")
   if getattr(out, "shape", None) != () or not jnp.issubdtype(
       out.dtype, jnp.floating):
     raise TypeError(
@@ -152,6 +184,7 @@ def rollout(
     unroll: int | bool = 1,
     trajectory_dtype: Any = None,
     axis_name: str | None = None,
+    model_state: Any = None,
 ) -> Rollout:
   """Takes one inner-optimizer step per scheduled (domain, chunk).
 
@@ -174,6 +207,12 @@ def rollout(
       leaf's dtype.
     axis_name: a mapped axis (``shard_map``/``pmap``) over which the data is
       split: gradients and losses are averaged over it.
+    model_state: state that the loss's forward pass updates and that is not
+      trained by gradient (e.g. BatchNorm running statistics). When given,
+      ``loss_fn(params, batch, model_state)`` returns
+      ``(loss, new_model_state)`` and each step starts from the state the
+      previous step left, so the state follows the rollout; with
+      ``axis_name`` it is averaged over the mapped axis.
 
   Returns:
     A :class:`Rollout`.
@@ -181,28 +220,36 @@ def rollout(
   num_domains, per_domain = batch_shape(batches, num_chunks)
   chunked = jax.tree.map(
       lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
-  check_loss_fn(loss_fn, params,
-                jax.tree.map(lambda x: x[0, 0], chunked), has_aux)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  check_loss_fn(loss_fn, params, jax.tree.map(lambda x: x[0, 0], chunked),
+                has_aux, model_state)
+  stateful = model_state is not None
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or stateful)
 
   def step(carry, schedule):
-    theta, state = carry
+    theta, state, model = carry
     domain, chunk = schedule
     batch = jax.tree.map(lambda x: x[domain, chunk], chunked)
     start = params if parallel else theta
-    loss, grads = grad_fn(
-        start if axis_name is None else vary_over(start, axis_name), batch)
-    if has_aux:
+    varying = start if axis_name is None else vary_over(start, axis_name)
+    loss, grads = grad_fn(varying, batch, *([model] if stateful else []))
+    if stateful:
+      loss, model = loss
+    elif has_aux:
       loss = loss[0]
     if axis_name is not None:
       loss, grads = jax.lax.pmean((loss, grads), axis_name)
+      # Integer state (e.g. a step counter) is the same on every device.
+      model = jax.tree.map(
+          lambda x: jax.lax.pmean(x, axis_name)
+          if jnp.issubdtype(x.dtype, jnp.inexact) else x, model)
     updates, state = inner_opt.update(grads, state, start)
     theta = optax.apply_updates(start, updates)
     displacement = jax.tree.map(
         lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype), theta,
         params)
-    return (theta, state), (displacement, loss.astype(jnp.float32))
+    return (theta, state, model), (displacement, loss.astype(jnp.float32))
 
-  (_, inner_state), (displacements, losses) = jax.lax.scan(
-      step, (params, inner_state), (domains, chunks), unroll=unroll)
-  return Rollout(displacements, inner_state, losses)
+  (_, inner_state, model_state), (displacements, losses) = jax.lax.scan(
+      step, (params, inner_state, model_state), (domains, chunks),
+      unroll=unroll)
+  return Rollout(displacements, inner_state, losses, model_state)

@@ -20,6 +20,13 @@ class PGradState(NamedTuple):
   Attributes:
     inner_state: the inner optimizer's state; it carries over from one outer
       step to the next unless ``reset_inner_state=True``.
+    model_state: None, or model state that the loss's forward pass updates
+      and gradients do not train, such as BatchNorm running statistics. Set
+      it once after ``init`` (``optax.tree_utils.tree_set(state,
+      model_state=batch_stats)``); then ``loss_fn(params, batch, model_state)``
+      returns ``(loss, new_model_state)``, the state follows the rollout's
+      inner steps, and each update leaves the state of the rollout's last
+      step here (``optax.tree_utils.tree_get(state, "model_state")``).
     key: the PRNG key that draws the random domain order.
     eigenvalues: ``(m,)`` spectrum of the last trajectory's centred Gram
       matrix, descending, with ``m = num_domains * B + 1``; None unless
@@ -33,6 +40,7 @@ class PGradState(NamedTuple):
   """
 
   inner_state: optax.OptState
+  model_state: Any
   key: jax.Array
   eigenvalues: jax.Array | None
   ref_norm: jax.Array
@@ -88,6 +96,7 @@ def _rollout_transform(
             "wrt=nnx.Param).")
     return PGradState(
         inner_state=inner_opt.init(params),
+        model_state=None,
         key=jax.random.PRNGKey(seed),
         # Absent diagnostics are None, not empty arrays, which checkpointers
         # such as Orbax refuse to save.
@@ -124,23 +133,27 @@ def _rollout_transform(
         loss_fn, inner_opt, params, inner_state, batches, domains, chunks,
         num_chunks=B, parallel=parallel, has_aux=has_aux,
         unroll=rollout_lib.default_unroll() if unroll is None else unroll,
-        trajectory_dtype=trajectory_dtype, axis_name=axis_name)
+        trajectory_dtype=trajectory_dtype, axis_name=axis_name,
+        model_state=state.model_state)
     step, eigenvalues, ref_norm = reduce(out)
     step = jax.tree.map(lambda u, p: u.astype(p.dtype), step, params)
 
-    inner_state = out.inner_state
+    inner_state, model_state = out.inner_state, out.model_state
     skipped = jnp.zeros((), bool)
     if nonfinite == "skip":
       finite = jnp.all(jnp.isfinite(out.losses))
-      for leaf in jax.tree.leaves(step):
-        finite &= jnp.all(jnp.isfinite(leaf))
+      for leaf in jax.tree.leaves((step, model_state)):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+          finite &= jnp.all(jnp.isfinite(leaf))
       skipped = ~finite
       step = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype), step)
-      inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                 out.inner_state, state.inner_state)
+      inner_state, model_state = jax.tree.map(
+          lambda new, old: jnp.where(finite, new, old),
+          (inner_state, model_state), (state.inner_state, state.model_state))
 
     new_state = PGradState(
         inner_state=inner_state,
+        model_state=model_state,
         key=key,
         eigenvalues=eigenvalues.astype(jnp.float32) if m else None,
         ref_norm=ref_norm.astype(jnp.float32),
@@ -203,9 +216,10 @@ def pgrad(
     reset_inner_state: re-initialise the inner optimizer every outer step
       instead of carrying its state over.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is ignored.
-    nonfinite: ``"skip"``: if any inner loss or the update is not finite, the
-      update is zero, the inner state is kept and ``num_skipped`` counts it, so
-      NaN never reaches the params; ``"propagate"``: no check.
+    nonfinite: ``"skip"``: if any inner loss, the update or the new model
+      state is not finite, the update is zero, the inner and model states are
+      kept and ``num_skipped`` counts it, so NaN never reaches the params;
+      ``"propagate"``: no check.
     unroll: ``jax.lax.scan`` unroll of the rollout; None picks per backend
       (fully unrolled on CPU, where rolled loops are slow; rolled elsewhere).
     trajectory_dtype: dtype of the stored trajectory (displacements from
@@ -223,8 +237,10 @@ def pgrad(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`PGradState`. Its ``update(updates, state, params, *, loss_fn,
-    batches, **extra_args)`` takes ``loss_fn(params, batch) -> scalar`` and
-    ``batches``, a pytree with leaves shaped ``(n_domains, batch, ...)``.
+    batches, **extra_args)`` takes ``loss_fn(params, batch) -> scalar`` (or,
+    with a model state in the state, ``loss_fn(params, batch, model_state) ->
+    (loss, new_model_state)``) and ``batches``, a pytree with leaves shaped
+    ``(n_domains, batch, ...)``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
