@@ -85,6 +85,7 @@ def dataset_table(
     dataset: str,
     algorithms: Sequence[str],
     num_domains: int,
+    domain_names: Sequence[str] | None = None,
 ) -> str:
   """One dataset's table: an algorithm per row, a held-out domain per column.
 
@@ -93,6 +94,8 @@ def dataset_table(
     dataset: the dataset.
     algorithms: the rows, in order.
     num_domains: the dataset's number of domains.
+    domain_names: their names, shown next to the env indices; None shows the
+      indices alone (records written before names were recorded).
 
   Returns:
     The Markdown table.
@@ -104,7 +107,10 @@ def dataset_table(
       ])
       for algorithm in algorithms
   ]
-  header = ["Algorithm", *(f"env{i}" for i in range(num_domains)), "Avg"]
+  envs = [f"env{i}" for i in range(num_domains)]
+  if domain_names is not None:
+    envs = [f"{env} ({name})" for env, name in zip(envs, domain_names)]
+  header = ["Algorithm", *envs, "Avg"]
   return markdown_table(header, rows)
 
 
@@ -211,6 +217,8 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
                         algorithms_lib.ALGORITHMS)
   num_domains = {d: model_selection.num_envs(by_dataset[d][0])
                  for d in datasets}
+  domain_names = {d: next((r["domains"] for r in by_dataset[d]
+                           if "domains" in r), None) for d in datasets}
 
   lines = [
       "# Results",
@@ -224,7 +232,7 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
     for dataset in datasets:
       lines += ["", f"### {dataset}", "",
                 dataset_table(selected, dataset, algorithms,
-                              num_domains[dataset])]
+                              num_domains[dataset], domain_names[dataset])]
     lines += ["", "### Averages", "",
               summary_table(selected, algorithms, num_domains)]
 

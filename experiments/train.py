@@ -12,6 +12,7 @@ training domain from its "in" split, with replacement. Every
 appends a line to ``<output_dir>/results.jsonl``::
 
   {"args": {...the resolved config...}, "hparams": {...},
+   "domains": [str],      # the dataset's domain names; domain i is env{i}
    "step": int,           # updates done
    "epoch": float,        # steps * batch_size / smallest training in split
    "loss": float,         # mean training loss since the previous line
@@ -350,7 +351,7 @@ def train(config: config_lib.Config) -> Record:
       step_time = (time.time() - interval_start) / meter.count
       record = {
           "args": dataclasses.asdict(config), "hparams": hparams,
-          "step": step, "epoch": step / steps_per_epoch,
+          "domains": list(dataset.domain_names), "step": step, "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
           **evaluate(eval_step, state, dataset, sets, config, sharder)}
       with results_path.open("a") as f:

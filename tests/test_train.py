@@ -70,6 +70,7 @@ def test_run_writes_domainbed_results_and_done(reference):
   for record in records:
     assert record["args"]["algorithm"] == "PGrad-B"
     assert record["args"]["test_envs"] == [0, 1, 2, 3]
+    assert record["domains"] == ["0", "15", "30", "45", "60", "75"]
     assert record["hparams"]["B"] == B and record["hparams"]["batch_size"] == 6
     for key in ("epoch", "loss", "step_time", "ref_norm"):
       assert np.isfinite(record[key]), key
