@@ -306,6 +306,10 @@ def train(config: config_lib.Config) -> Record:
       config.algorithm, network, hparams, num_domains=len(train_domains),
       seed=config.seed)
   sharder = Sharder()
+  count = jax.device_count()
+  print(f"{config.algorithm} on {config.dataset}, held out "
+        f"{config.test_envs}: {count} {jax.default_backend()} "
+        f"device{'s' if count > 1 else ''}.", file=sys.stderr)
   state = sharder.replicate(TrainState(
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
   train_iter = input_pipeline.make_train_iterator(

@@ -126,6 +126,24 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
           == [comparable(r) for r in _records(reference)])
 
 
+@pytest.mark.slow
+def test_runs_data_parallel_on_several_devices(reference, env, tmp_path):
+  # Same command on two (simulated) devices: the batches are split over a
+  # data axis and the run agrees with the one-device run up to the order of
+  # floating-point sums.
+  env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
+                             "--xla_force_host_platform_device_count=2"}
+  result = subprocess.run(_command(tmp_path), cwd=REPO, env=env,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  assert ": 2 cpu devices." in result.stderr
+  expected, got = _params(reference), _params(tmp_path)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_allclose(got[key], expected[key], rtol=1e-3, atol=1e-5,
+                               err_msg=key)
+
+
 def test_every_config_field_is_a_flag():
   flags = {"dataset": "PACS", "algorithm": "Fishr", "test_envs": [1, 2],
            "data_dir": "d", "output_dir": "o", "steps": 7,
