@@ -26,10 +26,11 @@ import numpy as np
 import optax
 
 import pgrad_jax
+from benchmarks import common
 
 NUM_PROCESSES, LOCAL_DEVICES = 2, 2
 DOMAINS, BATCH, B, K, STEPS = 3, 8, 2, 3, 2
-SIZES = (8, 16, 4)
+HIDDEN = 16
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
 TOLERANCE = 1e-5
@@ -37,24 +38,9 @@ TOLERANCE = 1e-5
 
 def _problem():
   """Params, the global batches and the loss, identical in every process."""
-  rng = np.random.default_rng(0)
-  params = {
-      f"layer{i}": {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(
-          np.float32), "b": (rng.normal(size=b) * 0.1).astype(np.float32)}
-      for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:]))}
-  batches = {
-      "x": rng.normal(size=(DOMAINS, BATCH, SIZES[0])).astype(np.float32),
-      "y": rng.integers(0, SIZES[-1], (DOMAINS, BATCH)).astype(np.int32)}
-
-  def loss_fn(p, batch):
-    x = batch["x"]
-    for i in range(len(p)):
-      x = x @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"]
-      x = jax.nn.relu(x) if i < len(p) - 1 else x
-    return optax.softmax_cross_entropy_with_integer_labels(
-        x, batch["y"]).mean()
-
-  return params, batches, loss_fn
+  model = common.mlp(hidden=HIDDEN)  # Seeded: the same params everywhere.
+  return model.params, common.random_batches(model, DOMAINS, BATCH), (
+      model.loss_fn)
 
 
 def _transform():
