@@ -20,6 +20,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pgrad_jax._src import rollout as rollout_lib
+
 MODELS = ("mlp", "mnist_cnn", "resnet18", "resnet50")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NUM_CLASSES = 10
@@ -253,12 +255,20 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def parse_unroll(value: str) -> int | bool | None:
-  """``auto`` (the library's per-backend default), ``full`` or an int."""
+  """``auto`` (the library's default for the backend and loss), ``full`` or an
+  int."""
   if value == "auto":
     return None
   if value == "full":
     return True
   return int(value)
+
+
+def default_unroll(model: Model, batch: int, num_chunks: int) -> int | bool:
+  """The library's unroll for ``model`` on chunks of ``batch / num_chunks``."""
+  chunk = random_batches(model, 1, batch // num_chunks)
+  return rollout_lib.default_unroll(model.loss_fn, model.params,
+                                    jax.tree.map(lambda x: x[0], chunk))
 
 
 def unroll_name(unroll: int | bool) -> str:

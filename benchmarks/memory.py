@@ -27,7 +27,6 @@ from jax.flatten_util import ravel_pytree
 
 import pgrad_jax
 from benchmarks import common
-from pgrad_jax._src import rollout as rollout_lib
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -184,7 +183,9 @@ def report(record: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   args = parse_args(argv)
   unroll = common.parse_unroll(args.unroll)
-  used = rollout_lib.default_unroll() if unroll is None else unroll
+  used = unroll
+  if unroll is None:
+    used = common.default_unroll(common.mlp(args.hidden[0]), args.batch, args.B)
   rows = measure_all(args, unroll)
   record = {
       "benchmark": "memory",

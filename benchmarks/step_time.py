@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   batches = common.shard_batches(
       common.random_batches(model, args.domains, args.batch), mesh)
 
-  default = rollout_lib.default_unroll()
+  default = common.default_unroll(model, args.batch, args.B)
   chosen = common.parse_unroll(args.unroll)
   unrolls = [1, True] if args.compare_unroll else [
       default if chosen is None else chosen]

@@ -17,6 +17,7 @@ So the trajectory is read twice, once for ``K`` and once for the weighted sum,
 and nothing but ``K`` (``m x m``) is ever reduced across devices.
 """
 
+import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -45,7 +46,29 @@ class Principal(NamedTuple):
   ref_norm: jax.Array
 
 
-def gram(displacements: optax.Params) -> jax.Array:
+# Elements of one trajectory point per block of a blocked Gram product: the
+# block of all points (about 1 MiB for m = 16 in float32) stays in cache.
+CPU_GRAM_BLOCK = 1 << 14
+
+
+def default_gram_block() -> int | None:
+  """The ``block_size`` of :func:`gram` suited to the current devices.
+
+  XLA:CPU computes ``D D^T`` by first copying the whole trajectory into a
+  transposed layout: twice the trajectory's memory, and (measured on a 4.2M
+  parameter MLP with m = 16) three times slower than the product done block by
+  block. On one CPU device the Gram is therefore blocked. GPU and TPU
+  libraries transpose for free, and with several devices a leaf may be
+  sharded on the axis the blocks slice, which would gather it: there the
+  product is left whole.
+  """
+  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+    return CPU_GRAM_BLOCK
+  return None
+
+
+def gram(displacements: optax.Params, *,
+         block_size: int | None = None) -> jax.Array:
   """``K[i, j] = <D_i, D_j>`` summed leaf by leaf, in at least float32.
 
   Each leaf is contracted over its own axes, so no leaf is reshaped or
@@ -54,6 +77,9 @@ def gram(displacements: optax.Params) -> jax.Array:
 
   Args:
     displacements: a pytree whose leaves have a leading axis of length ``s``.
+    block_size: None, or about how many elements of each point to contract
+      at a time: a leaf then goes through in slices of its first axis (see
+      :func:`default_gram_block`). Not for leaves sharded on that axis.
 
   Returns:
     The ``(s, s)`` Gram matrix.
@@ -64,7 +90,13 @@ def gram(displacements: optax.Params) -> jax.Array:
     >>> gram({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}).tolist()
     [[5.0, 11.0], [11.0, 25.0]]
   """
-  def leaf_gram(x):
+  if block_size is not None and (isinstance(block_size, bool) or
+                                 not isinstance(block_size, int) or
+                                 block_size < 1):
+    raise ValueError(
+        f"block_size must be None or a positive integer, got {block_size!r}.")
+
+  def product(x):
     axes = tuple(range(1, x.ndim))
     out = jnp.promote_types(x.dtype, jnp.float32)
     # With a leaf sharded over explicit mesh axes, JAX needs to be told where
@@ -78,6 +110,23 @@ def gram(displacements: optax.Params) -> jax.Array:
         x, x, ((axes, axes), ((), ())), preferred_element_type=out,
         out_sharding=replicated)
 
+  def blocked(x):
+    rows = max(1, block_size // math.prod(x.shape[2:]))
+    if x.ndim < 2 or x.shape[1] <= rows:
+      return product(x)
+    whole = x.shape[1] // rows
+
+    def add_block(i, acc):
+      return acc + product(jax.lax.dynamic_slice_in_dim(x, i * rows, rows, 1))
+
+    acc = jax.lax.fori_loop(0, whole, add_block,
+                            jnp.zeros(product(x[:, :rows]).shape,
+                                      jnp.promote_types(x.dtype, jnp.float32)))
+    if x.shape[1] > whole * rows:
+      acc = acc + product(x[:, whole * rows:])
+    return acc
+
+  leaf_gram = product if block_size is None else blocked
   return sum(jax.tree.leaves(jax.tree.map(leaf_gram, displacements)))
 
 
@@ -91,6 +140,7 @@ def principal_gradient(
     reference: Literal["end", "mean"] = "end",
     rtol: float | None = None,
     dtype=None,
+    gram_block: int | None = None,
 ) -> Principal:
   """The principal gradient of a trajectory given as displacements.
 
@@ -121,6 +171,7 @@ def principal_gradient(
     rtol: relative eigenvalue cut-off; None uses ``10 * m * eps``.
     dtype: dtype of the Gram matrix and ``eigh``; None uses the Gram's dtype
       (at least float32).
+    gram_block: ``block_size`` of :func:`gram`.
 
   Returns:
     A :class:`Principal`.
@@ -137,7 +188,7 @@ def principal_gradient(
     Wang, Grigsby and Qi, `PGrad: Learning Principal Gradients for Domain
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
-  kk = gram(displacements)
+  kk = gram(displacements, block_size=gram_block)
   if dtype is not None:
     kk = kk.astype(jnp.promote_types(dtype, jnp.float32))
   beta, lam, ref_norm = coefficients(

@@ -132,7 +132,7 @@ def _rollout_transform(
     out = rollout_lib.rollout(
         loss_fn, inner_opt, params, inner_state, batches, domains, chunks,
         num_chunks=B, parallel=parallel, has_aux=has_aux,
-        unroll=rollout_lib.default_unroll() if unroll is None else unroll,
+        unroll=unroll,
         trajectory_dtype=trajectory_dtype, axis_name=axis_name,
         model_state=state.model_state)
     step, eigenvalues, ref_norm = reduce(out)
@@ -220,8 +220,9 @@ def pgrad(
       state is not finite, the update is zero, the inner and model states are
       kept and ``num_skipped`` counts it, so NaN never reaches the params;
       ``"propagate"``: no check.
-    unroll: ``jax.lax.scan`` unroll of the rollout; None picks per backend
-      (fully unrolled on CPU, where rolled loops are slow; rolled elsewhere).
+    unroll: ``jax.lax.scan`` unroll of the rollout; None picks per backend:
+      rolled, except on CPU for a loss with convolutions, which XLA:CPU runs
+      far faster unrolled (see ``pgrad_jax.rollout``).
     trajectory_dtype: dtype of the stored trajectory (displacements from
       ``theta_0``); e.g. ``jnp.bfloat16`` halves its memory. None keeps the
       params' dtypes.
@@ -272,7 +273,8 @@ def pgrad(
     result = principal_lib.principal_gradient(
         out.displacements, k, weighting=weighting,
         calibrate_length=calibrate_length, components=components,
-        reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype)
+        reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype,
+        gram_block=principal_lib.default_gram_block())
     return result.update, result.eigenvalues, result.ref_norm
 
   return _rollout_transform(
@@ -309,7 +311,8 @@ def fish(
     reset_inner_state: re-initialise the inner optimizer every outer step.
     has_aux: ``loss_fn`` returns ``(loss, aux)``.
     nonfinite: ``"skip"`` or ``"propagate"``, as in :func:`pgrad`.
-    unroll: ``jax.lax.scan`` unroll; None picks per backend.
+    unroll: ``jax.lax.scan`` unroll; None picks per backend and loss, as in
+      :func:`pgrad`.
     axis_name: mapped axis to average gradients over, as in :func:`pgrad`.
     num_domains: sizes the per-step ``losses`` diagnostic.
     seed: seeds the random domain order.

@@ -1,0 +1,124 @@
+"""The Gram matrix, whole and blocked, and the per-backend defaults."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pgrad_jax
+from pgrad_jax._src import principal
+from pgrad_jax._src import rollout as rollout_lib
+
+# Leaf shapes of one trajectory point: a scalar, a bias, a kernel whose first
+# axis is prime (so blocks leave a tail), and a conv kernel.
+SHAPES = {"scalar": (), "bias": (7,), "kernel": (13, 5), "conv": (3, 3, 2, 4)}
+
+
+def trajectory(steps=5, seed=0):
+  rng = np.random.default_rng(seed)
+  return {name: rng.standard_normal((steps,) + shape)
+          for name, shape in SHAPES.items()}
+
+
+def numpy_gram(tree):
+  flat = np.concatenate([x.reshape(x.shape[0], -1) for x in tree.values()],
+                        axis=1)
+  return flat @ flat.T
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 4, 10, 24, 10_000])
+def test_gram_matches_numpy(block_size):
+  disp = trajectory()
+  with jax.enable_x64(True):
+    got = pgrad_jax.gram(jax.tree.map(jnp.asarray, disp),
+                         block_size=block_size)
+    assert got.dtype == jnp.float64
+  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
+
+
+def test_blocked_gram_jits_and_promotes_to_float32():
+  disp = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), trajectory())
+  got = jax.jit(lambda d: pgrad_jax.gram(d, block_size=6))(disp)
+  assert got.dtype == jnp.float32
+  ref = numpy_gram(jax.tree.map(lambda x: np.asarray(x, np.float64), disp))
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [0, -3, 2.5, True])
+def test_gram_rejects_bad_block_size(block_size):
+  with pytest.raises(ValueError, match="block_size must be None or a positive"):
+    pgrad_jax.gram(jax.tree.map(jnp.asarray, trajectory()),
+                   block_size=block_size)
+
+
+def test_principal_gradient_is_the_same_blocked():
+  with jax.enable_x64(True):
+    disp = jax.tree.map(jnp.asarray, trajectory(steps=6, seed=1))
+    whole = pgrad_jax.principal_gradient(disp, k=3)
+    blocked = pgrad_jax.principal_gradient(disp, k=3, gram_block=4)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocked)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10,
+                               atol=1e-12)
+
+
+def test_default_gram_block_on_one_cpu_device():
+  # The test process sees the default single CPU device.
+  assert jax.default_backend() == "cpu" and jax.device_count() == 1
+  assert principal.default_gram_block() == principal.CPU_GRAM_BLOCK
+
+
+# --- the default unroll -------------------------------------------------------
+
+
+def dense_loss(params, batch):
+  return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+
+def conv_loss(params, batch):
+  y = jax.lax.conv_general_dilated(batch["x"], params["w"], (1, 1), "SAME")
+  return jnp.mean(y ** 2)
+
+
+def test_has_convolution_sees_nested_convolutions():
+  conv_params = {"w": jnp.ones((2, 1, 3, 3))}
+  conv_batch = {"x": jnp.ones((4, 1, 8, 8))}
+  nested = jax.checkpoint(lambda p, b: jax.jit(conv_loss)(p, b) + 1.0)
+  assert rollout_lib.has_convolution(conv_loss, conv_params, conv_batch)
+  assert rollout_lib.has_convolution(nested, conv_params, conv_batch)
+  assert not rollout_lib.has_convolution(
+      dense_loss, {"w": jnp.ones((3, 2))}, {"x": jnp.ones((4, 3))})
+
+
+def test_default_unroll_on_cpu():
+  # XLA:CPU: convolutions fully unrolled, everything else rolled.
+  assert rollout_lib.default_unroll(
+      conv_loss, {"w": jnp.ones((2, 1, 3, 3))},
+      {"x": jnp.ones((4, 1, 8, 8))}) is True
+  assert rollout_lib.default_unroll(
+      dense_loss, {"w": jnp.ones((3, 2))}, {"x": jnp.ones((4, 3))}) == 1
+
+
+# --- the trajectory written in place ------------------------------------------
+
+
+@pytest.mark.parametrize("unroll", [1, 2, True])
+def test_rollout_trajectory_is_the_same_in_place_or_stacked(unroll):
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)}
+  batches = {"x": jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)}
+  domains, chunks = pgrad_jax.domain_schedule(jax.random.key(0), 2, 2,
+                                              "fixed")
+  inner = optax.sgd(0.1)
+  # Plain Python steps: the reference trajectory.
+  theta, expected = params, []
+  for d, c in zip(np.asarray(domains), np.asarray(chunks)):
+    chunk = {"x": batches["x"][d, 2 * c:2 * c + 2]}
+    theta = jax.tree.map(lambda t, g: t - 0.1 * g, theta,
+                         jax.grad(dense_loss)(theta, chunk))
+    expected.append(np.asarray(theta["w"] - params["w"]))
+  out = pgrad_jax.rollout(dense_loss, inner, params, inner.init(params),
+                          batches, domains, chunks, num_chunks=2,
+                          unroll=unroll)
+  np.testing.assert_allclose(np.asarray(out.displacements["w"]),
+                             np.stack(expected), rtol=1e-5, atol=1e-7)
