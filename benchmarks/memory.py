@@ -5,7 +5,10 @@ the current inner point and the ``m - 1`` stored displacements, so it should
 need about ``(m + 4) * d * bytes`` plus the activations of one inner step.
 For MLPs of several widths ``d`` and several ``m = domains * B + 1`` this
 reads XLA's compiled memory analysis of the jitted step (params and state
-donated, as in a training loop): arguments + outputs - aliased + temporaries.
+donated, as in a training loop): arguments + outputs - aliased + temporaries,
+with the default ``nonfinite="skip"`` (which must keep the previous inner
+state until the rollout's losses are known to be finite: two more copies
+with Adam) and with ``nonfinite="propagate"``.
 Where the device reports allocator statistics (GPU) it also runs each step
 and records ``peak_bytes_in_use``.
 
@@ -83,26 +86,32 @@ def measure(hidden: int, domains: int, args: argparse.Namespace,
   model = common.mlp(hidden)
   batches = jax.tree.map(jnp.asarray,
                          common.random_batches(model, domains, args.batch))
-  tx = pgrad_jax.pgrad(optax.adam(1e-3), args.k, args.B, unroll=unroll)
-  state = tx.init(model.params)
   m = domains * args.B + 1
   param_bytes = common.num_bytes(model.params)
   chunk = jax.tree.map(lambda x: x[0, : args.batch // args.B], batches)
   activations = activation_bytes(model, chunk)
-  step, compiled = compile_with_bytes(train_step(model, tx), model.params,
-                                      state, batches)
+  compiled = {}
+  for nonfinite in ("skip", "propagate"):
+    tx = pgrad_jax.pgrad(optax.adam(1e-3), args.k, args.B, unroll=unroll,
+                         nonfinite=nonfinite)
+    state = tx.init(model.params)
+    step, compiled[nonfinite] = compile_with_bytes(
+        train_step(model, tx), model.params, state, batches)
   bound = (m + 4) * param_bytes + activations
   row = {
       "hidden": hidden, "d": model.num_params, "domains": domains, "m": m,
       "param_bytes": param_bytes,
       "trajectory_bytes": (m - 1) * param_bytes,
       "activation_bytes": activations,
-      "compiled": compiled,
+      "compiled": compiled["skip"],
+      "compiled_propagate": compiled["propagate"],
       "bound_bytes": bound,
-      "peak_over_bound": compiled["peak"] / bound,
+      "peak_over_bound": compiled["skip"]["peak"] / bound,
+      "peak_over_bound_propagate": compiled["propagate"]["peak"] / bound,
       "device_peak_bytes": None,
   }
-  # The step donates params and state, so it runs on copies.
+  # The step (the last compiled: nonfinite="propagate") donates params and
+  # state, so it runs on copies.
   run = lambda: step(*jax.tree.map(jnp.copy, (model.params, state)), batches)
   return row, run
 
@@ -159,7 +168,7 @@ def report(record: dict[str, Any]) -> str:
   rows = [[r["hidden"], r["d"], r["m"], mb(r["trajectory_bytes"]),
            mb(r["activation_bytes"]), mb(r["compiled"]["temp"]),
            mb(r["compiled"]["peak"]), mb(r["bound_bytes"]),
-           r["peak_over_bound"],
+           r["peak_over_bound"], r["peak_over_bound_propagate"],
            "-" if r["device_peak_bytes"] is None else
            mb(r["device_peak_bytes"])]
           for r in record["rows"]]
@@ -171,7 +180,7 @@ def report(record: dict[str, Any]) -> str:
       common.format_table(
           ["hidden", "d", "m", "trajectory", "activations", "temp",
            "peak (compiled)", "bound (m+4)d+act", "peak/bound",
-           "device peak"], rows),
+           "peak/bound propagate", "device peak"], rows),
       f"bfloat16 trajectory, d={bf16['d']}, m={bf16['m']}: relative error "
       f"{bf16['relative_error']:.3g}, cosine {bf16['cosine_similarity']:.6f}, "
       f"compiled temp {mb(bf16['float32_compiled']['temp']):.1f} -> "

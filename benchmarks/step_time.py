@@ -17,6 +17,7 @@ stdout as a table and, with ``--out``, to a JSON file.
 """
 
 import argparse
+import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -137,7 +138,8 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   step, inner_state = methods.rollout(unroll, trajectory=True)
   inner_state = common.place(inner_state, methods.mesh)
   trajectory = step(params, inner_state, batches).displacements
-  gram = jax.jit(pgrad_jax.gram)
+  gram = jax.jit(functools.partial(
+      pgrad_jax.gram, block_size=principal.default_gram_block()))
   kk = gram(trajectory)
   coefficients = jax.jit(lambda kk: principal.coefficients(kk, args.k))
   beta = coefficients(kk)[0]

@@ -78,8 +78,9 @@ def gram(displacements: optax.Params, *,
   Args:
     displacements: a pytree whose leaves have a leading axis of length ``s``.
     block_size: None, or about how many elements of each point to contract
-      at a time: a leaf then goes through in slices of its first axis (see
-      :func:`default_gram_block`). Not for leaves sharded on that axis.
+      at a time: a float32 or float64 leaf then goes through in slices of its
+      first axis (see :func:`default_gram_block`). Not for leaves sharded on
+      that axis.
 
   Returns:
     The ``(s, s)`` Gram matrix.
@@ -112,16 +113,19 @@ def gram(displacements: optax.Params, *,
 
   def blocked(x):
     rows = max(1, block_size // math.prod(x.shape[2:]))
-    if x.ndim < 2 or x.shape[1] <= rows:
+    # XLA:CPU widens a low-precision operand whole, blocked or not.
+    if x.ndim < 2 or x.shape[1] <= rows or x.dtype.itemsize < 4:
       return product(x)
-    whole = x.shape[1] // rows
+    steps, whole = x.shape[0], x.shape[1] // rows
 
     def add_block(i, acc):
-      return acc + product(jax.lax.dynamic_slice_in_dim(x, i * rows, rows, 1))
+      block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, 1)
+      # One contracted axis: XLA:CPU's product over several is slower.
+      return acc + product(block.reshape(steps, -1))
 
-    acc = jax.lax.fori_loop(0, whole, add_block,
-                            jnp.zeros(product(x[:, :rows]).shape,
-                                      jnp.promote_types(x.dtype, jnp.float32)))
+    acc = jax.lax.fori_loop(
+        0, whole, add_block,
+        jnp.zeros((steps, steps), jnp.promote_types(x.dtype, jnp.float32)))
     if x.shape[1] > whole * rows:
       acc = acc + product(x[:, whole * rows:])
     return acc
