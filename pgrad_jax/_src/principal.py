@@ -17,7 +17,6 @@ So the trajectory is read twice, once for ``K`` and once for the weighted sum,
 and nothing but ``K`` (``m x m``) is ever reduced across devices.
 """
 
-import math
 from typing import Literal, NamedTuple
 
 import jax
@@ -59,8 +58,8 @@ def default_gram_block() -> int | None:
   parameter MLP with m = 16) three times slower than the product done block by
   block. On one CPU device the Gram is therefore blocked. GPU and TPU
   libraries transpose for free, and with several devices a leaf may be
-  sharded on the axis the blocks slice, which would gather it: there the
-  product is left whole.
+  sharded, and flattening and slicing it would gather it: there the product
+  is left whole.
   """
   if jax.default_backend() == "cpu" and jax.device_count() == 1:
     return CPU_GRAM_BLOCK
@@ -71,16 +70,15 @@ def gram(displacements: optax.Params, *,
          block_size: int | None = None) -> jax.Array:
   """``K[i, j] = <D_i, D_j>`` summed leaf by leaf, in at least float32.
 
-  Each leaf is contracted over its own axes, so no leaf is reshaped or
-  concatenated: a leaf sharded over devices stays sharded, and only the
-  ``(s, s)`` result is reduced.
+  By default each leaf is contracted over its own axes, so no leaf is
+  reshaped or concatenated: a leaf sharded over devices stays sharded, and
+  only the ``(s, s)`` result is reduced.
 
   Args:
     displacements: a pytree whose leaves have a leading axis of length ``s``.
-    block_size: None, or about how many elements of each point to contract
-      at a time: a float32 or float64 leaf then goes through in slices of its
-      first axis (see :func:`default_gram_block`). Not for leaves sharded on
-      that axis.
+    block_size: None, or how many elements of each point to contract at a
+      time: a float32 or float64 leaf is then flattened and goes through in
+      slices (see :func:`default_gram_block`). Only for unsharded leaves.
 
   Returns:
     The ``(s, s)`` Gram matrix.
@@ -112,22 +110,22 @@ def gram(displacements: optax.Params, *,
         out_sharding=replicated)
 
   def blocked(x):
-    rows = max(1, block_size // math.prod(x.shape[2:]))
     # XLA:CPU widens a low-precision operand whole, blocked or not.
-    if x.ndim < 2 or x.shape[1] <= rows or x.dtype.itemsize < 4:
+    if x.ndim < 2 or x[0].size <= block_size or x.dtype.itemsize < 4:
       return product(x)
-    steps, whole = x.shape[0], x.shape[1] // rows
+    # One contracted axis: XLA:CPU's product over several is slower.
+    flat = x.reshape(x.shape[0], -1)
+    steps, whole = flat.shape[0], flat.shape[1] // block_size
 
     def add_block(i, acc):
-      block = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, 1)
-      # One contracted axis: XLA:CPU's product over several is slower.
-      return acc + product(block.reshape(steps, -1))
+      return acc + product(
+          jax.lax.dynamic_slice_in_dim(flat, i * block_size, block_size, 1))
 
     acc = jax.lax.fori_loop(
         0, whole, add_block,
         jnp.zeros((steps, steps), jnp.promote_types(x.dtype, jnp.float32)))
-    if x.shape[1] > whole * rows:
-      acc = acc + product(x[:, whole * rows:])
+    if flat.shape[1] > whole * block_size:
+      acc = acc + product(flat[:, whole * block_size:])
     return acc
 
   leaf_gram = product if block_size is None else blocked
