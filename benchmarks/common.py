@@ -266,9 +266,10 @@ def parse_unroll(value: str) -> int | bool | None:
 
 def default_unroll(model: Model, batch: int, num_chunks: int) -> int | bool:
   """The library's unroll for ``model`` on chunks of ``batch / num_chunks``."""
-  chunk = random_batches(model, 1, batch // num_chunks)
-  return rollout_lib.default_unroll(model.loss_fn, model.params,
-                                    jax.tree.map(lambda x: x[0], chunk))
+  chunk = jax.tree.map(lambda x: x[0],
+                       random_batches(model, 1, batch // num_chunks))
+  return rollout_lib.default_unroll(
+      jax.make_jaxpr(model.loss_fn)(model.params, chunk))
 
 
 def unroll_name(unroll: int | bool) -> str:

@@ -80,23 +80,26 @@ def conv_loss(params, batch):
   return jnp.mean(y ** 2)
 
 
+CONV_ARGS = ({"w": jnp.ones((2, 1, 3, 3))}, {"x": jnp.ones((4, 1, 8, 8))})
+DENSE_ARGS = ({"w": jnp.ones((3, 2))}, {"x": jnp.ones((4, 3))})
+
+
 def test_has_convolution_sees_nested_convolutions():
-  conv_params = {"w": jnp.ones((2, 1, 3, 3))}
-  conv_batch = {"x": jnp.ones((4, 1, 8, 8))}
   nested = jax.checkpoint(lambda p, b: jax.jit(conv_loss)(p, b) + 1.0)
-  assert rollout_lib.has_convolution(conv_loss, conv_params, conv_batch)
-  assert rollout_lib.has_convolution(nested, conv_params, conv_batch)
+  branch = lambda p, b: jax.lax.cond(b["x"].sum() > 0, conv_loss,
+                                     lambda p, b: 0.0, p, b)
+  for fn in (conv_loss, nested, branch):
+    assert rollout_lib.has_convolution(jax.make_jaxpr(fn)(*CONV_ARGS))
   assert not rollout_lib.has_convolution(
-      dense_loss, {"w": jnp.ones((3, 2))}, {"x": jnp.ones((4, 3))})
+      jax.make_jaxpr(dense_loss)(*DENSE_ARGS))
 
 
 def test_default_unroll_on_cpu():
   # XLA:CPU: convolutions fully unrolled, everything else rolled.
   assert rollout_lib.default_unroll(
-      conv_loss, {"w": jnp.ones((2, 1, 3, 3))},
-      {"x": jnp.ones((4, 1, 8, 8))}) is True
+      jax.make_jaxpr(conv_loss)(*CONV_ARGS)) is True
   assert rollout_lib.default_unroll(
-      dense_loss, {"w": jnp.ones((3, 2))}, {"x": jnp.ones((4, 3))}) == 1
+      jax.make_jaxpr(dense_loss)(*DENSE_ARGS)) == 1
 
 
 # --- the trajectory written in place ------------------------------------------

@@ -34,24 +34,20 @@ class Rollout(NamedTuple):
   model_state: Any = None
 
 
-def has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
-  """Whether ``fn(*args)`` traces to a convolution, at any nesting depth."""
-  def walk(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "conv_general_dilated":
-        return True
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)  # A ClosedJaxpr or a Jaxpr.
-          if hasattr(inner, "eqns") and walk(inner):
-            return True
-    return False
-
-  return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+def has_convolution(jaxpr: Any) -> bool:
+  """Whether a (closed) jaxpr holds a convolution, at any nesting depth."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "conv_general_dilated":
+      return True
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(getattr(sub, "jaxpr", sub), "eqns") and has_convolution(sub):
+          return True
+  return False
 
 
-def default_unroll(loss_fn: LossFn, params: optax.Params, batch: Any,
-                   *model_state: Any) -> int | bool:
+def default_unroll(loss_jaxpr: Any) -> int | bool:
   """The scan unroll that avoids the slow path of the current backend.
 
   On GPU and TPU the scan stays rolled (an unrolled one compiles slowly). On
@@ -62,17 +58,15 @@ def default_unroll(loss_fn: LossFn, params: optax.Params, batch: Any,
   lets the trajectory be written in place.
 
   Args:
-    loss_fn: the loss, called as ``loss_fn(params, batch, *model_state)``.
-    params: params of the loss.
-    batch: one chunk of one domain's batch.
-    *model_state: the model state, for a stateful loss.
+    loss_jaxpr: the loss traced on one chunk, e.g.
+      ``jax.make_jaxpr(loss_fn)(params, batch)``.
 
   Returns:
     ``True`` (fully unrolled) or ``1`` (rolled).
   """
   if jax.default_backend() != "cpu":
     return 1
-  return True if has_convolution(loss_fn, params, batch, *model_state) else 1
+  return True if has_convolution(loss_jaxpr) else 1
 
 
 def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
@@ -148,13 +142,16 @@ def vary_over(tree: Any, axis_name: Any) -> Any:
 def check_loss_fn(
     loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool,
     model_state: Any = None,
-) -> None:
+) -> Any:
   """Checks at trace time that ``loss_fn`` gives a scalar (and a model state).
 
   With ``model_state`` (not None), ``loss_fn(params, batch, model_state)``
   must return ``(loss, new_model_state)`` with ``new_model_state`` shaped like
   ``model_state``; otherwise ``loss_fn(params, batch)`` returns the loss, or
   ``(loss, aux)`` with ``has_aux``.
+
+  Returns:
+    The loss traced to a closed jaxpr.
   """
   if not callable(loss_fn):
     raise TypeError(
@@ -167,7 +164,8 @@ def check_loss_fn(
           "has_aux=True cannot be combined with a model state: with a model "
           "state, loss_fn(params, batch, model_state) returns "
           "(loss, new_model_state). Build the transform with has_aux=False.")
-    out = jax.eval_shape(loss_fn, params, batch, model_state)
+    jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
+        params, batch, model_state)
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError(
           "With a model state, loss_fn(params, batch, model_state) must return "
@@ -183,7 +181,7 @@ def check_loss_fn(
           f"dtypes of the model state it was given: expected {expected}, got "
           f"{got}.")
   else:
-    out = jax.eval_shape(loss_fn, params, batch)
+    jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError("With has_aux=True, loss_fn must return (loss, aux); "
@@ -198,6 +196,7 @@ def check_loss_fn(
         "loss_fn must return a scalar floating-point loss, got "
         f"shape={getattr(out, 'shape', None)} dtype={getattr(out, 'dtype', None)}"
         ". Reduce it, e.g. with .mean(), over the batch.")
+  return jaxpr
 
 
 def rollout(
@@ -254,11 +253,11 @@ def rollout(
   chunked = jax.tree.map(
       lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
-  check_loss_fn(loss_fn, params, first_chunk, has_aux, model_state)
+  loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, has_aux,
+                             model_state)
   stateful = model_state is not None
-  extra = (model_state,) if stateful else ()
   if unroll is None:
-    unroll = default_unroll(loss_fn, params, first_chunk, *extra)
+    unroll = default_unroll(loss_jaxpr)
   num_steps = domains.shape[0]
   # Measured on XLA:CPU: in a rolled loop, stacked scan outputs take two more
   # param-sized buffers than a carried trajectory updated in place; fully
