@@ -1,5 +1,6 @@
 """PGrad (principal gradients for domain generalization) for Optax."""
 
+from pgrad_jax._src.interleave import Interleaved
 from pgrad_jax._src.principal import gram
 from pgrad_jax._src.principal import Principal
 from pgrad_jax._src.principal import principal_gradient
@@ -16,6 +17,7 @@ __all__ = (
     "domain_schedule",
     "fish",
     "gram",
+    "Interleaved",
     "pgrad",
     "PGradState",
     "Principal",

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import pgrad_jax
+from pgrad_jax._src import interleave
 from pgrad_jax._src import principal
 from pgrad_jax._src import rollout as rollout_lib
 
@@ -105,8 +106,11 @@ def test_default_unroll_on_cpu():
 # --- the trajectory written in place ------------------------------------------
 
 
-@pytest.mark.parametrize("unroll", [1, 2, True])
-def test_rollout_trajectory_is_the_same_in_place_or_stacked(unroll):
+@pytest.mark.parametrize("unroll, interleave_block",
+                         [(1, None), (2, None), (True, None), (1, 2), (2, 3),
+                          (True, 2)])
+def test_rollout_trajectory_is_the_same_in_place_or_stacked(
+    unroll, interleave_block):
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)}
   batches = {"x": jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)}
@@ -122,6 +126,85 @@ def test_rollout_trajectory_is_the_same_in_place_or_stacked(unroll):
     expected.append(np.asarray(theta["w"] - params["w"]))
   out = pgrad_jax.rollout(dense_loss, inner, params, inner.init(params),
                           batches, domains, chunks, num_chunks=2,
-                          unroll=unroll)
-  np.testing.assert_allclose(np.asarray(out.displacements["w"]),
-                             np.stack(expected), rtol=1e-5, atol=1e-7)
+                          unroll=unroll, interleave=interleave_block)
+  stored = out.displacements["w"]
+  # Only a rolled scan interleaves; a fully unrolled one stacks.
+  assert isinstance(stored, pgrad_jax.Interleaved) == (
+      interleave_block is not None and unroll is not True)
+  if isinstance(stored, pgrad_jax.Interleaved):
+    assert stored.blocks.shape == (6 // interleave_block, 5, interleave_block)
+    np.testing.assert_array_equal(np.asarray(stored.blocks[:, 0]), 0.0)
+    stored = stored.points()
+  np.testing.assert_allclose(np.asarray(stored), np.stack(expected),
+                             rtol=1e-5, atol=1e-7)
+
+
+# --- interleaved trajectories -------------------------------------------------
+
+
+def interleaved(tree, block):
+  """The stacked float trajectory ``tree`` stored as the rollout would."""
+  def store(x):
+    point = x[0]
+    if not interleave.can_interleave(point, block):
+      return x
+    out = interleave.zeros(point, x.shape[0], block)
+    for i in range(x.shape[0]):
+      out = interleave.write(out, i, x[i])
+    return out
+  return jax.tree.map(store, tree)
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 4, 9, 36, 1024])
+def test_interleaved_gram_and_weighted_sum_match_numpy(block):
+  disp = trajectory(steps=6, seed=2)
+  beta = np.random.default_rng(3).standard_normal(6)
+  with jax.enable_x64(True):
+    tree = interleaved(jax.tree.map(jnp.asarray, disp), block)
+    kinds = {k: isinstance(v, pgrad_jax.Interleaved) for k, v in tree.items()}
+    assert kinds == {k: int(np.prod(shape)) % block == 0
+                     for k, shape in SHAPES.items()}
+    for name in SHAPES:
+      stored = tree[name].points() if kinds[name] else tree[name]
+      np.testing.assert_array_equal(np.asarray(stored), disp[name])
+    got = jax.jit(pgrad_jax.gram)(tree)
+    summed = jax.jit(principal.weighted_sum)(jnp.asarray(beta), tree)
+  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
+  for name, shape in SHAPES.items():
+    assert summed[name].shape == shape and summed[name].dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(summed[name]),
+                               np.tensordot(beta, disp[name], axes=1),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_interleaved_float32_accumulates_and_keeps_dtype():
+  disp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), trajectory())
+  tree = interleaved(disp, 2)
+  assert isinstance(tree["conv"], pgrad_jax.Interleaved)
+  got = pgrad_jax.gram(tree)
+  summed = principal.weighted_sum(jnp.ones(5), tree)
+  assert got.dtype == jnp.float32 and summed["conv"].dtype == jnp.float32
+  ref = numpy_gram(jax.tree.map(lambda x: np.asarray(x, np.float64), disp))
+  np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5)
+
+
+def test_narrow_trajectory_dtype_is_not_interleaved():
+  leaf = jnp.zeros((4, 8), jnp.float32)
+  assert interleave.can_interleave(leaf, 8)
+  assert not interleave.can_interleave(leaf, 8, jnp.bfloat16)
+  assert not interleave.can_interleave(leaf, 5)
+  assert not interleave.can_interleave(jnp.zeros((0,)), 8)
+
+
+@pytest.mark.parametrize("block", [0, -1, 1.5, True])
+def test_rollout_rejects_bad_interleave(block):
+  params = {"w": jnp.zeros((3, 2))}
+  batches = {"x": jnp.zeros((2, 4, 3))}
+  domains, chunks = pgrad_jax.domain_schedule(jax.random.key(0), 2, 2, "fixed")
+  with pytest.raises(ValueError, match="interleave must be None or a positive"):
+    pgrad_jax.rollout(dense_loss, optax.sgd(0.1), params, (), batches,
+                      domains, chunks, num_chunks=2, interleave=block)
+
+
+def test_default_interleave_block_on_one_cpu_device():
+  assert interleave.default_block() == interleave.CPU_BLOCK

@@ -9,6 +9,7 @@ from jax.flatten_util import ravel_pytree
 
 import pgrad_jax
 import oracle
+from pgrad_jax._src import interleave
 
 N_IN, N_OUT = 3, 2
 
@@ -57,6 +58,34 @@ OPTIONS = [
     dict(parallel=True),
     dict(k=100),
 ]
+
+
+@pytest.mark.parametrize("block", [2, 3])
+def test_interleaved_trajectory_matches_numpy_oracle(monkeypatch, block):
+  # On one CPU device pgrad stores leaves whose size the block divides
+  # interleaved: block 2 takes both leaves (sizes 6 and 2), block 3 only w.
+  monkeypatch.setattr(interleave, "CPU_BLOCK", block)
+  with jax.enable_x64(True):
+    params, batches = problem()
+    domains, chunks = pgrad_jax.domain_schedule(jax.random.key(0), 3, 3,
+                                                "fixed")
+    inner = optax.adam(0.05)
+    stored = pgrad_jax.rollout(
+        linear_loss, inner, params, inner.init(params), batches, domains,
+        chunks, num_chunks=3, interleave=interleave.default_block())
+    kinds = {k: isinstance(v, pgrad_jax.Interleaved)
+             for k, v in stored.displacements.items()}
+    assert kinds == {"w": True, "b": block == 2}
+    tx = pgrad_jax.pgrad(inner, k=2, B=3, order="fixed")
+    updates, _ = jax.jit(lambda s, p: tx.update(
+        None, s, p, loss_fn=linear_loss, batches=batches))(
+            tx.init(params), params)
+    points, _ = oracle.trajectory(
+        flat(params), np.asarray(batches["x"]), np.asarray(batches["y"]),
+        fixed_schedule(3, 3), 3, oracle.Adam(0.05, 8), N_IN, N_OUT)
+    np.testing.assert_allclose(flat(updates),
+                               oracle.principal_gradient(points, 2),
+                               rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=str)

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pgrad_jax._src import interleave as interleave_lib
+
 Weighting = Literal["l2", "l1", "raw"]
 Components = Literal["top", "bottom"]
 WEIGHTINGS = ("l2", "l1", "raw")
@@ -74,11 +76,16 @@ def gram(displacements: optax.Params, *,
   reshaped or concatenated: a leaf sharded over devices stays sharded, and
   only the ``(s, s)`` result is reduced.
 
+  An ``Interleaved`` leaf (see ``pgrad_jax.rollout``'s ``interleave``) is
+  contracted as a batch of small tiles.
+
   Args:
-    displacements: a pytree whose leaves have a leading axis of length ``s``.
+    displacements: a pytree whose leaves have a leading axis of length ``s``,
+      or are ``Interleaved`` with ``s`` steps.
     block_size: None, or how many elements of each point to contract at a
-      time: a float32 or float64 leaf is then flattened and goes through in
-      slices (see :func:`default_gram_block`). Only for unsharded leaves.
+      time: a stacked float32 or float64 leaf is then flattened and goes
+      through in slices (see :func:`default_gram_block`). Only for unsharded
+      leaves.
 
   Returns:
     The ``(s, s)`` Gram matrix.
@@ -128,8 +135,15 @@ def gram(displacements: optax.Params, *,
       acc = acc + product(flat[:, whole * block_size:])
     return acc
 
-  leaf_gram = product if block_size is None else blocked
-  return sum(jax.tree.leaves(jax.tree.map(leaf_gram, displacements)))
+  stacked_gram = product if block_size is None else blocked
+
+  def leaf_gram(x):
+    if interleave_lib.is_interleaved(x):
+      return interleave_lib.gram(x)
+    return stacked_gram(x)
+
+  return sum(jax.tree.leaves(jax.tree.map(
+      leaf_gram, displacements, is_leaf=interleave_lib.is_interleaved)))
 
 
 def principal_gradient(
@@ -163,7 +177,7 @@ def principal_gradient(
 
   Args:
     displacements: pytree with leaves ``(s, *leaf_shape)``, entry ``i`` being
-      ``theta_{i+1} - theta_0``.
+      ``theta_{i+1} - theta_0``, or ``Interleaved`` leaves holding the same.
     k: how many components to use; more than available uses them all.
     weighting: ``"l2"``, ``"l1"`` or ``"raw"``.
     calibrate_length: scale by ``||r||`` (paper eq. 10).
@@ -272,6 +286,12 @@ def coefficients(
 
 def weighted_sum(beta: jax.Array, displacements: optax.Params) -> optax.Updates:
   """``sum_i beta_i D_i`` leaf by leaf, accumulated in at least float32."""
-  return jax.tree.map(
-      lambda d: jnp.tensordot(beta.astype(jnp.promote_types(d.dtype, jnp.float32)),
-                              d, axes=1).astype(d.dtype), displacements)
+
+  def leaf_sum(d):
+    if interleave_lib.is_interleaved(d):
+      return interleave_lib.weighted_sum(beta, d)
+    acc = jnp.promote_types(d.dtype, jnp.float32)
+    return jnp.tensordot(beta.astype(acc), d, axes=1).astype(d.dtype)
+
+  return jax.tree.map(leaf_sum, displacements,
+                      is_leaf=interleave_lib.is_interleaved)

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pgrad_jax._src import interleave as interleave_lib
+
 LossFn = Callable[..., Any]
 
 
@@ -22,6 +24,8 @@ class Rollout(NamedTuple):
   Attributes:
     displacements: a pytree like the params whose leaves have a new leading
       axis of length ``num_steps``: entry ``i`` is ``theta_{i+1} - theta_0``.
+      With ``interleave``, a leaf may instead be an ``Interleaved``, whose
+      ``points()`` gives that stacked array.
     inner_state: the inner optimizer state after the last step.
     losses: float32 ``(num_steps,)``, the loss at each step's starting point.
     model_state: the model state after the last step's forward pass (e.g.
@@ -215,6 +219,7 @@ def rollout(
     trajectory_dtype: Any = None,
     axis_name: str | None = None,
     model_state: Any = None,
+    interleave: int | None = None,
 ) -> Rollout:
   """Takes one inner-optimizer step per scheduled (domain, chunk).
 
@@ -245,10 +250,20 @@ def rollout(
       ``(loss, new_model_state)`` and each step starts from the state the
       previous step left, so the state follows the rollout; with
       ``axis_name`` it is averaged over the mapped axis.
+    interleave: None, or a block size ``c``: a rolled scan then stores each
+      float32/float64 leaf whose size ``c`` divides as an ``Interleaved``
+      (point axis inside), whose Gram
+      matrix XLA:CPU computes about twice as fast. Only for unsharded
+      params; a fully unrolled scan stacks every leaf.
 
   Returns:
     A :class:`Rollout`.
   """
+  if interleave is not None and (isinstance(interleave, bool) or
+                                 not isinstance(interleave, int) or
+                                 interleave < 1):
+    raise ValueError(
+        f"interleave must be None or a positive integer, got {interleave!r}.")
   num_domains, per_domain = batch_shape(batches, num_chunks)
   chunked = jax.tree.map(
       lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
@@ -291,17 +306,22 @@ def rollout(
     if not in_place:
       return (theta, state, model, trajectory), (displacement, loss)
     trajectory = jax.tree.map(
-        lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, index, 0),
-        trajectory, displacement)
+        lambda buf, x: interleave_lib.write(buf, index, x)
+        if interleave_lib.is_interleaved(buf)
+        else jax.lax.dynamic_update_index_in_dim(buf, x, index, 0),
+        trajectory, displacement, is_leaf=interleave_lib.is_interleaved)
     return (theta, state, model, trajectory), loss
 
-  trajectory = None
-  if in_place:
+  def zeros(p):
+    if interleave is not None and interleave_lib.can_interleave(
+        p, interleave, trajectory_dtype):
+      return interleave_lib.zeros(p, num_steps, interleave, trajectory_dtype)
     # Broadcasting a zero point keeps the params' sharding on its axes.
-    trajectory = jax.tree.map(
-        lambda p: jnp.broadcast_to(
-            jnp.zeros_like(p, dtype=trajectory_dtype or jnp.result_type(p)),
-            (num_steps,) + jnp.shape(p)), params)
+    return jnp.broadcast_to(
+        jnp.zeros_like(p, dtype=trajectory_dtype or jnp.result_type(p)),
+        (num_steps,) + jnp.shape(p))
+
+  trajectory = jax.tree.map(zeros, params) if in_place else None
   (_, inner_state, model_state, trajectory), out = jax.lax.scan(
       step, (params, inner_state, model_state, trajectory),
       (jnp.arange(num_steps), domains, chunks), unroll=unroll)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pgrad_jax._src import interleave as interleave_lib
 from pgrad_jax._src import principal as principal_lib
 from pgrad_jax._src import rollout as rollout_lib
 from pgrad_jax._src import schedule as schedule_lib
@@ -76,8 +77,13 @@ def _rollout_transform(
     num_domains: int | None,
     seed: int,
     name: str,
+    interleave: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  """Shared machinery: ``reduce(rollout) -> (update, eigenvalues, ref_norm)``."""
+  """Shared machinery: ``reduce(rollout) -> (update, eigenvalues, ref_norm)``.
+
+  With ``interleave``, the rollout stores the trajectory interleaved where the
+  devices favour it (``interleave.default_block``).
+  """
   _check_positive("B", B)
   if num_domains is not None:
     _check_positive("num_domains", num_domains)
@@ -134,7 +140,8 @@ def _rollout_transform(
         num_chunks=B, parallel=parallel, has_aux=has_aux,
         unroll=unroll,
         trajectory_dtype=trajectory_dtype, axis_name=axis_name,
-        model_state=state.model_state)
+        model_state=state.model_state,
+        interleave=interleave_lib.default_block() if interleave else None)
     step, eigenvalues, ref_norm = reduce(out)
     step = jax.tree.map(lambda u, p: u.astype(p.dtype), step, params)
 
@@ -281,7 +288,8 @@ def pgrad(
       inner_opt, B, reduce=reduce, spectrum=True, order=order,
       parallel=parallel, reset_inner_state=reset_inner_state, has_aux=has_aux,
       nonfinite=nonfinite, unroll=unroll, trajectory_dtype=trajectory_dtype,
-      axis_name=axis_name, num_domains=num_domains, seed=seed, name="pgrad")
+      axis_name=axis_name, num_domains=num_domains, seed=seed, name="pgrad",
+      interleave=True)
 
 
 def fish(
