@@ -208,3 +208,33 @@ def test_rollout_rejects_bad_interleave(block):
 
 def test_default_interleave_block_on_one_cpu_device():
   assert interleave.default_block() == interleave.CPU_BLOCK
+
+
+@pytest.mark.parametrize("interleave_block", [None, 1024])
+def test_same_shaped_leaves_get_their_own_trajectory_buffers(interleave_block):
+  # XLA merges equal zero broadcasts; the loop writing two trajectories in
+  # place would then copy the merged buffer. No trajectory-shaped copy here.
+  params = {name: jnp.ones((64, 64)) for name in "abc"}
+  batches = {"x": jnp.ones((3, 6, 64))}
+
+  def loss(p, batch):
+    return jnp.mean((batch["x"] @ p["a"] @ p["b"] @ p["c"]) ** 2)
+
+  def update(p):
+    domains, chunks = pgrad_jax.domain_schedule(jax.random.key(0), 3, 2,
+                                                "fixed")
+    inner = optax.sgd(0.1)
+    out = pgrad_jax.rollout(loss, inner, p, inner.init(p), batches, domains,
+                            chunks, num_chunks=2, unroll=1,
+                            interleave=interleave_block)
+    assert all(isinstance(d, pgrad_jax.Interleaved) == bool(interleave_block)
+               for d in out.displacements.values())
+    return pgrad_jax.principal_gradient(out.displacements, 2).update
+
+  hlo = jax.jit(update).lower(params).compile().as_text()
+  shape = "6,64,64" if interleave_block is None else "4,7,1024"
+  entry = hlo[hlo.index("ENTRY"):]
+  copies = [line for line in entry.splitlines()
+            if f"f32[{shape}]" in line and " copy(" in line]
+  assert not copies
+  assert entry.count(f"= f32[{shape}]") >= 3

@@ -81,12 +81,24 @@ def can_interleave(leaf, block: int, dtype=None) -> bool:
   return size > 0 and size % block == 0 and dtype.itemsize >= 4
 
 
+def zeros_from(leaf, dtype=None) -> jax.Array:
+  """``leaf * 0``: zeros that XLA cannot merge with other leaves' zeros.
+
+  XLA merges equal constant broadcasts, so the trajectories of two leaves of
+  one shape would start as one buffer and the loop that writes them in place
+  would copy it (measured: an extra trajectory-sized copy per repeated
+  shape). A non-finite leaf gives NaN here, as its rollout would anyway.
+  """
+  return (leaf * 0).astype(dtype or jnp.result_type(leaf))
+
+
 def zeros(leaf, num_steps: int, block: int, dtype=None) -> Interleaved:
   """An interleaved trajectory of ``num_steps`` steps, all zero."""
   dtype = dtype or jnp.result_type(leaf)
   shape = tuple(jnp.shape(leaf))
+  rows = zeros_from(leaf, dtype).reshape(-1, 1, block)
   return Interleaved(
-      jnp.zeros((jnp.size(leaf) // block, num_steps + 1, block), dtype), shape)
+      jnp.broadcast_to(rows, (rows.shape[0], num_steps + 1, block)), shape)
 
 
 def write(trajectory: Interleaved, step, displacement: jax.Array) -> Interleaved:

@@ -252,7 +252,7 @@ def rollout(
       ``axis_name`` it is averaged over the mapped axis.
     interleave: None, or a block size ``c``: a rolled scan then stores each
       float32/float64 leaf whose size ``c`` divides as an ``Interleaved``
-      (point axis inside), whose Gram
+      (point axis inside, ``theta_0`` included as a zero row), whose Gram
       matrix XLA:CPU computes about twice as fast. Only for unsharded
       params; a fully unrolled scan stacks every leaf.
 
@@ -317,9 +317,8 @@ def rollout(
         p, interleave, trajectory_dtype):
       return interleave_lib.zeros(p, num_steps, interleave, trajectory_dtype)
     # Broadcasting a zero point keeps the params' sharding on its axes.
-    return jnp.broadcast_to(
-        jnp.zeros_like(p, dtype=trajectory_dtype or jnp.result_type(p)),
-        (num_steps,) + jnp.shape(p))
+    return jnp.broadcast_to(interleave_lib.zeros_from(p, trajectory_dtype),
+                            (num_steps,) + jnp.shape(p))
 
   trajectory = jax.tree.map(zeros, params) if in_place else None
   (_, inner_state, model_state, trajectory), out = jax.lax.scan(
