@@ -3,8 +3,10 @@
 Every method takes the same ``domains x batch`` examples: ERM in one Adam step
 on all of them, the others in ``domains * B`` sequential Adam steps on chunks
 of ``batch / B``. The bare rollout is those inner steps alone
-(``pgrad_jax.rollout``), so "ratio to rollout" is what PGrad's principal
-components cost on top. A PGrad-B update is also split into its parts, each
+(``pgrad_jax.rollout``, storing the trajectory as PGrad's rollout does), so
+"ratio to rollout" is what PGrad's principal components cost on top. Fish
+keeps only the rollout's end point, so it can come in under the bare
+rollout. A PGrad-B update is also split into its parts, each
 jitted and timed on its own: rollout (storing the trajectory), Gram matrix,
 the ``m x m`` eigendecomposition and coefficients, and the weighted sum.
 

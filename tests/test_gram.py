@@ -139,6 +139,54 @@ def test_rollout_trajectory_is_the_same_in_place_or_stacked(
                              rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("unroll", [1, True])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_rollout_without_trajectory_keeps_the_end(unroll, parallel):
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32),
+            "b": jnp.zeros((2,), jnp.float32)}
+  batches = {"x": jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)}
+  domains, chunks = pgrad_jax.domain_schedule(jax.random.key(0), 2, 2,
+                                              "fixed")
+  inner = optax.adam(0.1)
+
+  def run(store):
+    return pgrad_jax.rollout(
+        lambda p, b: dense_loss(p, b) + jnp.sum(p["b"] ** 2), inner, params,
+        inner.init(params), batches, domains, chunks, num_chunks=2,
+        unroll=unroll, parallel=parallel, store_trajectory=store)
+
+  full, end = run(True), run(False)
+  for name in params:
+    assert end.displacements[name].shape == (1,) + params[name].shape
+    np.testing.assert_array_equal(np.asarray(end.displacements[name][0]),
+                                  np.asarray(full.displacements[name][-1]))
+  np.testing.assert_array_equal(np.asarray(end.losses),
+                                np.asarray(full.losses))
+  for a, b in zip(jax.tree.leaves(end.inner_state),
+                  jax.tree.leaves(full.inner_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fish_stores_no_trajectory():
+  # Fish needs the end point only: its compiled step holds far less than
+  # PGrad's, which keeps all m points (here m = 16, 2048 x 512 params).
+  params = {"w": jnp.zeros((2048, 512))}
+  batches = {"x": jnp.ones((5, 6, 2048))}
+
+  def temp_bytes(tx):
+    step = jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=dense_loss,
+                                          batches=batches))
+    compiled = step.lower(tx.init(params), params).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  point = 2048 * 512 * 4
+  fish = temp_bytes(pgrad_jax.fish(optax.adam(0.1), B=3))
+  pgrad = temp_bytes(pgrad_jax.pgrad(optax.adam(0.1), B=3))
+  assert pgrad >= 15 * point
+  assert fish <= 3 * point
+
+
 # --- interleaved trajectories -------------------------------------------------
 
 

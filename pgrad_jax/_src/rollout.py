@@ -220,6 +220,7 @@ def rollout(
     axis_name: str | None = None,
     model_state: Any = None,
     interleave: int | None = None,
+    store_trajectory: bool = True,
 ) -> Rollout:
   """Takes one inner-optimizer step per scheduled (domain, chunk).
 
@@ -255,6 +256,9 @@ def rollout(
       (point axis inside, ``theta_0`` included as a zero row), whose Gram
       matrix XLA:CPU computes about twice as fast. Only for unsharded
       params; a fully unrolled scan stacks every leaf.
+    store_trajectory: if False, only the end point is kept: the
+      ``displacements`` leaves have a leading axis of length 1 holding
+      ``theta_end - theta_0`` (all Fish needs, in the memory of one point).
 
   Returns:
     A :class:`Rollout`.
@@ -277,7 +281,8 @@ def rollout(
   # Measured on XLA:CPU: in a rolled loop, stacked scan outputs take two more
   # param-sized buffers than a carried trajectory updated in place; fully
   # unrolled, the carried trajectory is the one that gets copied.
-  in_place = unroll is not True and unroll < num_steps
+  in_place = store_trajectory and unroll is not True and unroll < num_steps
+  stacked = store_trajectory and not in_place
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or stateful)
 
   def step(carry, schedule):
@@ -303,8 +308,10 @@ def rollout(
         lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype), theta,
         params)
     loss = loss.astype(jnp.float32)
-    if not in_place:
+    if stacked:
       return (theta, state, model, trajectory), (displacement, loss)
+    if not in_place:
+      return (theta, state, model, trajectory), loss
     trajectory = jax.tree.map(
         lambda buf, x: interleave_lib.write(buf, index, x)
         if interleave_lib.is_interleaved(buf)
@@ -321,11 +328,15 @@ def rollout(
                             (num_steps,) + jnp.shape(p))
 
   trajectory = jax.tree.map(zeros, params) if in_place else None
-  (_, inner_state, model_state, trajectory), out = jax.lax.scan(
+  (theta, inner_state, model_state, trajectory), out = jax.lax.scan(
       step, (params, inner_state, model_state, trajectory),
       (jnp.arange(num_steps), domains, chunks), unroll=unroll)
-  if in_place:
-    losses = out
-  else:
+  if stacked:
     trajectory, losses = out
+  else:
+    losses = out
+  if not store_trajectory:
+    trajectory = jax.tree.map(
+        lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype)[None],
+        theta, params)
   return Rollout(trajectory, inner_state, losses, model_state)

@@ -77,12 +77,13 @@ def _rollout_transform(
     num_domains: int | None,
     seed: int,
     name: str,
-    interleave: bool = False,
+    store_trajectory: bool,
 ) -> optax.GradientTransformationExtraArgs:
   """Shared machinery: ``reduce(rollout) -> (update, eigenvalues, ref_norm)``.
 
-  With ``interleave``, the rollout stores the trajectory interleaved where the
-  devices favour it (``interleave.default_block``).
+  With ``store_trajectory`` the rollout keeps every point, interleaved where
+  the devices favour it (``interleave.default_block``); without, only the
+  end point.
   """
   _check_positive("B", B)
   if num_domains is not None:
@@ -141,7 +142,8 @@ def _rollout_transform(
         unroll=unroll,
         trajectory_dtype=trajectory_dtype, axis_name=axis_name,
         model_state=state.model_state,
-        interleave=interleave_lib.default_block() if interleave else None)
+        interleave=interleave_lib.default_block(),
+        store_trajectory=store_trajectory)
     step, eigenvalues, ref_norm = reduce(out)
     step = jax.tree.map(lambda u, p: u.astype(p.dtype), step, params)
 
@@ -289,7 +291,7 @@ def pgrad(
       parallel=parallel, reset_inner_state=reset_inner_state, has_aux=has_aux,
       nonfinite=nonfinite, unroll=unroll, trajectory_dtype=trajectory_dtype,
       axis_name=axis_name, num_domains=num_domains, seed=seed, name="pgrad",
-      interleave=True)
+      store_trajectory=True)
 
 
 def fish(
@@ -356,4 +358,4 @@ def fish(
       inner_opt, B, reduce=reduce, spectrum=False, order=order, parallel=False,
       reset_inner_state=reset_inner_state, has_aux=has_aux, nonfinite=nonfinite,
       unroll=unroll, trajectory_dtype=None, axis_name=axis_name,
-      num_domains=num_domains, seed=seed, name="fish")
+      num_domains=num_domains, seed=seed, name="fish", store_trajectory=False)
