@@ -3,7 +3,8 @@
 Every method takes the same ``domains x batch`` examples: ERM in one Adam step
 on all of them, the others in ``domains * B`` sequential Adam steps on chunks
 of ``batch / B``. The bare rollout is those inner steps alone
-(``pgrad_jax.rollout``, storing the trajectory as PGrad's rollout does), so
+(``pgrad_jax.rollout``, storing the trajectory in the layout PGrad's
+rollout uses), so
 "ratio to rollout" is what PGrad's principal components cost on top. Fish
 keeps only the rollout's end point, so it can come in under the bare
 rollout. A PGrad-B update is also split into its parts, each
@@ -30,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import pgrad_jax
 from benchmarks import common
+from pgrad_jax._src import interleave
 from pgrad_jax._src import principal
 from pgrad_jax._src import rollout as rollout_lib
 
@@ -125,10 +127,13 @@ class Methods:
       out = pgrad_jax.rollout(
           self.model.loss_fn, self.inner, params, inner_state, batches,
           domains, chunks, num_chunks=args.B, unroll=unroll,
-          axis_name=common.DATA)
+          axis_name=common.DATA, interleave=interleave.default_block())
       if trajectory:
         return out
-      end = jax.tree.map(lambda p, d: p + d[-1], params, out.displacements)
+      end = jax.tree.map(lambda p, d: p + d.point(-1)
+                         if isinstance(d, pgrad_jax.Interleaved) else p + d[-1],
+                         params, out.displacements,
+                         is_leaf=lambda d: isinstance(d, pgrad_jax.Interleaved))
       return end, out.inner_state, out.losses
 
     return self.data_parallel(step), self.inner.init(self.model.params)

@@ -134,6 +134,9 @@ def test_rollout_trajectory_is_the_same_in_place_or_stacked(
   if isinstance(stored, pgrad_jax.Interleaved):
     assert stored.blocks.shape == (6 // interleave_block, 5, interleave_block)
     np.testing.assert_array_equal(np.asarray(stored.blocks[:, 0]), 0.0)
+    for step in (0, 2, -1):
+      np.testing.assert_array_equal(np.asarray(stored.point(step)),
+                                    np.asarray(stored.points()[step]))
     stored = stored.points()
   np.testing.assert_allclose(np.asarray(stored), np.stack(expected),
                              rtol=1e-5, atol=1e-7)

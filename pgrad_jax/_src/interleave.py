@@ -50,6 +50,10 @@ class Interleaved:
     """The stored steps ``s = m - 1``."""
     return self.blocks.shape[1] - 1
 
+  def point(self, step: int) -> jax.Array:
+    """The displacement stored at ``step`` (negative counts from the end)."""
+    return self.blocks[:, 1:][:, step].reshape(self.shape)
+
   def points(self) -> jax.Array:
     """The stacked displacements ``(s, *shape)``, entry ``i`` being point
     ``i + 1`` (a copy)."""
