@@ -4,12 +4,11 @@ Every method takes the same ``domains x batch`` examples: ERM in one Adam step
 on all of them, the others in ``domains * B`` sequential Adam steps on chunks
 of ``batch / B``. The bare rollout is those inner steps alone
 (``pgrad_jax.rollout``, storing the trajectory in the layout PGrad's
-rollout uses), so
-"ratio to rollout" is what PGrad's principal components cost on top. Fish
-keeps only the rollout's end point, so it can come in under the bare
-rollout. A PGrad-B update is also split into its parts, each
-jitted and timed on its own: rollout (storing the trajectory), Gram matrix,
-the ``m x m`` eigendecomposition and coefficients, and the weighted sum.
+rollout uses), so "ratio to rollout" is what PGrad's principal components
+cost on top. Fish keeps only the rollout's end point, so it can come in under
+the bare rollout. A PGrad-B update is also split into its parts, each jitted
+and timed on its own: rollout (storing the trajectory), Gram matrix, the
+``m x m`` eigendecomposition and coefficients, and the weighted sum.
 
 With ``--devices N`` the batch axis is sharded over the first ``N`` devices
 and every method runs data-parallel under ``shard_map`` (gradients averaged
@@ -130,10 +129,10 @@ class Methods:
           axis_name=common.DATA, interleave=interleave.default_block())
       if trajectory:
         return out
-      end = jax.tree.map(lambda p, d: p + d.point(-1)
-                         if isinstance(d, pgrad_jax.Interleaved) else p + d[-1],
-                         params, out.displacements,
-                         is_leaf=lambda d: isinstance(d, pgrad_jax.Interleaved))
+      end = jax.tree.map(
+          lambda p, d: p + (d.point(-1) if interleave.is_interleaved(d)
+                            else d[-1]),
+          params, out.displacements, is_leaf=interleave.is_interleaved)
       return end, out.inner_state, out.losses
 
     return self.data_parallel(step), self.inner.init(self.model.params)

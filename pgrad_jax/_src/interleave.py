@@ -14,8 +14,8 @@ handle better than 15.
 Measured on a 2-core CPU (4.2M parameter MLP, 16 points): the Gram matrix of
 the two large leaves takes about 40 ms interleaved (the per-leaf products
 run concurrently; 15-row tiles take a fifth longer) against 77 ms stacked;
-the rollout's writes, strided now, cost about 1 ms per step more. Only for unsharded leaves: slicing a sharded leaf
-into blocks would gather it.
+the rollout's writes, strided now, cost about 1 ms per step more. Only for
+unsharded leaves: slicing a sharded leaf into blocks would gather it.
 """
 
 import dataclasses
