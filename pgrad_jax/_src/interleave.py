@@ -65,13 +65,25 @@ def is_interleaved(x) -> bool:
   return isinstance(x, Interleaved)
 
 
+def check_block_size(name: str, value) -> None:
+  """Raises unless ``value`` is None or a positive integer."""
+  if value is not None and (isinstance(value, bool) or
+                            not isinstance(value, int) or value < 1):
+    raise ValueError(
+        f"{name} must be None or a positive integer, got {value!r}.")
+
+
+def on_one_cpu_device() -> bool:
+  """Whether computations run on XLA:CPU with one device, so no leaf is
+  sharded and XLA:CPU's slow paths for stacked products apply."""
+  return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def default_block() -> int | None:
   """The interleaving block for the current devices: CPU_BLOCK on one CPU
   device, else None (GPU and TPU libraries multiply a stacked leaf well, and
   with several devices a leaf may be sharded)."""
-  if jax.default_backend() == "cpu" and jax.device_count() == 1:
-    return CPU_BLOCK
-  return None
+  return CPU_BLOCK if on_one_cpu_device() else None
 
 
 def can_interleave(leaf, block: int, dtype=None) -> bool:

@@ -63,9 +63,7 @@ def default_gram_block() -> int | None:
   sharded, and flattening and slicing it would gather it: there the product
   is left whole.
   """
-  if jax.default_backend() == "cpu" and jax.device_count() == 1:
-    return CPU_GRAM_BLOCK
-  return None
+  return CPU_GRAM_BLOCK if interleave_lib.on_one_cpu_device() else None
 
 
 def gram(displacements: optax.Params, *,
@@ -96,11 +94,7 @@ def gram(displacements: optax.Params, *,
     >>> gram({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}).tolist()
     [[5.0, 11.0], [11.0, 25.0]]
   """
-  if block_size is not None and (isinstance(block_size, bool) or
-                                 not isinstance(block_size, int) or
-                                 block_size < 1):
-    raise ValueError(
-        f"block_size must be None or a positive integer, got {block_size!r}.")
+  interleave_lib.check_block_size("block_size", block_size)
 
   def product(x):
     axes = tuple(range(1, x.ndim))

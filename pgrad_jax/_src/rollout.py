@@ -263,11 +263,7 @@ def rollout(
   Returns:
     A :class:`Rollout`.
   """
-  if interleave is not None and (isinstance(interleave, bool) or
-                                 not isinstance(interleave, int) or
-                                 interleave < 1):
-    raise ValueError(
-        f"interleave must be None or a positive integer, got {interleave!r}.")
+  interleave_lib.check_block_size("interleave", interleave)
   num_domains, per_domain = batch_shape(batches, num_chunks)
   chunked = jax.tree.map(
       lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
@@ -284,6 +280,11 @@ def rollout(
   in_place = store_trajectory and unroll is not True and unroll < num_steps
   stacked = store_trajectory and not in_place
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or stateful)
+
+  def displacement(theta):
+    return jax.tree.map(
+        lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype), theta,
+        params)
 
   def step(carry, schedule):
     theta, state, model, trajectory = carry
@@ -304,19 +305,16 @@ def rollout(
           if jnp.issubdtype(x.dtype, jnp.inexact) else x, model)
     updates, state = inner_opt.update(grads, state, start)
     theta = optax.apply_updates(start, updates)
-    displacement = jax.tree.map(
-        lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype), theta,
-        params)
     loss = loss.astype(jnp.float32)
     if stacked:
-      return (theta, state, model, trajectory), (displacement, loss)
+      return (theta, state, model, trajectory), (displacement(theta), loss)
     if not in_place:
       return (theta, state, model, trajectory), loss
     trajectory = jax.tree.map(
         lambda buf, x: interleave_lib.write(buf, index, x)
         if interleave_lib.is_interleaved(buf)
         else jax.lax.dynamic_update_index_in_dim(buf, x, index, 0),
-        trajectory, displacement, is_leaf=interleave_lib.is_interleaved)
+        trajectory, displacement(theta), is_leaf=interleave_lib.is_interleaved)
     return (theta, state, model, trajectory), loss
 
   def zeros(p):
@@ -336,7 +334,5 @@ def rollout(
   else:
     losses = out
   if not store_trajectory:
-    trajectory = jax.tree.map(
-        lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype)[None],
-        theta, params)
+    trajectory = jax.tree.map(lambda d: d[None], displacement(theta))
   return Rollout(trajectory, inner_state, losses, model_state)
