@@ -117,7 +117,8 @@ def zeros(leaf, num_steps: int, block: int, dtype=None) -> Interleaved:
       jnp.broadcast_to(rows, (rows.shape[0], num_steps + 1, block)), shape)
 
 
-def write(trajectory: Interleaved, step, displacement: jax.Array) -> Interleaved:
+def write(trajectory: Interleaved, step,
+          displacement: jax.Array) -> Interleaved:
   """Stores ``displacement`` as step ``step`` (point ``step + 1``)."""
   blocks = trajectory.blocks
   rows = displacement.reshape(blocks.shape[0], blocks.shape[2])
