@@ -1,20 +1,34 @@
-"""The configuration of one training run, and its command-line flags.
+"""The configuration of one training run, its flags and its run directory.
 
 Every field of `Config` is a flag of ``python -m experiments.train`` with the
 same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
+
+A run directory belongs to one configuration: the run writes its resolved
+arguments and hyperparameters to ``config.json`` there, and a later run in
+the same directory resumes only if its own are the same (`check_run_directory`).
+The default directory is ``runs/<dataset>-<algorithm>-test<envs>-<hash>``, the
+hash being that of the resolved arguments, so every configuration gets its
+own.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import shutil
+import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from experiments import algorithms
+from experiments import datasets
 from experiments import hparams_registry
+from experiments import models
 
 # Per dataset: (steps, checkpoint_freq). The built-in digit datasets get a
 # short schedule that trains in a few minutes on two CPU cores (their domains
@@ -29,6 +43,27 @@ SCHEDULES = {
     "DomainNet": (6000, 1000),
 }
 DEFAULT_SCHEDULE = (5000, 300)
+
+# Where runs go when no --output_dir is given, one folder per configuration.
+DEFAULT_RUNS_DIR = Path("runs")
+CONFIG_FILE = "config.json"
+# Fields that say where files are or how to treat an existing run, not what
+# is trained: runs that differ only in them are the same run.
+LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
+# The files a run writes; a directory holding any of them but no CONFIG_FILE
+# holds a run of unknown configuration. (A sweep puts its log there first.)
+RUN_FILES = ("results.jsonl", "checkpoints", "final_params.npz", "done")
+PROG = "python -m experiments.train"
+
+
+class UsageError(ValueError):
+  """A command line that cannot run as given; the message says how to fix it."""
+
+
+def args_hash(args: Mapping[str, Any]) -> str:
+  """The MD5 hex digest of ``args`` as sorted JSON: a run's directory name."""
+  key = json.dumps(dict(args), sort_keys=True)
+  return hashlib.md5(key.encode("utf-8")).hexdigest()
 
 
 def _field(default: Any, help: str) -> Any:  # pylint: disable=redefined-builtin
@@ -50,7 +85,14 @@ class Config:
   algorithm: str = _field("PGrad-B", "Algorithm name.")
   test_envs: list[int] = _field([0], "Held-out (test) domain indices.")
   data_dir: str | None = _field(None, "Where the dataset files are.")
-  output_dir: str = _field("runs/train", "Where results and checkpoints go.")
+  output_dir: str | None = _field(
+      None, "Where results and checkpoints go. Default: "
+      f"{DEFAULT_RUNS_DIR}/<dataset>-<algorithm>-test<envs>-<hash of the "
+      "flags>, one directory per configuration.")
+  overwrite: bool = _field(
+      False, "Delete what output_dir holds and start over (without it, a "
+      "run resumes a run of the same configuration, and refuses a "
+      "directory of another).")
   steps: int | None = _field(
       None, "Training steps. Default: per dataset (SCHEDULES).")
   checkpoint_freq: int | None = _field(
@@ -62,7 +104,8 @@ class Config:
   holdout_fraction: float = _field(
       0.2, "Fraction of every domain held out for validation.")
   hparams: str | None = _field(
-      None, "JSON object of hyperparameters overriding the drawn ones.")
+      None, "JSON object of hyperparameters overriding the drawn ones; "
+      "--list_hparams lists them.")
   model: str | None = _field(
       None, "Model name. Default: mnist_cnn for digits, resnet50 otherwise.")
   pretrained: str | None = _field(
@@ -72,10 +115,21 @@ class Config:
       "subset). Default: all.")
   loss_examples: int = _field(
       512, "Examples of every domain's training split for env{i}_in_loss.")
-  eval_batch_size: int = _field(256, "Batch size of evaluation.")
+  eval_batch_size: int = _field(
+      256, "Largest batch of evaluation (smaller when the splits are).")
 
   def resolve(self) -> Config:
-    """A copy with the per-dataset defaults filled in, checked."""
+    """A copy with the per-dataset defaults filled in, checked.
+
+    Raises:
+      UsageError: a name is not registered or a number is out of range.
+    """
+    for kind, name, registry in (("dataset", self.dataset, datasets.DATASETS),
+                                 ("algorithm", self.algorithm,
+                                  algorithms.ALGORITHMS)):
+      if name not in registry:
+        raise UsageError(f"Unknown {kind} {name!r}; known: "
+                         f"{', '.join(registry)}.")
     steps, freq = SCHEDULES.get(self.dataset, DEFAULT_SCHEDULE)
     config = dataclasses.replace(
         self,
@@ -84,10 +138,35 @@ class Config:
         else self.checkpoint_freq,
         model=self.model or hparams_registry.default_model(self.dataset),
         test_envs=list(self.test_envs))
-    if config.steps < 1 or config.checkpoint_freq < 1:
-      raise ValueError("steps and checkpoint_freq must be positive, got "
-                       f"{config.steps} and {config.checkpoint_freq}.")
+    if config.model not in models.MODELS:
+      raise UsageError(f"Unknown model {config.model!r}; known: "
+                       f"{', '.join(models.MODELS)}.")
+    positive = ("steps", "checkpoint_freq", "loss_examples", "eval_batch_size",
+                "eval_examples")
+    for name in positive:
+      value = getattr(config, name)
+      if value is not None and value < 1:
+        raise UsageError(f"--{name} must be a positive integer, got {value}.")
+    for name in ("seed", "hparams_seed", "trial_seed"):
+      if getattr(config, name) < 0:
+        raise UsageError(f"--{name} must be >= 0, got {getattr(config, name)}.")
+    if not 0 < config.holdout_fraction < 1:
+      raise UsageError("--holdout_fraction must be in (0, 1), got "
+                       f"{config.holdout_fraction}.")
+    if not config.test_envs or min(config.test_envs) < 0:
+      raise UsageError("--test_envs must be domain indices >= 0, got "
+                       f"{config.test_envs}.")
+    if config.output_dir is None:
+      envs = "_".join(map(str, config.test_envs))
+      name = f"{config.dataset}-{config.algorithm}-test{envs}"
+      config.output_dir = str(
+          DEFAULT_RUNS_DIR / f"{name}-{args_hash(config.identity())[:8]}")
     return config
+
+  def identity(self) -> dict[str, Any]:
+    """The fields that determine the run's results (all but LOCATION_FIELDS)."""
+    return {name: value for name, value in dataclasses.asdict(self).items()
+            if name not in LOCATION_FIELDS}
 
   def hyperparameters(self) -> dict[str, Any]:
     """The drawn hyperparameters with the ``hparams`` overrides applied.
@@ -97,19 +176,24 @@ class Config:
       with the overrides.
 
     Raises:
-      ValueError: ``hparams`` is not a JSON object, or names a hyperparameter
-        the algorithm lacks.
+      UsageError: ``hparams`` is not a JSON object, or names a hyperparameter
+        the algorithm lacks, or gives one a value out of its range.
     """
     hparams = hparams_registry.random_hparams(
         self.algorithm, self.dataset, self.hparams_seed, self.trial_seed)
-    overrides = json.loads(self.hparams) if self.hparams else {}
+    try:
+      overrides = json.loads(self.hparams) if self.hparams else {}
+    except json.JSONDecodeError as e:
+      raise UsageError(f"--hparams is not valid JSON ({e}): {self.hparams}; "
+                       """write e.g. --hparams '{"lr": 1e-4}'.""") from None
     if not isinstance(overrides, dict):
-      raise ValueError(f"--hparams must be a JSON object, got {self.hparams}.")
-    unknown = sorted(overrides.keys() - hparams.keys())
-    if unknown:
-      raise ValueError(f"Unknown hparams {unknown} for {self.algorithm} on "
-                       f"{self.dataset}; known: {sorted(hparams)}.")
-    return {**hparams, **overrides}
+      raise UsageError(f"--hparams must be a JSON object, got {self.hparams}.")
+    hparams = {**hparams, **overrides}
+    try:
+      hparams_registry.check_hparams(self.algorithm, self.dataset, hparams)
+    except ValueError as e:
+      raise UsageError(f"--hparams: {e} See --list_hparams.") from None
+    return hparams
 
 
 def _flag_type(annotation: Any) -> Any:
@@ -118,29 +202,128 @@ def _flag_type(annotation: Any) -> Any:
   return args[0] if args else annotation
 
 
+def make_parser() -> argparse.ArgumentParser:
+  """The flags of `Config`, with the registered names as choices."""
+  parser = argparse.ArgumentParser(
+      prog=PROG,
+      description="Trains one DomainBed run and writes results.jsonl.",
+      epilog="An algorithm's hparams on a dataset, with their defaults, "
+      "search ranges and allowed values: --list_hparams --algorithm A "
+      "--dataset D.")
+  choices = {"dataset": datasets.DATASETS, "algorithm": algorithms.ALGORITHMS,
+             "model": models.MODELS}
+  hints = typing.get_type_hints(Config)
+  defaults = Config()
+  for field in dataclasses.fields(Config):
+    hint = hints[field.name]
+    default = getattr(defaults, field.name)
+    help_text = field.metadata["help"]
+    if hint is bool:
+      parser.add_argument(f"--{field.name}", action="store_true",
+                          help=help_text)
+      continue
+    kwargs = {"type": _flag_type(hint)}
+    if typing.get_origin(hint) is list:
+      kwargs["nargs"] = "+"
+    if field.name in choices:
+      kwargs["choices"] = list(choices[field.name])
+      kwargs["metavar"] = field.name.upper()
+      help_text += f" One of: {', '.join(choices[field.name])}."
+    if default is not None:
+      help_text += f" Default: {default}."
+    parser.add_argument(f"--{field.name}", default=default, help=help_text,
+                        **kwargs)
+  parser.add_argument(
+      "--list_hparams", action="store_true",
+      help="Print the hparams of --algorithm on --dataset (default, random "
+      "search, allowed values) and exit.")
+  return parser
+
+
 def parse_args(argv: Sequence[str] | None = None) -> Config:
-  """Parses command-line flags, one per `Config` field.
+  """Parses and checks command-line flags, one per `Config` field.
+
+  A bad flag or hparam exits with a usage message and status 2, as argparse
+  does; so does ``--help``, with status 0, and ``--list_hparams``.
 
   Args:
     argv: the flags; ``None`` reads ``sys.argv[1:]``.
 
   Returns:
-    The (unresolved) configuration.
+    The resolved configuration.
   """
-  parser = argparse.ArgumentParser(
-      prog="python -m experiments.train",
-      description="Trains one DomainBed run and writes results.jsonl.")
-  hints = typing.get_type_hints(Config)
-  defaults = Config()
-  for field in dataclasses.fields(Config):
-    hint = hints[field.name]
-    kwargs = {"type": _flag_type(hint)}
-    if typing.get_origin(hint) is list:
-      kwargs["nargs"] = "+"
-    default = getattr(defaults, field.name)
-    help_text = field.metadata["help"]
-    if default is not None:
-      help_text += f" Default: {default}."
-    parser.add_argument(f"--{field.name}", default=default, help=help_text,
-                        **kwargs)
-  return Config(**vars(parser.parse_args(argv)))
+  parser = make_parser()
+  args = vars(parser.parse_args(argv))
+  if args.pop("list_hparams"):
+    print(hparams_registry.describe_hparams(args["algorithm"], args["dataset"]))
+    parser.exit(0)
+  config = Config(**args)
+  try:
+    config = config.resolve()
+    config.hyperparameters()
+  except UsageError as e:
+    parser.error(str(e))
+  return config
+
+
+def _differences(
+    ours: Mapping[str, Any], theirs: Mapping[str, Any], prefix: str = ""
+) -> list[str]:
+  """The keys whose values differ, as ``key: ours vs theirs`` lines."""
+  return [f"{prefix}{key}: {ours.get(key)!r} here, {theirs.get(key)!r} there"
+          for key in sorted(ours.keys() | theirs.keys())
+          if ours.get(key) != theirs.get(key)]
+
+
+def run_record(config: Config, hparams: Mapping[str, Any]) -> dict[str, Any]:
+  """What ``config.json`` holds: the identity of the run, as JSON values."""
+  return json.loads(json.dumps(
+      {"args": config.identity(), "hparams": dict(hparams)}))
+
+
+def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
+  """Whether to resume the run in ``config.output_dir``; refuses another's.
+
+  With ``overwrite``, deletes the directory (nothing is deleted otherwise).
+  Creates nothing: the run creates the directory when it first writes to it.
+
+  Args:
+    config: the resolved configuration.
+    hparams: its hyperparameters.
+
+  Returns:
+    True when the directory holds a run of the same configuration, False when
+    there is nothing to resume (no directory, none of a run's files, or
+    ``overwrite``).
+
+  Raises:
+    UsageError: the directory holds a run of another configuration, or run
+      files without a ``config.json``, and ``overwrite`` is off.
+  """
+  output_dir = Path(config.output_dir)
+  if config.overwrite:
+    if output_dir.exists():
+      shutil.rmtree(output_dir)
+      print(f"Deleted {output_dir} (--overwrite).", file=sys.stderr)
+    return False
+  config_path = output_dir / CONFIG_FILE
+  ways_out = ("Pass another --output_dir (or none: each configuration has "
+              "its own default), or --overwrite to delete that run and start "
+              "over.")
+  if config_path.exists():
+    stored = json.loads(config_path.read_text())
+    ours = run_record(config, hparams)
+    differences = (_differences(ours["args"], stored.get("args", {})) +
+                   _differences(ours["hparams"], stored.get("hparams", {}),
+                                "hparams."))
+    if not differences:
+      return True
+    raise UsageError(
+        f"{output_dir} holds a run of another configuration; differing "
+        f"keys:\n  " + "\n  ".join(differences) + f"\n{ways_out}")
+  found = [name for name in RUN_FILES if (output_dir / name).exists()]
+  if found:
+    raise UsageError(f"{output_dir} holds {', '.join(found)} but no "
+                     f"{CONFIG_FILE}: a run of unknown configuration. "
+                     f"{ways_out}")
+  return False

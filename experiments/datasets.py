@@ -276,7 +276,7 @@ def rotated_dataset(
     seed: seeds the shuffle.
 
   Returns:
-    A dataset with 6 domains named ``"0"``, ``"15"``, ..., ``"75"``.
+    A dataset with 6 domains named ``"0°"``, ``"15°"``, ..., ``"75°"``.
   """
   parts = _deal(len(images), len(ROTATION_ANGLES), seed)
   domains = tuple(
@@ -285,7 +285,7 @@ def rotated_dataset(
   )
   return MultiDomainDataset(
       name=name,
-      domain_names=tuple(str(angle) for angle in ROTATION_ANGLES),
+      domain_names=tuple(f"{angle}°" for angle in ROTATION_ANGLES),
       domains=domains,
       num_classes=10,
       input_shape=(DIGIT_SIZE, DIGIT_SIZE, 1),

@@ -17,9 +17,11 @@ its name, so adding a hyperparameter never changes the draws of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import math
 import zlib
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,9 +35,6 @@ PGRAD_ALGORITHMS = ("PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix",
                     "PGradParallel")
 # Chunks per domain batch of the "-B" variants.
 PGRAD_B = 3
-
-Draw = Callable[[np.random.Generator], Any]
-
 
 def default_model(dataset: str) -> str:
   """DomainBed's network for ``dataset``: an MNIST CNN or a ResNet-50."""
@@ -51,53 +50,165 @@ def round_to_multiple(size: int, multiple: int) -> int:
   return multiple * max(1, round(size / multiple))
 
 
-def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
-  """Every hyperparameter as ``name -> (default, draw(rng))``."""
+class Search(NamedTuple):
+  """A random search distribution.
+
+  Attributes:
+    draw: ``draw(rng) -> value``, one random draw.
+    description: the distribution as `--list_hparams` prints it.
+  """
+
+  draw: Callable[[np.random.Generator], Any]
+  description: str
+
+
+def log_uniform(low: float, high: float, base: int = 10) -> Search:
+  """``base ** U(low, high)``."""
+  return Search(lambda rng: base**rng.uniform(low, high),
+                f"{base}^U({low}, {high})")
+
+
+def int_log_uniform(low: float, high: float) -> Search:
+  """``int(2 ** U(low, high))``, DomainBed's batch size search."""
+  return Search(lambda rng: int(2**rng.uniform(low, high)),
+                f"int(2^U({low}, {high}))")
+
+
+def uniform(low: float, high: float, cast: type = float) -> Search:
+  """``cast(U(low, high))``."""
+  return Search(lambda rng: cast(rng.uniform(low, high)),
+                f"{cast.__name__}(U({low}, {high}))")
+
+
+def choice(options: Sequence[Any]) -> Search:
+  """One of ``options``, uniformly."""
+  return Search(lambda rng: float(rng.choice(options)),
+                "one of " + ", ".join(map(str, options)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowed:
+  """The values a hyperparameter accepts: a type and a range, or choices.
+
+  Attributes:
+    kind: ``int``, ``float`` or ``str``. A ``float`` accepts integers too.
+    low: the smallest value, or ``None`` for no lower bound.
+    high: the upper bound, or ``None`` for none.
+    high_open: whether ``high`` itself is excluded.
+    low_open: whether ``low`` itself is excluded.
+    choices: for ``str``, the accepted values.
+  """
+
+  kind: type
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  choices: tuple[str, ...] = ()
+
+  def __str__(self) -> str:
+    if self.choices:
+      return "one of " + ", ".join(repr(c) for c in self.choices)
+    kind = "an integer" if self.kind is int else "a number"
+    if self.low is not None and self.high is not None:
+      return (f"{kind} in {'(' if self.low_open else '['}{self.low}, "
+              f"{self.high}{')' if self.high_open else ']'}")
+    if self.low is not None:
+      return f"{kind} {'>' if self.low_open else '>='} {self.low}"
+    return kind
+
+  def accepts(self, value: Any) -> bool:
+    """Whether ``value`` has the right type and lies in the range."""
+    if self.choices:
+      return value in self.choices
+    # JSON has no separate booleans for Python: True is an int, refuse it.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return False
+    if self.kind is int and not isinstance(value, int):
+      return False
+    if not math.isfinite(value):
+      return False
+    if self.low is not None and (
+        value < self.low or (self.low_open and value == self.low)):
+      return False
+    return self.high is None or (
+        value < self.high or (not self.high_open and value == self.high))
+
+
+POSITIVE = Allowed(float, low=0, low_open=True)
+NON_NEGATIVE = Allowed(float, low=0)
+POSITIVE_INT = Allowed(int, low=1)
+NON_NEGATIVE_INT = Allowed(int, low=0)
+FRACTION = Allowed(float, low=0, high=1, high_open=True)
+
+
+class HParam(NamedTuple):
+  """One hyperparameter of an algorithm on a dataset.
+
+  Attributes:
+    default: its value when ``hparams_seed`` is 0.
+    search: its random search distribution, or ``None`` when the search keeps
+      the default.
+    allowed: the values it accepts, checked by `check_hparams`.
+  """
+
+  default: Any
+  search: Search | None
+  allowed: Allowed
+
+  def draw(self, rng: np.random.Generator) -> Any:
+    return self.default if self.search is None else self.search.draw(rng)
+
+
+def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
+  """Every hyperparameter of ``algorithm`` on ``dataset``, by name."""
   small = dataset in SMALL_IMAGES
   pgrad = algorithm in PGRAD_ALGORITHMS
-  hp: dict[str, tuple[Any, Draw]] = {}
+  hp: dict[str, HParam] = {}
 
-  def add(name: str, default: Any, draw: Draw | None = None) -> None:
-    hp[name] = (default, draw or (lambda rng: default))
+  def add(name: str, default: Any, allowed: Allowed,
+          search: Search | None = None) -> None:
+    hp[name] = HParam(default, search, allowed)
 
   if pgrad:
     # Inner (Adam) learning rate; the paper does not search it.
-    add("lr", 1e-3 if small else 5e-5)
-    add("outer_lr", 0.1)
-    add("k", 4)
-    add("B", PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1)
+    add("lr", 1e-3 if small else 5e-5, POSITIVE)
+    add("outer_lr", 0.1, POSITIVE)
+    add("k", 4, POSITIVE_INT)
+    add("B", PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1,
+        POSITIVE_INT)
     batch = round_to_multiple(64 if small else 24 if dataset == "DomainNet"
-                              else 32, hp["B"][0])
-    add("batch_size", batch)
-    add("weight_decay", 0.0, lambda rng: 10**rng.uniform(-6, -4))
+                              else 32, hp["B"].default)
+    add("batch_size", batch, POSITIVE_INT)
+    add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -4))
   else:
     if small:
-      add("lr", 1e-3, lambda rng: 10**rng.uniform(-4.5, -2.5))
-      add("batch_size", 64, lambda rng: int(2**rng.uniform(3, 9)))
-      add("weight_decay", 0.0)
+      add("lr", 1e-3, POSITIVE, log_uniform(-4.5, -2.5))
+      add("batch_size", 64, POSITIVE_INT, int_log_uniform(3, 9))
+      add("weight_decay", 0.0, NON_NEGATIVE)
     else:
-      add("lr", 5e-5, lambda rng: 10**rng.uniform(-5, -3.5))
+      add("lr", 5e-5, POSITIVE, log_uniform(-5, -3.5))
       top = 5 if dataset == "DomainNet" else 5.5
-      add("batch_size", 32, lambda rng: int(2**rng.uniform(3, top)))
-      add("weight_decay", 0.0, lambda rng: 10**rng.uniform(-6, -2))
+      add("batch_size", 32, POSITIVE_INT, int_log_uniform(3, top))
+      add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
   if small:
     # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
     # the embedded digits are 8x8 scans upsampled, so a quarter of that width
     # learns them as well and trains in minutes on a CPU.
-    add("cnn_width", 16 if dataset in EMBEDDED else 64)
+    add("cnn_width", 16 if dataset in EMBEDDED else 64, POSITIVE_INT)
   if not small:
-    add("resnet_dropout", 0.0, lambda rng: float(rng.choice([0.0, 0.1, 0.5])))
+    add("resnet_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
     # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
-    add("bn_mode", "frozen")
+    add("bn_mode", "frozen", Allowed(str, choices=("frozen", "train")))
 
   if algorithm == "Fish":
-    add("meta_lr", 0.5, lambda rng: float(rng.choice([0.05, 0.1, 0.5])))
+    add("meta_lr", 0.5, POSITIVE, choice([0.05, 0.1, 0.5]))
   elif algorithm == "Fishr":
-    add("lambda", 1000.0, lambda rng: 10**rng.uniform(1, 4))
-    add("penalty_anneal_iters", 1500, lambda rng: int(rng.uniform(0, 5000)))
-    add("ema", 0.95, lambda rng: rng.uniform(0.90, 0.99))
+    add("lambda", 1000.0, NON_NEGATIVE, log_uniform(1, 4))
+    add("penalty_anneal_iters", 1500, NON_NEGATIVE_INT, uniform(0, 5000, int))
+    add("ema", 0.95, FRACTION, uniform(0.90, 0.99))
   if algorithm in ("MixUp", "PGrad-BMix"):
-    add("mixup_alpha", 0.2, lambda rng: 10**rng.uniform(-1, 1))
+    add("mixup_alpha", 0.2, POSITIVE, log_uniform(-1, 1))
   return hp
 
 
@@ -111,8 +222,8 @@ def default_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   Returns:
     A dict of hyperparameters.
   """
-  return {name: default for name, (default, _) in
-          _hparams(algorithm, dataset).items()}
+  return {name: hparam.default
+          for name, hparam in _hparams(algorithm, dataset).items()}
 
 
 def random_hparams(
@@ -132,9 +243,59 @@ def random_hparams(
   if seed == 0:
     return default_hparams(algorithm, dataset)
   hparams = {}
-  for name, (_, draw) in _hparams(algorithm, dataset).items():
-    value = draw(np.random.default_rng(
+  for name, hparam in _hparams(algorithm, dataset).items():
+    value = hparam.draw(np.random.default_rng(
         [seed, trial_seed, zlib.crc32(name.encode())]))
     # Plain Python numbers, for JSON and for hashing as static arguments.
     hparams[name] = value.item() if isinstance(value, np.generic) else value
   return hparams
+
+
+def check_hparams(
+    algorithm: str, dataset: str, hparams: Mapping[str, Any]
+) -> None:
+  """Checks names, types and ranges of hyperparameters against the registry.
+
+  Args:
+    algorithm: an algorithm name.
+    dataset: a dataset name.
+    hparams: hyperparameters, e.g. a draw updated with ``--hparams``.
+
+  Raises:
+    ValueError: naming the first unknown or out-of-range hyperparameter and
+      what it accepts.
+  """
+  registry = _hparams(algorithm, dataset)
+  unknown = sorted(hparams.keys() - registry.keys())
+  if unknown:
+    raise ValueError(f"Unknown hparams {unknown} for {algorithm} on {dataset}; "
+                     f"known: {sorted(registry)}.")
+  for name, value in hparams.items():
+    allowed = registry[name].allowed
+    if not allowed.accepts(value):
+      raise ValueError(f"hparam {name!r} must be {allowed}, got {value!r}.")
+  if "B" in hparams and hparams["batch_size"] % hparams["B"]:
+    # Every domain's batch is cut into B equal chunks.
+    raise ValueError(f"hparam 'batch_size' must be a multiple of B = "
+                     f"{hparams['B']}, got {hparams['batch_size']}.")
+
+
+def describe_hparams(algorithm: str, dataset: str) -> str:
+  """A table of ``algorithm``'s hyperparameters on ``dataset``.
+
+  Args:
+    algorithm: an algorithm name.
+    dataset: a dataset name.
+
+  Returns:
+    One line per hyperparameter: its name, default, random search
+    distribution (``hparams_seed`` > 0) and accepted values.
+  """
+  rows = [("hparam", "default", "search (hparams_seed > 0)", "allowed")]
+  for name, hparam in _hparams(algorithm, dataset).items():
+    search = "fixed" if hparam.search is None else hparam.search.description
+    rows.append((name, repr(hparam.default), search, str(hparam.allowed)))
+  widths = [max(len(row[i]) for row in rows) for i in range(3)]
+  return "\n".join(
+      "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]
+      for row in rows)

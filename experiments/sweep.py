@@ -39,6 +39,7 @@ from typing import Any
 import tqdm
 
 from experiments import algorithms as algorithms_lib
+from experiments import config as config_lib
 from experiments import datasets as datasets_lib
 from experiments import hparams_registry
 
@@ -80,9 +81,7 @@ class Run:
   @classmethod
   def create(cls, args: Mapping[str, Any], sweep_dir: str | Path) -> Run:
     """A run whose directory under ``sweep_dir`` is the MD5 of its args."""
-    key = json.dumps(dict(args), sort_keys=True)
-    name = hashlib.md5(key.encode("utf-8")).hexdigest()
-    return cls(dict(args), Path(sweep_dir) / name)
+    return cls(dict(args), Path(sweep_dir) / config_lib.args_hash(args))
 
   @property
   def status(self) -> Status:

@@ -191,7 +191,11 @@ def evaluate(
 ) -> Record:
   """Accuracy of every domain's in and out split, and the in-split loss."""
   results = {}
-  size = config.eval_batch_size
+  # Batches no larger than the largest split, so small datasets are not
+  # padded to the flag's size; one size for all splits, so one compilation.
+  size = min(config.eval_batch_size,
+             max(len(indices) for domain in sets
+                 for indices in domain.values()))
   for i, domain in enumerate(sets):
     for name, indices in domain.items():
       correct, losses = [], []
@@ -272,8 +276,24 @@ def _held_out_summary(
     record: Record, dataset: datasets.MultiDomainDataset,
     test_envs: Sequence[int]
 ) -> str:
-  return ", ".join(f"env{t} ({dataset.domain_names[t]}) "
+  return ", ".join(f"{dataset.domain_names[t]} (env{t}) "
                    f"{record[f'env{t}_in_acc']:.4f}" for t in test_envs)
+
+
+def _start_run_directory(
+    config: config_lib.Config, hparams: dict[str, Any]
+) -> None:
+  """Creates the run directory and records the configuration it belongs to."""
+  output_dir = Path(config.output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  (output_dir / config_lib.CONFIG_FILE).write_text(
+      json.dumps(config_lib.run_record(config, hparams), indent=2) + "\n")
+
+
+def _checkpoint_manager(output_dir: Path) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+      (output_dir / CHECKPOINT_DIR).absolute(),
+      options=ocp.CheckpointManagerOptions(max_to_keep=CHECKPOINTS_KEPT))
 
 
 def train(config: config_lib.Config) -> Record:
@@ -284,18 +304,25 @@ def train(config: config_lib.Config) -> Record:
 
   Returns:
     The record of the final evaluation.
+
+  Raises:
+    config_lib.UsageError: the configuration cannot run, or ``output_dir``
+      holds a run of another configuration; nothing was written.
   """
   config = config.resolve()
   hparams = config.hyperparameters()
+  resume = config_lib.claim_run_directory(config, hparams)
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                  seed=config.trial_seed)
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
-    raise ValueError(f"test_envs {config.test_envs} out of range for "
-                     f"{config.dataset}'s {num_domains} domains.")
+    raise config_lib.UsageError(
+        f"--test_envs {config.test_envs} out of range for {config.dataset}'s "
+        f"{num_domains} domains (0 to {num_domains - 1}).")
   train_domains = [d for d in range(num_domains) if d not in config.test_envs]
   if not train_domains:
-    raise ValueError("Every domain is a test domain; none is left to train on.")
+    raise config_lib.UsageError(
+        "Every domain is a test domain; none is left to train on.")
   splits = input_pipeline.split_domains(
       dataset, holdout_fraction=config.holdout_fraction,
       seed=config.trial_seed)
@@ -317,12 +344,11 @@ def train(config: config_lib.Config) -> Record:
       seed=config.seed)
 
   output_dir = Path(config.output_dir)
-  output_dir.mkdir(parents=True, exist_ok=True)
   results_path = output_dir / RESULTS_FILE
-  manager = ocp.CheckpointManager(
-      (output_dir / CHECKPOINT_DIR).absolute(),
-      options=ocp.CheckpointManagerOptions(max_to_keep=CHECKPOINTS_KEPT))
-  start = manager.latest_step()
+  # A fresh run creates its directory at its first evaluation, so a run that
+  # fails before then leaves nothing behind.
+  manager = _checkpoint_manager(output_dir) if resume else None
+  start = manager.latest_step() if resume else None
   if start is not None:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     # Restores the iterator in place and returns the train state.
@@ -353,6 +379,9 @@ def train(config: config_lib.Config) -> Record:
         continue
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / meter.count
+      if manager is None:
+        _start_run_directory(config, hparams)
+        manager = _checkpoint_manager(output_dir)
       record = {
           "args": dataclasses.asdict(config), "hparams": hparams,
           "domains": list(dataset.domain_names), "step": step, "epoch": step / steps_per_epoch,
@@ -378,8 +407,18 @@ def train(config: config_lib.Config) -> Record:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Command-line entry point; see the module docstring."""
-  train(config_lib.parse_args(argv))
+  """Command-line entry point; see the module docstring.
+
+  Returns:
+    The exit status: 0, or 2 for a command line that cannot run (after a
+    message saying why, as argparse's usage errors).
+  """
+  config = config_lib.parse_args(argv)
+  try:
+    train(config)
+  except config_lib.UsageError as e:
+    print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
+    return 2
   return 0
 
 

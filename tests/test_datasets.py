@@ -46,7 +46,7 @@ def test_register_dataset_rejects_duplicates():
 @pytest.mark.parametrize(
     "name, domain_names, num_classes, channels",
     [
-        ("rotated", ("0", "15", "30", "45", "60", "75"), 10, 1),
+        ("rotated", ("0°", "15°", "30°", "45°", "60°", "75°"), 10, 1),
         ("colored", ("+90%", "+80%", "-90%"), 2, 2),
     ],
 )
@@ -157,7 +157,7 @@ def test_mnist_recipes_on_fake_images():
   labels = rng.integers(0, 10, 20)
   rotated = datasets.rotated_dataset("RotatedMNIST", images, labels, seed=0)
   assert [len(d) for d in rotated.domains] == [4, 4, 3, 3, 3, 3]
-  # Dealing keeps each image with its label (domain "0" is unrotated).
+  # Dealing keeps each image with its label (domain "0°" is unrotated).
   unrotated = rotated.domains[0]
   for k in range(len(unrotated)):
     image = unrotated[k]["image"][..., 0]

@@ -126,7 +126,7 @@ def test_rotated_mnist_reads_the_prepared_records(mnist_dir, seed):
   images, labels = _mnist_arrays()
   ds = datasets.get_dataset("RotatedMNIST", data_dir=mnist_dir, seed=seed)
   assert ds.name == "RotatedMNIST"
-  assert ds.domain_names == ("0", "15", "30", "45", "60", "75")
+  assert ds.domain_names == ("0°", "15°", "30°", "45°", "60°", "75°")
   assert ds.num_classes == 10
   assert ds.input_shape == (28, 28, 1)
   assert [len(d) for d in ds.domains] == [NUM_MNIST // 6] * 6
@@ -151,7 +151,7 @@ def test_rotated_mnist_reads_the_prepared_records(mnist_dir, seed):
     seen += ids
   assert sorted(seen) == list(range(NUM_MNIST))
 
-  # Domain "0" holds the written pixels unchanged; the others are rotated.
+  # Domain "0°" holds the written pixels unchanged; the others are rotated.
   for domain, angle in zip(ds.domains, datasets.ROTATION_ANGLES):
     for k in range(len(domain)):
       image = domain[k]["image"][..., 0]
