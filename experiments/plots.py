@@ -54,7 +54,7 @@ def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
   return group_by(records, lambda r: r["args"]["algorithm"])
 
 
-def plot_loss_curves(records: Sequence[Record], path: str | Path) -> None:
+def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
   """Per-domain training loss of each algorithm (PGrad's Figure 3).
 
   One panel per training domain ``i`` shows ``env{i}_in_loss`` against the
@@ -65,6 +65,9 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> None:
     records: records of one dataset and held-out domain, with
       ``env{i}_in_loss``, typically of ERM and PGrad runs.
     path: the PNG to write.
+
+  Returns:
+    The figure.
   """
   held_out = held_out_env(records[0])
   train_envs = [i for i in range(num_envs(records[0])) if i != held_out]
@@ -78,11 +81,12 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> None:
   panels[0].set_ylabel("training loss")
   panels[0].legend()
   fig.savefig(path, dpi=120)
+  return fig
 
 
 def plot_eigenvalue_spectrum(
     records: Sequence[Record], path: str | Path, *, num_intervals: int = 10
-) -> None:
+) -> Figure:
   """PGrad's normalised trajectory spectrum over training (its Figure 9).
 
   The steps are cut into ``num_intervals`` equal intervals; in each, the
@@ -91,9 +95,13 @@ def plot_eigenvalue_spectrum(
   on a log scale.
 
   Args:
-    records: records of PGrad runs; those without eigenvalues are ignored.
+    records: records of runs of one PGrad variant; those without eigenvalues
+      are ignored.
     path: the PNG to write.
     num_intervals: how many intervals of steps to average over.
+
+  Returns:
+    The figure, titled with the algorithm.
   """
   records = [r for r in records if r.get("eigenvalues")]
   steps = np.array([r["step"] for r in records], np.float64)
@@ -113,11 +121,15 @@ def plot_eigenvalue_spectrum(
   axes.set_yscale("log")
   axes.set_xlabel("step (interval centre)")
   axes.set_ylabel("normalised eigenvalue")
+  axes.set_title(", ".join(_by_algorithm(records)))
   axes.legend(fontsize="small")
   fig.savefig(path, dpi=120)
+  return fig
 
 
-def plot_heldout_accuracy(records: Sequence[Record], path: str | Path) -> None:
+def plot_heldout_accuracy(
+    records: Sequence[Record], path: str | Path
+) -> Figure:
   """Accuracy on the held-out domain over training, per algorithm.
 
   The accuracy is ``env{t}_in_acc`` of the held-out domain ``t``, the test
@@ -127,6 +139,9 @@ def plot_heldout_accuracy(records: Sequence[Record], path: str | Path) -> None:
   Args:
     records: records of one dataset and held-out domain.
     path: the PNG to write.
+
+  Returns:
+    The figure.
   """
   held_out = held_out_env(records[0])
   fig = Figure(figsize=(5, 3.5), layout="constrained")
@@ -137,3 +152,4 @@ def plot_heldout_accuracy(records: Sequence[Record], path: str | Path) -> None:
   axes.set_ylabel(f"held-out domain {held_out} accuracy")
   axes.legend()
   fig.savefig(path, dpi=120)
+  return fig

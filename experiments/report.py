@@ -5,7 +5,10 @@ per algorithm and a column per held-out domain plus their average, and a
 summary table with a column per dataset. A cell is the selected test accuracy
 as mean ± standard error over trials, in percent; ``X`` marks a missing
 result. Training curves of the runs with default hparams
-(``hparams_seed`` 0) are plotted next to the tables.
+(``hparams_seed`` 0) are plotted next to the tables: held-out accuracy and
+per-domain training loss of every algorithm, and the eigenvalue spectrum of
+every algorithm that records one (the PGrad variants). A plot that cannot be
+drawn is named, with the reason, in the report and on stderr.
 
 Usage::
 
@@ -21,8 +24,10 @@ import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from experiments import algorithms as algorithms_lib
 from experiments import datasets as datasets_lib
@@ -33,9 +38,20 @@ from experiments.model_selection import Record, SelectedAccuracies
 PLOTS_DIR = "plots"
 # The runs whose training curves are plotted: DomainBed's default hparams.
 PLOTTED_HPARAMS_SEED = 0
-# The algorithms compared in the loss-curve figure, as in PGrad's Figure 3.
-LOSS_CURVE_ALGORITHMS = ("ERM", "PGrad")
-SPECTRUM_ALGORITHM = "PGrad"
+
+
+class Plot(NamedTuple):
+  """A figure written by `write_plots`.
+
+  Attributes:
+    caption: what it shows.
+    path: the PNG.
+    figure: the drawn figure, for inspection.
+  """
+
+  caption: str
+  path: Path
+  figure: Figure
 
 
 def _ordered(names: Iterable[str], registry: Iterable[str]) -> list[str]:
@@ -163,9 +179,13 @@ def summary_table(
   return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
 
 
+def _has_loss_curves(record: Record) -> bool:
+  return any(key.endswith("_in_loss") for key in record)
+
+
 def write_plots(
     records: Sequence[Record], dataset: str, env: int, plots_dir: Path
-) -> list[tuple[str, Path]]:
+) -> tuple[list[Plot], list[str]]:
   """Plots the default-hparams runs of one dataset and held-out domain.
 
   Args:
@@ -175,29 +195,44 @@ def write_plots(
     plots_dir: where the PNGs go.
 
   Returns:
-    ``(caption, path)`` of every plot written; plots lacking their runs are
-    skipped.
+    The plots written, and for every plot not drawn, why.
   """
   runs = [r for r in records
           if r["args"]["hparams_seed"] == PLOTTED_HPARAMS_SEED]
-  loss_runs = [r for r in runs
-               if r["args"]["algorithm"] in LOSS_CURVE_ALGORITHMS]
-  spectrum_runs = [r for r in runs
-                   if r["args"]["algorithm"] == SPECTRUM_ALGORITHM
-                   and r.get("eigenvalues")]
+  if not runs:
+    return [], [f"no plots: no run has hparams_seed {PLOTTED_HPARAMS_SEED}"]
+  by_algorithm = model_selection.group_by(runs,
+                                          lambda r: r["args"]["algorithm"])
+  algorithms = _ordered(by_algorithm, algorithms_lib.ALGORITHMS)
+  loss_runs = [r for r in runs if _has_loss_curves(r)]
+  # (caption, file suffix, plot function, records or [] with the reason).
   figures = [
-      ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs),
-      ("training loss per domain", "loss", plots.plot_loss_curves, loss_runs),
-      (f"{SPECTRUM_ALGORITHM} eigenvalue spectrum", "eigenvalues",
-       plots.plot_eigenvalue_spectrum, spectrum_runs),
+      ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs, ""),
+      ("training loss per domain", "loss", plots.plot_loss_curves, loss_runs,
+       "no run records env{i}_in_loss"),
   ]
+  skipped = []
+  without_loss = [a for a in algorithms
+                  if not any(map(_has_loss_curves, by_algorithm[a]))]
+  if loss_runs and without_loss:
+    skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
+                   "record no env{i}_in_loss")
+  spectra = [a for a in algorithms
+             if any(r.get("eigenvalues") for r in by_algorithm[a])]
+  figures += [(f"{a} eigenvalue spectrum", f"{a}_eigenvalues",
+               plots.plot_eigenvalue_spectrum, by_algorithm[a], "")
+              for a in spectra]
+  if not spectra:
+    skipped.append(f"no eigenvalue spectrum: none of {', '.join(algorithms)} "
+                   "records eigenvalues (the PGrad variants do)")
   written = []
-  for caption, suffix, plot, selection in figures:
-    if selection:
-      path = plots_dir / f"{dataset}_env{env}_{suffix}.png"
-      plot(selection, path)
-      written.append((caption, path))
-  return written
+  for caption, suffix, plot, selection, why_not in figures:
+    if not selection:
+      skipped.append(f"no {caption} plot: {why_not}")
+      continue
+    path = plots_dir / f"{dataset}_env{env}_{suffix}.png"
+    written.append(Plot(caption, path, plot(selection, path)))
+  return written, skipped
 
 
 def render(records: Sequence[Record], output_dir: Path) -> str:
@@ -243,10 +278,14 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
     by_env = model_selection.group_by(by_dataset[dataset],
                                       model_selection.held_out_env)
     for env in sorted(by_env):
-      for caption, path in write_plots(by_env[env], dataset, env, plots_dir):
-        link = path.relative_to(output_dir).as_posix()
-        lines += ["", f"{dataset}, held-out env{env}: {caption}", "",
-                  f"![{dataset} env{env} {caption}]({link})"]
+      written, skipped = write_plots(by_env[env], dataset, env, plots_dir)
+      for plot in written:
+        link = plot.path.relative_to(output_dir).as_posix()
+        lines += ["", f"{dataset}, held-out env{env}: {plot.caption}", "",
+                  f"![{dataset} env{env} {plot.caption}]({link})"]
+      for reason in skipped:
+        print(f"{dataset}, held-out env{env}: {reason}.", file=sys.stderr)
+        lines += ["", f"{dataset}, held-out env{env}: {reason}."]
   return "\n".join(lines) + "\n"
 
 

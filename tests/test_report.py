@@ -1,9 +1,16 @@
-"""The Markdown report and the plots, on hand-made records."""
+"""The Markdown report and the plots, on hand-made records and a tiny sweep."""
 
+import json
+import shlex
+import sys
+
+import numpy as np
 import pytest
 
+from experiments import model_selection
 from experiments import plots
 from experiments import report
+from experiments import sweep
 from test_model_selection import make_record, write_runs
 
 # {(dataset, algorithm): {held-out env: {trial: test accuracy}}}, one hparam
@@ -88,9 +95,13 @@ def test_report_tables_and_plots(tmp_path):
   plot_names = sorted(p.name for p in (tmp_path / "out" / "plots").iterdir())
   # Loss and accuracy per (dataset, held-out env); spectra only for PGrad.
   assert len(plot_names) == 2 * 5 + 3
-  assert "ColoredDigits_env2_eigenvalues.png" in plot_names
+  assert "ColoredDigits_env2_PGrad_eigenvalues.png" in plot_names
   for name in plot_names:
     assert f"(plots/{name})" in text
+  # Toy has no PGrad runs: the report says why it has no spectrum.
+  reason = ("Toy, held-out env1: no eigenvalue spectrum: none of ERM records "
+            "eigenvalues")
+  assert reason in text
 
 
 def test_missing_input_fails(tmp_path):
@@ -118,3 +129,106 @@ def test_mean_std_over_runs():
   assert steps.tolist() == [1, 2, 3]
   assert mean.tolist() == [4.0, 2.0, 5.0]
   assert std.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
+    tmp_path, capsys):
+  records = []
+  spectra = {"PGrad-B": [[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]],
+             "PGrad-F": [[0.8, 0.1, 0.1], [0.6, 0.3, 0.1]]}
+  for algorithm in ("ERM", "PGrad-B", "PGrad-F", "Fish"):
+    for trial in (0, 1):
+      for step in STEPS:
+        extra = {f"env{i}_in_loss": step * (1 + trial) + i for i in (1, 2)}
+        if algorithm in spectra:
+          extra["eigenvalues"] = spectra[algorithm][trial]
+        if algorithm == "Fish":
+          extra = {}  # Records of an older run: no losses.
+        records.append(make_record("ColoredDigits", algorithm, 0, 0, trial,
+                                   step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                                   **extra))
+  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
+  plots_by_caption = {plot.caption: plot for plot in written}
+  assert list(plots_by_caption) == [
+      "held-out accuracy", "training loss per domain",
+      "PGrad-F eigenvalue spectrum", "PGrad-B eigenvalue spectrum"]
+  assert skipped == ["no loss curves of Fish: their runs record no "
+                     "env{i}_in_loss"]
+  for plot in written:
+    assert plot.path.read_bytes().startswith(b"\x89PNG")
+
+  loss = plots_by_caption["training loss per domain"].figure
+  panels = loss.axes
+  assert [a.get_title() for a in panels] == ["training domain 1",
+                                             "training domain 2"]
+  assert [a.get_xlabel() for a in panels] == ["step", "step"]
+  assert panels[0].get_ylabel() == "training loss"
+  assert [t.get_text() for t in panels[0].get_legend().get_texts()] == [
+      "ERM", "PGrad-B", "PGrad-F"]
+  for axes, env in zip(panels, (1, 2)):
+    for line in axes.get_lines():
+      # Mean over the two trials of step * (1 + trial) + env.
+      expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in STEPS]
+      np.testing.assert_allclose(line.get_ydata(), expected)
+
+  spectrum = plots_by_caption["PGrad-B eigenvalue spectrum"].figure.axes[0]
+  assert spectrum.get_title() == "PGrad-B"
+  assert spectrum.get_ylabel() == "normalised eigenvalue"
+  assert [line.get_label() for line in spectrum.get_lines()] == [
+      "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
+  # Both steps of a run hold the same spectrum; the trials are averaged.
+  expected = np.mean(np.array(spectra["PGrad-B"], np.float64), axis=0)
+  for line, value in zip(spectrum.get_lines(), expected):
+    np.testing.assert_allclose(line.get_ydata(), [value, value])
+
+
+def test_report_says_why_a_plot_is_missing(tmp_path, capsys):
+  records = [make_record("ColoredDigits", "ERM", 0, 1, 0, 5,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3)]
+  write_runs(tmp_path / "sweep", records)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  reason = "ColoredDigits, held-out env0: no plots: no run has hparams_seed 0."
+  assert reason in capsys.readouterr().err
+  assert reason in (tmp_path / "out" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
+    tmp_path):
+  train = f"{shlex.quote(sys.executable)} -m experiments.train " \
+          "--eval_examples 16 --loss_examples 8"
+  assert sweep.main([
+      "--datasets", "ColoredDigits", "--algorithms", "ERM", "PGrad-B",
+      "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
+      "--steps", "2", "--checkpoint_freq", "1",
+      "--hparams", json.dumps({"batch_size": 3}), "--jobs", "2",
+      "--train_command", train, "--output_dir", str(tmp_path / "sweep")]) == 0
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert "(plots/ColoredDigits_env0_PGrad-B_eigenvalues.png)" in text
+  assert "(plots/ColoredDigits_env0_loss.png)" in text
+
+  records = model_selection.load_records(tmp_path / "sweep")
+  written, skipped = report.write_plots(records, "ColoredDigits", 0,
+                                        tmp_path / "out" / "plots")
+  assert skipped == []
+  figures = {plot.caption: plot.figure for plot in written}
+  loss = figures["training loss per domain"].axes
+  assert [a.get_title() for a in loss] == ["training domain 1",
+                                           "training domain 2"]
+  assert [t.get_text() for t in loss[0].get_legend().get_texts()] == [
+      "ERM", "PGrad-B"]
+  spectrum = figures["PGrad-B eigenvalue spectrum"].axes[0]
+  assert spectrum.get_xlabel() == "step (interval centre)"
+  # 2 training domains x B = 3 chunks + the start: 7 trajectory points.
+  pgrad_b = sorted((r for r in records
+                    if r["args"]["algorithm"] == "PGrad-B"),
+                   key=lambda r: r["step"])
+  lines = spectrum.get_lines()
+  assert len(lines) == len(pgrad_b[0]["eigenvalues"]) == 7
+  for k, line in enumerate(lines):
+    np.testing.assert_allclose(
+        line.get_ydata(),
+        [np.float64(r["eigenvalues"][k]) for r in pgrad_b])
