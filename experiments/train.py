@@ -32,6 +32,12 @@ bit-for-bit the same params as an uninterrupted run; results.jsonl lines
 newer than the checkpoint are dropped and recomputed. At the end the run
 writes its final params to ``final_params.npz`` and an empty ``done`` file.
 
+The output directory belongs to one configuration, recorded in its
+``config.json`` at the first evaluation (the directory is created then, so a
+run failing earlier leaves nothing). A run of another configuration there is
+refused before any work, with exit status 2, unless ``--overwrite`` (see
+`experiments.config`).
+
 With several devices, batches are split over a ``data`` mesh axis and the
 train state is replicated.
 """
