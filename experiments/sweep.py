@@ -170,7 +170,12 @@ def make_runs(
   """
   optional = {"steps": steps, "checkpoint_freq": checkpoint_freq}
   optional = {k: v for k, v in optional.items() if v is not None}
-  fixed = json.loads(hparams) if hparams else {}
+  try:
+    fixed = json.loads(hparams) if hparams else {}
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--hparams is not valid JSON ({e}): {hparams}") from None
+  if not isinstance(fixed, dict):
+    raise ValueError(f"--hparams must be a JSON object, got {hparams}.")
   known = {(d, a): hparams_registry.default_hparams(a, d).keys()
            for d in datasets for a in algorithms}
   unknown = sorted(set(fixed).difference(*known.values()))
@@ -340,7 +345,11 @@ def runs_for(args: argparse.Namespace) -> list[Run]:
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  runs = runs_for(args)
+  try:
+    runs = runs_for(args)
+  except ValueError as e:  # A usage error, as argparse's: status 2.
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   if args.command == "list":
     for run in runs:
       print(run)

@@ -145,3 +145,14 @@ def test_fixed_hparams_reach_only_the_algorithms_that_have_them(tmp_path):
     sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
                     algorithms=["ERM"], n_hparams=1, n_trials=1,
                     hparams='{"nope": 1}')
+
+
+@pytest.mark.parametrize("hparams, message", [
+    ('{"lr": 1', "--hparams is not valid JSON"),
+    ("[1]", "--hparams must be a JSON object"),
+    ('{"nope": 1}', "No swept algorithm has the hparams ['nope']"),
+])
+def test_bad_fixed_hparams_are_usage_errors(tmp_path, capsys, hparams, message):
+  assert sweep.main(sweep_flags(tmp_path) + ["--hparams", hparams]) == 2
+  assert message in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
