@@ -167,7 +167,7 @@ def test_bad_hparams_are_usage_errors_and_write_nothing(
   assert list(tmp_path.iterdir()) == []
 
 
-def test_unknown_names_are_rejected_before_jax_starts(tmp_path, env):
+def test_an_unknown_algorithm_is_a_usage_error(tmp_path, env):
   start = time.monotonic()
   result = _train_in(tmp_path, env, "--algorithm", "Nope")
   elapsed = time.monotonic() - start
