@@ -6,7 +6,7 @@ same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
 
 A run directory belongs to one configuration: the run writes its resolved
 arguments and hyperparameters to ``config.json`` there, and a later run in
-the same directory resumes only if its own are the same (`check_run_directory`).
+the same directory resumes only if its own are the same (`claim_run_directory`).
 The default directory is ``runs/<dataset>-<algorithm>-test<envs>-<hash>``, the
 hash being that of the resolved arguments, so every configuration gets its
 own.
@@ -269,7 +269,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 def _differences(
     ours: Mapping[str, Any], theirs: Mapping[str, Any], prefix: str = ""
 ) -> list[str]:
-  """The keys whose values differ, as ``key: ours vs theirs`` lines."""
+  """The keys whose values differ, as ``key: ours here, theirs there``."""
   return [f"{prefix}{key}: {ours.get(key)!r} here, {theirs.get(key)!r} there"
           for key in sorted(ours.keys() | theirs.keys())
           if ours.get(key) != theirs.get(key)]
@@ -284,8 +284,9 @@ def run_record(config: Config, hparams: Mapping[str, Any]) -> dict[str, Any]:
 def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
   """Whether to resume the run in ``config.output_dir``; refuses another's.
 
-  With ``overwrite``, deletes the directory (nothing is deleted otherwise).
-  Creates nothing: the run creates the directory when it first writes to it.
+  With ``overwrite``, deletes the run's files there (`RUN_FILES` and
+  ``config.json``; other files stay); nothing is deleted otherwise. Creates
+  nothing: the run creates the directory when it first writes to it.
 
   Args:
     config: the resolved configuration.
@@ -302,9 +303,15 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
   """
   output_dir = Path(config.output_dir)
   if config.overwrite:
-    if output_dir.exists():
-      shutil.rmtree(output_dir)
-      print(f"Deleted {output_dir} (--overwrite).", file=sys.stderr)
+    for name in (CONFIG_FILE, *RUN_FILES):
+      path = output_dir / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      elif path.exists():
+        path.unlink()
+      else:
+        continue
+      print(f"Deleted {path} (--overwrite).", file=sys.stderr)
     return False
   config_path = output_dir / CONFIG_FILE
   ways_out = ("Pass another --output_dir (or none: each configuration has "

@@ -295,3 +295,17 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
   assert results["env0_out_acc"] == 1 / 3  # 10 of 9, 10, 11.
   assert results["env1_out_acc"] == 1 / 2  # 4 of 3, 4.
   assert results["env0_in_loss"] == np.mean([0.0, 1.0, 2.0, 3.0])
+
+
+def test_overwrite_deletes_the_run_files_only(tmp_path):
+  run = tmp_path / "run"
+  _write_run_config(run, ["--seed", "3"])
+  for name in ("results.jsonl", "final_params.npz", "done"):
+    (run / name).write_text("")
+  (run / "checkpoints").mkdir()
+  (run / "checkpoints" / "2").write_text("")
+  (run / "notes.txt").write_text("mine")
+  config = config_lib.parse_args(["--seed", "4", "--overwrite",
+                                  "--output_dir", str(run)])
+  assert not config_lib.claim_run_directory(config, config.hyperparameters())
+  assert [p.name for p in run.iterdir()] == ["notes.txt"]
