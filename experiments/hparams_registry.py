@@ -1,10 +1,12 @@
 """DomainBed-style hyperparameters: defaults and seeded random draws.
 
-Every hyperparameter has a default and a random search distribution
-(``hparams_seed`` 0 means the defaults, as in DomainBed's sweeps). The
-distributions follow DomainBed (Gulrajani & Lopez-Paz, ICLR 2021) for the
-baselines and PGrad's appendix A.10 table for the PGrad variants, whose search
-is deliberately narrow: only dropout and weight decay are drawn.
+Every hyperparameter has a default, a random search distribution
+(``hparams_seed`` 0 means the defaults, as in DomainBed's sweeps) and the
+values it accepts, which `check_hparams` enforces on overrides and
+`describe_hparams` lists. The distributions follow DomainBed (Gulrajani &
+Lopez-Paz, ICLR 2021) for the baselines and PGrad's appendix A.10 table for
+the PGrad variants, whose search is deliberately narrow: only dropout and
+weight decay are drawn.
 
 Batch sizes are per domain. PGrad-B splits every domain's batch into ``B``
 chunks, so its batch is rounded to the nearest multiple of ``B``: 32 -> 33
@@ -92,10 +94,10 @@ class Allowed:
 
   Attributes:
     kind: ``int``, ``float`` or ``str``. A ``float`` accepts integers too.
-    low: the smallest value, or ``None`` for no lower bound.
+    low: the lower bound, or ``None`` for none.
     high: the upper bound, or ``None`` for none.
-    high_open: whether ``high`` itself is excluded.
     low_open: whether ``low`` itself is excluded.
+    high_open: whether ``high`` itself is excluded.
     choices: for ``str``, the accepted values.
   """
 
@@ -121,7 +123,7 @@ class Allowed:
     """Whether ``value`` has the right type and lies in the range."""
     if self.choices:
       return value in self.choices
-    # JSON has no separate booleans for Python: True is an int, refuse it.
+    # Python's bool is an int: a JSON true is no number here.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       return False
     if self.kind is int and not isinstance(value, int):

@@ -260,3 +260,24 @@ def test_random_hparams_are_seeded_and_in_range():
   pgrad = hparams_registry.random_hparams("PGrad-B", "PACS", 7)
   assert pgrad["lr"] == 5e-5 and pgrad["batch_size"] == 33
   assert 1e-6 <= pgrad["weight_decay"] <= 1e-4
+
+
+@pytest.mark.parametrize("dataset", ["RotatedDigits", "PACS", "DomainNet"])
+def test_every_draw_is_allowed_and_bad_values_name_their_range(dataset):
+  for name in algorithms.ALGORITHMS:
+    for seed in range(6):
+      hparams_registry.check_hparams(
+          name, dataset, hparams_registry.random_hparams(name, dataset, seed))
+  fishr = hparams_registry.default_hparams("Fishr", dataset)
+  for key, value, allowed in [
+      ("ema", 1.0, r"a number in \[0, 1\)"), ("lambda", -1.0, "a number >= 0"),
+      ("lr", 0, "a number > 0"), ("lr", float("nan"), "a number > 0"),
+      ("lr", "1e-3", "a number > 0"), ("batch_size", 8.0, "an integer >= 1"),
+      ("penalty_anneal_iters", True, "an integer >= 0")]:
+    with pytest.raises(ValueError,
+                       match=rf"hparam '{key}' must be {allowed}, got"):
+      hparams_registry.check_hparams("Fishr", dataset,
+                                     {**fishr, key: value})
+  # Integers are numbers; the edges of closed ranges are allowed.
+  hparams_registry.check_hparams("Fishr", dataset,
+                                 {**fishr, "lr": 1, "ema": 0, "lambda": 0})
