@@ -92,6 +92,9 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
 
   if algorithm == "Fish":
     add("meta_lr", 0.5, lambda rng: float(rng.choice([0.05, 0.1, 0.5])))
+    # DomainBed's placement and order; see experiments/algorithms.py.
+    add("fish_weight_decay", "inner")
+    add("fish_order", "fixed")
   elif algorithm == "Fishr":
     add("lambda", 1000.0, lambda rng: 10**rng.uniform(1, 4))
     add("penalty_anneal_iters", 1500, lambda rng: int(rng.uniform(0, 5000)))
