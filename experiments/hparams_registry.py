@@ -25,7 +25,7 @@ import numpy as np
 
 # Datasets of small images, trained with DomainBed's MNIST CNN from scratch.
 SMALL_IMAGES = ("RotatedDigits", "ColoredDigits", "RotatedMNIST",
-                "ColoredMNIST")
+                "ColoredMNIST", "RotatedMNIST5k", "ColoredMNIST5k")
 # The datasets built from scikit-learn's bundled digits.
 EMBEDDED = ("RotatedDigits", "ColoredDigits")
 # Algorithms built on a PGrad rollout, which use the paper's search space.
