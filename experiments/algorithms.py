@@ -63,6 +63,7 @@ import optax
 from flax import nnx
 
 import pgrad_jax
+from experiments import hparams_registry
 
 Params = nnx.State
 Stats = nnx.State
@@ -388,8 +389,10 @@ def pgrad(
 
   Args:
     network: the model.
-    hparams: ``lr`` (inner Adam), ``outer_lr``, ``k``, ``B``,
-      ``weight_decay`` and, with ``mix``, ``mixup_alpha``.
+    hparams: ``lr`` (inner Adam), ``outer_lr``, ``k`` (an int, or ``"all"``
+      for every component of the trajectory), ``B``, ``components``
+      (``"top"`` or ``"bottom"``), ``weight_decay`` and, with ``mix``,
+      ``mixup_alpha``.
     num_domains: the number of training domains.
     seed: seeds the random domain order.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F).
@@ -399,9 +402,16 @@ def pgrad(
   Returns:
     The algorithm.
   """
+  k = hparams["k"]
+  if k == "all":
+    # A trajectory of n * B steps has at most n * B non-zero components.
+    k = num_domains * hparams["B"]
+  elif not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    raise ValueError(f"k must be a positive int or 'all', got {k!r}.")
   rollout = pgrad_jax.pgrad(
-      optax.adam(hparams["lr"]), k=hparams["k"], B=hparams["B"], order=order,
-      parallel=parallel, num_domains=num_domains, seed=seed)
+      optax.adam(hparams["lr"]), k=k, B=hparams["B"], order=order,
+      components=hparams["components"], parallel=parallel,
+      num_domains=num_domains, seed=seed)
   return _rollout_algorithm(network, hparams, rollout, hparams["outer_lr"],
                             outer_weight_decay=hparams["weight_decay"],
                             mix_chunks=hparams["B"] if mix else None)
@@ -413,6 +423,10 @@ register_algorithm("PGrad-F", order="fixed")(pgrad)
 register_algorithm("PGrad-B")(pgrad)
 register_algorithm("PGrad-BMix", mix=True)(pgrad)
 register_algorithm("PGradParallel", parallel=True)(pgrad)
+# The claims' ablations differ only in hparams; see
+# `hparams_registry.VARIANTS`. All vary PGrad.
+for _variant in hparams_registry.VARIANTS:
+  register_algorithm(_variant)(pgrad)
 
 
 @register_algorithm("Fish")

@@ -33,6 +33,17 @@ PGRAD_ALGORITHMS = ("PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix",
                     "PGradParallel")
 # Chunks per domain batch of the "-B" variants.
 PGRAD_B = 3
+# Ablations that measure the paper's claims: name -> (the algorithm it
+# varies, the hparams it fixes). Each is its own algorithm name, so that model
+# selection and the report never pool it with its base. ``k="all"`` keeps
+# every component of the trajectory; ``components="bottom"`` with ``k=1``
+# steps along the trajectory's least-varying direction (the paper's A.7).
+VARIANTS = {
+    "PGrad-k1": ("PGrad", {"k": 1}),
+    "PGrad-k2": ("PGrad", {"k": 2}),
+    "PGrad-kall": ("PGrad", {"k": "all"}),
+    "PGrad-Bottom": ("PGrad", {"components": "bottom", "k": 1}),
+}
 
 Draw = Callable[[np.random.Generator], Any]
 
@@ -53,6 +64,12 @@ def round_to_multiple(size: int, multiple: int) -> int:
 
 def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
   """Every hyperparameter as ``name -> (default, draw(rng))``."""
+  if algorithm in VARIANTS:
+    base, fixed = VARIANTS[algorithm]
+    hp = _hparams(base, dataset)
+    for name, value in fixed.items():
+      hp[name] = (value, lambda rng, value=value: value)
+    return hp
   small = dataset in SMALL_IMAGES
   pgrad = algorithm in PGRAD_ALGORITHMS
   hp: dict[str, tuple[Any, Draw]] = {}
@@ -65,6 +82,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
     add("lr", 1e-3 if small else 5e-5)
     add("outer_lr", 0.1)
     add("k", 4)
+    add("components", "top")
     add("B", PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1)
     batch = round_to_multiple(64 if small else 24 if dataset == "DomainNet"
                               else 32, hp["B"][0])

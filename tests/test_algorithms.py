@@ -379,3 +379,39 @@ def test_fish_random_order_visits_the_domains_in_another_order():
                               jax.random.PRNGKey(step))
     ends[order] = np.asarray(p["head"]["kernel"][...])
   assert np.abs(ends["fixed"] - ends["random"]).max() > 1e-6
+
+
+def test_variants_fix_their_hparams_over_the_base_search_space():
+  for name, (base, fixed) in hparams_registry.VARIANTS.items():
+    assert name in algorithms.ALGORITHMS
+    defaults = hparams_registry.default_hparams(name, "RotatedDigits")
+    assert defaults == {**hparams_registry.default_hparams(
+        base, "RotatedDigits"), **fixed}
+    for seed in (1, 2):
+      draw = hparams_registry.random_hparams(name, "RotatedDigits", seed)
+      base_draw = hparams_registry.random_hparams(base, "RotatedDigits", seed)
+      assert draw == {**base_draw, **fixed}
+
+
+def _one_pgrad_update(hparams):
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(
+      "PGrad-F", network, {**_hparams("PGrad"), **hparams},
+      num_domains=NUM_DOMAINS)
+  new_params, _, _, _ = algorithm.update(
+      params, stats, algorithm.init(params), _batches(), jax.random.PRNGKey(0))
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_params)])
+
+
+def test_k_all_keeps_every_component_of_the_trajectory():
+  every = _one_pgrad_update({"k": "all", "B": 2, "batch_size": BATCH})
+  np.testing.assert_allclose(
+      every, _one_pgrad_update({"k": NUM_DOMAINS * 2, "B": 2}), rtol=1e-6)
+  assert np.abs(every - _one_pgrad_update({"k": 1, "B": 2})).max() > 1e-6
+
+
+@pytest.mark.parametrize("k", [0, "some", 2.5])
+def test_pgrad_rejects_a_bad_k(k):
+  with pytest.raises(ValueError, match="k must be"):
+    _one_pgrad_update({"k": k})
