@@ -73,6 +73,8 @@ class Config:
   loss_examples: int = _field(
       512, "Examples of every domain's training split for env{i}_in_loss.")
   eval_batch_size: int = _field(256, "Batch size of evaluation.")
+  trajectory_freq: int = _field(
+      0, "Steps between snapshots of the params in trajectory/ (0: none).")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked."""
@@ -87,6 +89,9 @@ class Config:
     if config.steps < 1 or config.checkpoint_freq < 1:
       raise ValueError("steps and checkpoint_freq must be positive, got "
                        f"{config.steps} and {config.checkpoint_freq}.")
+    if config.trajectory_freq < 0:
+      raise ValueError("trajectory_freq must be 0 (off) or positive, got "
+                       f"{config.trajectory_freq}.")
     return config
 
   def hyperparameters(self) -> dict[str, Any]:

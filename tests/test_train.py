@@ -150,7 +150,7 @@ def test_every_config_field_is_a_flag():
            "checkpoint_freq": 3, "seed": 4, "hparams_seed": 5,
            "trial_seed": 6, "holdout_fraction": 0.3, "hparams": '{"ema": 0.9}',
            "model": "resnet18", "pretrained": "w.npz", "eval_examples": 8,
-           "loss_examples": 9, "eval_batch_size": 10}
+           "loss_examples": 9, "eval_batch_size": 10, "trajectory_freq": 11}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
   argv = []
   for name, value in flags.items():
@@ -173,3 +173,30 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
   assert override.hyperparameters()["lr"] == 0.5
   with pytest.raises(ValueError, match="Unknown hparams"):
     config_lib.Config(hparams='{"meta_lr": 0.5}').hyperparameters()
+
+
+def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
+    env, tmp_path):
+  flags = [f if f != str(STEPS) else "6" for f in FLAGS]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
+       "3", "--output_dir", str(tmp_path)],
+      cwd=REPO, env=env, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  trajectory = tmp_path / "trajectory"
+  assert sorted(p.name for p in trajectory.iterdir()) == [
+      "0000000.npy", "0000003.npy", "0000006.npy"]
+  points = [np.load(trajectory / f"{s:07d}.npy") for s in (0, 3, 6)]
+  assert points[0].dtype == np.float32
+  assert len({p.size for p in points}) == 1
+  assert not np.array_equal(points[0], points[1])
+  final = np.load(tmp_path / "final_params.npz")
+  params = np.concatenate([final[k].ravel() for k in final.files
+                           if k.startswith("params/")])
+  # Same values, possibly in another leaf order.
+  np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
+
+
+def test_negative_trajectory_freq_is_rejected():
+  with pytest.raises(ValueError, match="trajectory_freq"):
+    config_lib.Config(trajectory_freq=-1).resolve()
