@@ -35,8 +35,10 @@ Conventions shared by all algorithms:
     onto the meta step instead, as this module did before it matched
     DomainBed.
   - PGrad and its variants: on the outer step (``theta_0 - p`` before the
-    outer SGD), the paper's "optional weight decay"; the inner Adam is
-    undecayed. DomainBed has no PGrad; this follows the paper's Algorithm 1.
+    outer SGD); the inner Adam that builds the trajectory is undecayed, as
+    the paper builds its trajectories "without weight decay" (its WILDS setup)
+    while drawing a weight decay in its search (appendix A.10). DomainBed
+    has no PGrad.
 * Fish visits the training domains in DomainBed's fixed order (``for x, y in
   minibatches``, line 432) unless ``fish_order="random"``.
 * Dropout: every example gets a key split from the step's key, and a forward
