@@ -302,6 +302,8 @@ def measure(
     if (results.parent / TRAJECTORY_DIR).is_dir():
       with results.open() as f:
         args = json.loads(f.readline())["args"]
+      if args["hparams_seed"] != MEASURED_HPARAMS_SEED:
+        continue
       trajectories[args["dataset"], args["algorithm"],
                    args["test_envs"][0], args["trial_seed"]] = results.parent
   claims, figures = {}, []
