@@ -301,7 +301,10 @@ def measure(
   for results in sorted(Path(input_dir).rglob("results.jsonl")):
     if (results.parent / TRAJECTORY_DIR).is_dir():
       with results.open() as f:
-        args = json.loads(f.readline())["args"]
+        try:
+          args = json.loads(f.readline())["args"]
+        except json.JSONDecodeError:  # Killed before its first record.
+          continue
       if args["hparams_seed"] != MEASURED_HPARAMS_SEED:
         continue
       trajectories[args["dataset"], args["algorithm"],
