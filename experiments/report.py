@@ -12,7 +12,9 @@ Usage::
     python -m experiments.report --input_dir sweeps/digits \\
         --output_dir results/digits
 
-writes ``results/digits/results.md`` and ``results/digits/plots/*.png``.
+writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
+the paper's claims measured by `experiments.claims` to
+``results/digits/claims/`` (``claims.json`` and a PNG per figure).
 """
 
 from __future__ import annotations
