@@ -17,10 +17,30 @@ running totals named in `COUNTERS`, whose latest value it reports.
 
 Conventions shared by all algorithms:
 
-* Weight decay (the paper's "optional weight decay") is
-  ``optax.add_decayed_weights`` on the direction the optimizer steps along:
-  PGrad's and Fish's outer update, or the gradient fed to Adam (as PyTorch
-  Adam's ``weight_decay``, which DomainBed uses).
+* Weight decay is ``optax.add_decayed_weights`` (``wd * params`` added to the
+  direction) placed where the reference implementation applies it. PyTorch's
+  ``Adam(weight_decay=wd)`` adds ``wd * param`` to the gradient before the
+  moments, which is ``optax.chain(optax.add_decayed_weights(wd), adam)``.
+  Line numbers are of DomainBed's ``domainbed/algorithms.py`` at commit
+  b93c22a1 (facebookresearch/DomainBed):
+
+  - ERM and MixUp: on the gradient fed to Adam (ERM's
+    ``torch.optim.Adam(..., weight_decay=...)``, lines 107-111; MixUp
+    inherits it, line 791).
+  - Fishr: on the gradient fed to Adam, restarted with it (``_init_optimizer``,
+    lines 1597-1602).
+  - Fish: by default inside the inner Adam of every rollout step, the meta
+    step undecayed (``create_clone``'s ``Adam(..., weight_decay=...)``, lines
+    415-419; ``fish``, lines 423-427). ``fish_weight_decay="outer"`` moves it
+    onto the meta step instead, as this module did before it matched
+    DomainBed.
+  - PGrad and its variants: on the outer step (``theta_0 - p`` before the
+    outer SGD); the inner Adam that builds the trajectory is undecayed, as
+    the paper builds its trajectories "without weight decay" (its WILDS setup)
+    while drawing a weight decay in its search (appendix A.10). DomainBed
+    has no PGrad.
+* Fish visits the training domains in DomainBed's fixed order (``for x, y in
+  minibatches``, line 432) unless ``fish_order="random"``.
 * Dropout: every example gets a key split from the step's key, and a forward
   pass over a batch uses its first example's key, so every inner step of a
   rollout draws fresh masks.
@@ -45,6 +65,7 @@ import optax
 from flax import nnx
 
 import pgrad_jax
+from experiments import hparams_registry
 
 Params = nnx.State
 Stats = nnx.State
@@ -54,6 +75,8 @@ HParams = Mapping[str, Any]
 
 # Metrics that are running totals rather than per-step values.
 COUNTERS = ("num_skipped",)
+# Where Fish applies weight decay: DomainBed's inner Adam, or the meta step.
+FISH_WEIGHT_DECAY = ("inner", "outer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,13 +313,15 @@ def _rollout_algorithm(
     rollout: optax.GradientTransformationExtraArgs,
     outer_lr: float,
     *,
+    outer_weight_decay: float,
     mix_chunks: int | None = None,
 ) -> Algorithm:
   """SGD(``outer_lr``) on a rollout transform (`pgrad_jax.pgrad` or ``fish``).
 
+  ``outer_weight_decay`` decays the outer step's direction (0 for none).
   ``mix_chunks`` (the rollout's ``B``) turns on `mixup` inside every chunk.
   """
-  tx = optax.chain(rollout, optax.add_decayed_weights(hparams["weight_decay"]),
+  tx = optax.chain(rollout, optax.add_decayed_weights(outer_weight_decay),
                    optax.sgd(outer_lr))
 
   loss_fn = batch_loss(network)
@@ -366,8 +391,10 @@ def pgrad(
 
   Args:
     network: the model.
-    hparams: ``lr`` (inner Adam), ``outer_lr``, ``k``, ``B``,
-      ``weight_decay`` and, with ``mix``, ``mixup_alpha``.
+    hparams: ``lr`` (inner Adam), ``outer_lr``, ``k`` (an int, or ``"all"``
+      for every component of the trajectory), ``B``, ``components``
+      (``"top"`` or ``"bottom"``), ``weight_decay`` and, with ``mix``,
+      ``mixup_alpha``.
     num_domains: the number of training domains.
     seed: seeds the random domain order.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F).
@@ -377,10 +404,18 @@ def pgrad(
   Returns:
     The algorithm.
   """
+  k = hparams["k"]
+  if k == "all":
+    # A trajectory of n * B steps has at most n * B non-zero components.
+    k = num_domains * hparams["B"]
+  elif not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    raise ValueError(f"k must be a positive int or 'all', got {k!r}.")
   rollout = pgrad_jax.pgrad(
-      optax.adam(hparams["lr"]), k=hparams["k"], B=hparams["B"], order=order,
-      parallel=parallel, num_domains=num_domains, seed=seed)
+      optax.adam(hparams["lr"]), k=k, B=hparams["B"], order=order,
+      components=hparams["components"], parallel=parallel,
+      num_domains=num_domains, seed=seed)
   return _rollout_algorithm(network, hparams, rollout, hparams["outer_lr"],
+                            outer_weight_decay=hparams["weight_decay"],
                             mix_chunks=hparams["B"] if mix else None)
 
 
@@ -390,15 +425,36 @@ register_algorithm("PGrad-F", order="fixed")(pgrad)
 register_algorithm("PGrad-B")(pgrad)
 register_algorithm("PGrad-BMix", mix=True)(pgrad)
 register_algorithm("PGradParallel", parallel=True)(pgrad)
+# The claims' ablations differ only in hparams; see
+# `hparams_registry.VARIANTS`. All vary PGrad.
+for _variant in hparams_registry.VARIANTS:
+  register_algorithm(_variant)(pgrad)
 
 
 @register_algorithm("Fish")
 def fish(network: Network, hparams: HParams, *, num_domains: int,
          seed: int) -> Algorithm:
-  """Fish: ``theta += meta_lr * (theta_inner - theta)`` after a rollout."""
-  rollout = pgrad_jax.fish(optax.adam(hparams["lr"]), num_domains=num_domains,
-                           seed=seed)
-  return _rollout_algorithm(network, hparams, rollout, hparams["meta_lr"])
+  """Fish: ``theta += meta_lr * (theta_inner - theta)`` after a rollout.
+
+  The inner Adam keeps its moments across outer steps, as DomainBed's Fish
+  reloads ``optimizer_inner_state``. ``hparams["fish_weight_decay"]`` places
+  the weight decay (``"inner"``: DomainBed's; ``"outer"``: on the meta step)
+  and ``hparams["fish_order"]`` the domain order (``"fixed"``: DomainBed's;
+  ``"random"``: a fresh permutation every step).
+  """
+  placement, order = hparams["fish_weight_decay"], hparams["fish_order"]
+  if placement not in FISH_WEIGHT_DECAY:
+    raise ValueError(f"fish_weight_decay must be one of {FISH_WEIGHT_DECAY}, "
+                     f"got {placement!r}.")
+  if order not in ("fixed", "random"):
+    raise ValueError(f"fish_order must be 'fixed' or 'random', got {order!r}.")
+  inner = placement == "inner"
+  rollout = pgrad_jax.fish(
+      _adam(hparams) if inner else optax.adam(hparams["lr"]), order=order,
+      num_domains=num_domains, seed=seed)
+  return _rollout_algorithm(
+      network, hparams, rollout, hparams["meta_lr"],
+      outer_weight_decay=0.0 if inner else hparams["weight_decay"])
 
 
 class FishrState(NamedTuple):

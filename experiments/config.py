@@ -117,6 +117,8 @@ class Config:
       512, "Examples of every domain's training split for env{i}_in_loss.")
   eval_batch_size: int = _field(
       256, "Largest batch of evaluation (smaller when the splits are).")
+  trajectory_freq: int = _field(
+      0, "Steps between snapshots of the params in trajectory/ (0: none).")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked.
@@ -147,7 +149,7 @@ class Config:
       value = getattr(config, name)
       if value is not None and value < 1:
         raise UsageError(f"--{name} must be a positive integer, got {value}.")
-    for name in ("seed", "hparams_seed", "trial_seed"):
+    for name in ("seed", "hparams_seed", "trial_seed", "trajectory_freq"):
       if getattr(config, name) < 0:
         raise UsageError(f"--{name} must be >= 0, got {getattr(config, name)}.")
     if not 0 < config.holdout_fraction < 1:

@@ -29,7 +29,7 @@ import numpy as np
 
 # Datasets of small images, trained with DomainBed's MNIST CNN from scratch.
 SMALL_IMAGES = ("RotatedDigits", "ColoredDigits", "RotatedMNIST",
-                "ColoredMNIST")
+                "ColoredMNIST", "RotatedMNIST5k", "ColoredMNIST5k")
 # The datasets built from scikit-learn's bundled digits.
 EMBEDDED = ("RotatedDigits", "ColoredDigits")
 # Algorithms built on a PGrad rollout, which use the paper's search space.
@@ -37,6 +37,17 @@ PGRAD_ALGORITHMS = ("PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix",
                     "PGradParallel")
 # Chunks per domain batch of the "-B" variants.
 PGRAD_B = 3
+# Ablations that measure the paper's claims: name -> (the algorithm it
+# varies, the hparams it fixes). Each is its own algorithm name, so that model
+# selection and the report never pool it with its base. ``k="all"`` keeps
+# every component of the trajectory; ``components="bottom"`` with ``k=1``
+# steps along the trajectory's least-varying direction (the paper's A.7).
+VARIANTS = {
+    "PGrad-k1": ("PGrad", {"k": 1}),
+    "PGrad-k2": ("PGrad", {"k": 2}),
+    "PGrad-kall": ("PGrad", {"k": "all"}),
+    "PGrad-Bottom": ("PGrad", {"components": "bottom", "k": 1}),
+}
 
 def default_model(dataset: str) -> str:
   """DomainBed's network for ``dataset``: an MNIST CNN or a ResNet-50."""
@@ -98,7 +109,8 @@ class Allowed:
     high: the upper bound, or ``None`` for none.
     low_open: whether ``low`` itself is excluded.
     high_open: whether ``high`` itself is excluded.
-    choices: for ``str``, the accepted values.
+    choices: the accepted strings: all of them for ``str``, or named values
+      beside a number's range (``k="all"``).
   """
 
   kind: type
@@ -109,19 +121,20 @@ class Allowed:
   choices: tuple[str, ...] = ()
 
   def __str__(self) -> str:
-    if self.choices:
-      return "one of " + ", ".join(repr(c) for c in self.choices)
+    choices = "one of " + ", ".join(repr(c) for c in self.choices)
+    if self.kind is str:
+      return choices
     kind = "an integer" if self.kind is int else "a number"
     if self.low is not None and self.high is not None:
-      return (f"{kind} in {'(' if self.low_open else '['}{self.low}, "
-              f"{self.high}{')' if self.high_open else ']'}")
-    if self.low is not None:
-      return f"{kind} {'>' if self.low_open else '>='} {self.low}"
-    return kind
+      kind += (f" in {'(' if self.low_open else '['}{self.low}, "
+               f"{self.high}{')' if self.high_open else ']'}")
+    elif self.low is not None:
+      kind += f" {'>' if self.low_open else '>='} {self.low}"
+    return f"{kind} or {choices}" if self.choices else kind
 
   def accepts(self, value: Any) -> bool:
     """Whether ``value`` has the right type and lies in the range."""
-    if self.choices:
+    if isinstance(value, str) or self.kind is str:
       return value in self.choices
     # Python's bool is an int: a JSON true is no number here.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -164,6 +177,12 @@ class HParam(NamedTuple):
 
 def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
   """Every hyperparameter of ``algorithm`` on ``dataset``, by name."""
+  if algorithm in VARIANTS:
+    base, fixed = VARIANTS[algorithm]
+    hp = _hparams(base, dataset)
+    for name, value in fixed.items():
+      hp[name] = HParam(value, None, hp[name].allowed)
+    return hp
   small = dataset in SMALL_IMAGES
   pgrad = algorithm in PGRAD_ALGORITHMS
   hp: dict[str, HParam] = {}
@@ -176,7 +195,8 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     # Inner (Adam) learning rate; the paper does not search it.
     add("lr", 1e-3 if small else 5e-5, POSITIVE)
     add("outer_lr", 0.1, POSITIVE)
-    add("k", 4, POSITIVE_INT)
+    add("k", 4, Allowed(int, low=1, choices=("all",)))
+    add("components", "top", Allowed(str, choices=("top", "bottom")))
     add("B", PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1,
         POSITIVE_INT)
     batch = round_to_multiple(64 if small else 24 if dataset == "DomainNet"
@@ -198,6 +218,9 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     # the embedded digits are 8x8 scans upsampled, so a quarter of that width
     # learns them as well and trains in minutes on a CPU.
     add("cnn_width", 16 if dataset in EMBEDDED else 64, POSITIVE_INT)
+    # The image side the network sees; DomainBed's 28 (see
+    # datasets.resized for why the embedded digits can take 14).
+    add("image_size", 28, POSITIVE_INT)
   if not small:
     add("resnet_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
     # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
@@ -205,6 +228,9 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
 
   if algorithm == "Fish":
     add("meta_lr", 0.5, POSITIVE, choice([0.05, 0.1, 0.5]))
+    # DomainBed's placement and order; see experiments/algorithms.py.
+    add("fish_weight_decay", "inner", Allowed(str, choices=("inner", "outer")))
+    add("fish_order", "fixed", Allowed(str, choices=("fixed", "random")))
   elif algorithm == "Fishr":
     add("lambda", 1000.0, NON_NEGATIVE, log_uniform(1, 4))
     add("penalty_anneal_iters", 1500, NON_NEGATIVE_INT, uniform(0, 5000, int))

@@ -15,12 +15,15 @@ Usage::
     python -m experiments.report --input_dir sweeps/digits \\
         --output_dir results/digits
 
-writes ``results/digits/results.md`` and ``results/digits/plots/*.png``.
+writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
+the paper's claims measured by `experiments.claims` to
+``results/digits/claims/`` (``claims.json`` and a PNG per figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -30,6 +33,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import algorithms as algorithms_lib
+from experiments import claims as claims_lib
 from experiments import datasets as datasets_lib
 from experiments import model_selection
 from experiments import plots
@@ -289,6 +293,41 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
   return "\n".join(lines) + "\n"
 
 
+def claims_section(
+    records: Sequence[Record], input_dir: str | Path, output_dir: Path
+) -> str:
+  """Measures the paper's claims; writes them and their plots to ``claims/``.
+
+  Args:
+    records: all records of a sweep.
+    input_dir: the sweep's directory, searched for the runs' trajectories.
+    output_dir: the report's directory.
+
+  Returns:
+    The Markdown section: a table per dataset and claim, then the figures.
+  """
+  claims_dir = output_dir / claims_lib.CLAIMS_DIR
+  claims_dir.mkdir(parents=True, exist_ok=True)
+  claims, figures = claims_lib.measure(records, input_dir, claims_dir)
+  numbers = claims_dir / claims_lib.CLAIMS_FILE
+  numbers.write_text(json.dumps(claims, indent=1) + "\n")
+  link = numbers.relative_to(output_dir).as_posix()
+  lines = ["", "## The paper's claims (hparams_seed 0)", "",
+           f"Numbers: [{link}]({link}); see experiments/claims.py for what "
+           "each measures."]
+  for dataset, found in claims.items():
+    for claim, per_algorithm in found.items():
+      measures = list(next(iter(per_algorithm.values())))
+      rows = [[algorithm, *(f"{numbers[m]:.4g}" for m in measures)]
+              for algorithm, numbers in per_algorithm.items()]
+      lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
+                markdown_table(["Algorithm", *measures], rows)]
+  for caption, path in figures:
+    link = path.relative_to(output_dir).as_posix()
+    lines += ["", caption, "", f"![{caption}]({link})"]
+  return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--input_dir", required=True,
@@ -303,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"
-  report.write_text(render(records, output_dir))
+  report.write_text(render(records, output_dir)
+                    + claims_section(records, args.input_dir, output_dir))
   print(f"Wrote {report}")
   return 0
 

@@ -39,6 +39,7 @@ from typing import Any
 import tqdm
 
 from experiments import algorithms as algorithms_lib
+from experiments import claims as claims_lib
 from experiments import config as config_lib
 from experiments import datasets as datasets_lib
 from experiments import hparams_registry
@@ -146,6 +147,7 @@ def make_runs(
     checkpoint_freq: int | None = None,
     hparams: str | None = None,
     data_dir: str | None = None,
+    trajectory_freq: int | None = None,
 ) -> list[Run]:
   """Lists the runs of a sweep, trial by trial.
 
@@ -164,6 +166,9 @@ def make_runs(
       a name that no swept algorithm has is an error.
     data_dir: where the datasets are, to count their domains. It is no part
       of a run's identity, so a sweep whose data moves still resumes.
+    trajectory_freq: passed on to the default-hparams runs (hparams_seed 0)
+      of the algorithms whose paths `experiments.claims` projects, unless
+      ``None``.
 
   Returns:
     The runs.
@@ -198,6 +203,9 @@ def make_runs(
                     dataset, algorithm, [env], hparams_seed, trial_seed),
                 **optional,
             }
+            if (trajectory_freq is not None and hparams_seed == 0
+                and algorithm in claims_lib.TRAJECTORY_ALGORITHMS):
+              args["trajectory_freq"] = trajectory_freq
             own = {k: v for k, v in fixed.items()
                    if k in known[dataset, algorithm]}
             if own:
@@ -313,6 +321,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       help="Steps between evaluations; default: training's default.")
   parser.add_argument("--hparams", default=None,
                       help="JSON object of hparams fixed for every run.")
+  parser.add_argument(
+      "--trajectory_freq", type=int, default=None,
+      help="Steps between params snapshots of the default-hparams runs of "
+      f"{' and '.join(claims_lib.TRAJECTORY_ALGORITHMS)}; default: none.")
   parser.add_argument("--output_dir", required=True,
                       help="The sweep's directory, holding a folder per run.")
   parser.add_argument("--data_dir", default=None,
@@ -340,6 +352,7 @@ def runs_for(args: argparse.Namespace) -> list[Run]:
       checkpoint_freq=args.checkpoint_freq,
       hparams=args.hparams,
       data_dir=args.data_dir,
+      trajectory_freq=args.trajectory_freq,
   )
 
 

@@ -38,6 +38,11 @@ run failing earlier leaves nothing). A run of another configuration there is
 refused before any work, with exit status 2, unless ``--overwrite`` (see
 `experiments.config`).
 
+With ``trajectory_freq`` N > 0, the params after every N-th step (and at
+step 0) are saved flattened as float32 ``trajectory/<step>.npy`` (see
+`save_trajectory_point`), for the trajectory plots of ``experiments.claims``.
+A resumed run rewrites the snapshots after its checkpoint with the same values.
+
 With several devices, batches are split over a ``data`` mesh axis and the
 train state is replicated.
 """
@@ -76,6 +81,7 @@ DONE_FILE = "done"
 FINAL_PARAMS_FILE = "final_params.npz"
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINTS_KEPT = 2
+TRAJECTORY_DIR = "trajectory"
 
 Record = dict[str, Any]
 
@@ -278,6 +284,20 @@ def save_params(path: Path, state: TrainState) -> None:
                     for k, v in flat.items()})
 
 
+def save_trajectory_point(directory: Path, step: int, params: nnx.State):
+  """Writes the params, flattened in leaf order, as ``<step:07d>.npy``.
+
+  The file appears whole or not at all (written aside, then renamed), so a
+  killed run leaves no truncated snapshot.
+  """
+  leaves = jax.tree.leaves(jax.device_get(params))
+  flat = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
+  directory.mkdir(parents=True, exist_ok=True)
+  partial = directory / f"{step:07d}.partial.npy"
+  np.save(partial, flat)
+  partial.replace(directory / f"{step:07d}.npy")
+
+
 def _held_out_summary(
     record: Record, dataset: datasets.MultiDomainDataset,
     test_envs: Sequence[int]
@@ -320,6 +340,8 @@ def train(config: config_lib.Config) -> Record:
   resume = config_lib.claim_run_directory(config, hparams)
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                  seed=config.trial_seed)
+  if "image_size" in hparams:
+    dataset = datasets.resized(dataset, hparams["image_size"])
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
     raise config_lib.UsageError(
@@ -373,6 +395,9 @@ def train(config: config_lib.Config) -> Record:
       hparams["batch_size"])
   meter = MetricMeter()
   step = int(state.step)
+  trajectory_dir = output_dir / TRAJECTORY_DIR
+  if config.trajectory_freq and step == 0:
+    save_trajectory_point(trajectory_dir, 0, state.params)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar:
     interval_start = time.time()
@@ -381,6 +406,8 @@ def train(config: config_lib.Config) -> Record:
       meter.add(metrics)
       step += 1
       bar.update()
+      if config.trajectory_freq and step % config.trajectory_freq == 0:
+        save_trajectory_point(trajectory_dir, step, state.params)
       if step % config.checkpoint_freq and step != config.steps:
         continue
       jax.block_until_ready(state)

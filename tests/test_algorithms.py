@@ -281,3 +281,156 @@ def test_every_draw_is_allowed_and_bad_values_name_their_range(dataset):
   # Integers are numbers; the edges of closed ranges are allowed.
   hparams_registry.check_hparams("Fishr", dataset,
                                  {**fishr, "lr": 1, "ema": 0, "lambda": 0})
+def _numpy_linear_head_grad(theta, images, labels):
+  """float64 mean cross-entropy gradient of a linear head on the pixels.
+
+  ``theta`` is ``(kernel (F, C), bias (C,))``; returns the same pair.
+  """
+  kernel, bias = theta
+  features = np.asarray(images, np.float64).reshape(len(labels), -1)
+  logits = features @ kernel + bias
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  residual = (probs - np.eye(NUM_CLASSES)[np.asarray(labels)]) / len(labels)
+  return features.T @ residual, residual.sum(0)
+
+
+class _TorchAdam:
+  """float64 ``torch.optim.Adam(lr, weight_decay=wd)`` on a tuple of arrays.
+
+  PyTorch adds ``wd * param`` to the gradient before the moments.
+  """
+
+  def __init__(self, lr, wd, theta):
+    self.lr, self.wd, self.count = lr, wd, 0
+    self.mu = [np.zeros_like(t) for t in theta]
+    self.nu = [np.zeros_like(t) for t in theta]
+
+  def step(self, theta, grads):
+    self.count += 1
+    new = []
+    for i, (t, g) in enumerate(zip(theta, grads)):
+      g = g + self.wd * t
+      self.mu[i] = 0.9 * self.mu[i] + 0.1 * g
+      self.nu[i] = 0.999 * self.nu[i] + 0.001 * g**2
+      mu_hat = self.mu[i] / (1 - 0.9**self.count)
+      nu_hat = self.nu[i] / (1 - 0.999**self.count)
+      new.append(t - self.lr * mu_hat / (np.sqrt(nu_hat) + 1e-8))
+    return tuple(new)
+
+
+def _numpy_fish(theta, batch_list, lr, meta_lr, wd, placement):
+  """DomainBed's Fish.update, float64, over several outer steps.
+
+  The inner Adam's state carries across outer steps (DomainBed reloads
+  ``optimizer_inner_state``); domains are visited in their fixed order.
+  ``placement="outer"`` instead decays the meta step:
+  ``theta -= meta_lr * ((theta - inner) + wd * theta)``.
+  """
+  adam = _TorchAdam(lr, wd if placement == "inner" else 0.0, theta)
+  for batches in batch_list:
+    inner = theta
+    for images, labels in zip(batches["image"], batches["label"]):
+      inner = adam.step(inner, _numpy_linear_head_grad(inner, images, labels))
+    outer_wd = wd if placement == "outer" else 0.0
+    theta = tuple(t - meta_lr * ((t - i) + outer_wd * t)
+                  for t, i in zip(theta, inner))
+  return theta
+
+
+@pytest.mark.parametrize("placement", ["inner", "outer"])
+@pytest.mark.parametrize("num_steps", [1, 3])
+def test_fish_weight_decay_matches_a_numpy_model_of_domainbed(
+    placement, num_steps):
+  image_shape = (2, 2, 1)
+  model = models.Classifier(Flatten(4), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  # A large decay, so the two placements differ by far more than float32
+  # rounding.
+  hparams = {**_hparams("Fish"), "weight_decay": 0.1, "lr": 0.05,
+             "fish_weight_decay": placement}
+  assert hparams["fish_order"] == "fixed" and hparams["meta_lr"] == 0.5
+  algorithm = algorithms.build_algorithm("Fish", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+  batch_list = [_batches(seed, image_shape) for seed in range(num_steps)]
+  theta = (np.asarray(params["head"]["kernel"][...], np.float64),
+           np.asarray(params["head"]["bias"][...], np.float64))
+  state = algorithm.init(params)
+  for step, batches in enumerate(batch_list):
+    params, stats, state, _ = update(params, stats, state, batches,
+                                     jax.random.PRNGKey(step))
+
+  expected = _numpy_fish(theta, batch_list, 0.05, 0.5, 0.1, placement)
+  other = _numpy_fish(theta, batch_list, 0.05, 0.5, 0.1,
+                      {"inner": "outer", "outer": "inner"}[placement])
+  for got, want, wrong in zip(
+      (params["head"]["kernel"][...], params["head"]["bias"][...]),
+      expected, other):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want - wrong).max() > 1e-3
+
+
+@pytest.mark.parametrize("hparams, match", [
+    ({"fish_weight_decay": "meta"}, "fish_weight_decay"),
+    ({"fish_order": "shuffled"}, "fish_order"),
+])
+def test_fish_rejects_unknown_options(hparams, match):
+  network, _, _ = algorithms.Network.split(
+      models.Classifier(Flatten(4), NUM_CLASSES, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=match):
+    algorithms.build_algorithm("Fish", network, {**_hparams("Fish"), **hparams},
+                               num_domains=NUM_DOMAINS)
+
+
+def test_fish_random_order_visits_the_domains_in_another_order():
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  ends = {}
+  for order in ("fixed", "random"):
+    algorithm = algorithms.build_algorithm(
+        "Fish", network, {**_hparams("Fish"), "fish_order": order},
+        num_domains=NUM_DOMAINS, seed=1)
+    update = jax.jit(algorithm.update)
+    p, s, state = params, stats, algorithm.init(params)
+    for step in range(4):
+      p, s, state, _ = update(p, s, state, _batches(step),
+                              jax.random.PRNGKey(step))
+    ends[order] = np.asarray(p["head"]["kernel"][...])
+  assert np.abs(ends["fixed"] - ends["random"]).max() > 1e-6
+
+
+def test_variants_fix_their_hparams_over_the_base_search_space():
+  for name, (base, fixed) in hparams_registry.VARIANTS.items():
+    assert name in algorithms.ALGORITHMS
+    defaults = hparams_registry.default_hparams(name, "RotatedDigits")
+    assert defaults == {**hparams_registry.default_hparams(
+        base, "RotatedDigits"), **fixed}
+    for seed in (1, 2):
+      draw = hparams_registry.random_hparams(name, "RotatedDigits", seed)
+      base_draw = hparams_registry.random_hparams(base, "RotatedDigits", seed)
+      assert draw == {**base_draw, **fixed}
+
+
+def _one_pgrad_update(hparams):
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(
+      "PGrad-F", network, {**_hparams("PGrad"), **hparams},
+      num_domains=NUM_DOMAINS)
+  new_params, _, _, _ = algorithm.update(
+      params, stats, algorithm.init(params), _batches(), jax.random.PRNGKey(0))
+  return np.concatenate([np.ravel(x) for x in jax.tree.leaves(new_params)])
+
+
+def test_k_all_keeps_every_component_of_the_trajectory():
+  every = _one_pgrad_update({"k": "all", "B": 2, "batch_size": BATCH})
+  np.testing.assert_allclose(
+      every, _one_pgrad_update({"k": NUM_DOMAINS * 2, "B": 2}), rtol=1e-6)
+  assert np.abs(every - _one_pgrad_update({"k": 1, "B": 2})).max() > 1e-6
+
+
+@pytest.mark.parametrize("k", [0, "some", 2.5])
+def test_pgrad_rejects_a_bad_k(k):
+  with pytest.raises(ValueError, match="k must be"):
+    _one_pgrad_update({"k": k})

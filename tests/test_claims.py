@@ -1,0 +1,191 @@
+"""Tests for experiments/claims.py and the report's claims section.
+
+The numbers are checked against float64 NumPy loops on hand-made records;
+the figures are drawn by the report command from a tiny real sweep.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from experiments import claims
+from experiments import report
+from experiments import sweep
+from test_model_selection import make_record
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _roughness_by_loop(values):
+  total, rises = 0.0, 0.0
+  changes = []
+  for before, after in zip(values[:-1], values[1:]):
+    change = float(after) - float(before)
+    changes.append(change)
+    total += abs(change)
+  mean = sum(changes) / len(changes)
+  std = (sum((c - mean) ** 2 for c in changes) / len(changes)) ** 0.5
+  return total, total - abs(float(values[-1]) - float(values[0])), std
+
+
+def test_curve_roughness_matches_a_loop():
+  values = np.random.default_rng(0).random(9)
+  got = claims.curve_roughness(values)
+  total, excess, std = _roughness_by_loop(values)
+  np.testing.assert_allclose(
+      [got["total_variation"], got["excess_variation"], got["change_std"]],
+      [total, excess, std], rtol=1e-12)
+  # A monotone descent has no excess variation.
+  assert claims.curve_roughness([3.0, 2.0, 0.5])["excess_variation"] == 0.0
+
+
+def _loss_records(algorithm, trial, losses):
+  """A run of "Toy" (3 domains, env 0 held out) with losses[i][t] for env i+1."""
+  return [make_record("Toy", algorithm, 0, 0, trial, 10 * (t + 1),
+                      in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                      env1_in_loss=losses[0][t], env2_in_loss=losses[1][t])
+          for t in range(len(losses[0]))]
+
+
+def test_smoothness_averages_domains_and_runs_as_numpy():
+  rng = np.random.default_rng(1)
+  runs = {("ERM", 0): rng.random((2, 6)), ("ERM", 1): rng.random((2, 6)),
+          ("PGrad", 0): np.sort(rng.random((2, 6)))[:, ::-1]}
+  records = [r for (algorithm, trial), losses in runs.items()
+             for r in _loss_records(algorithm, trial, losses)]
+  summary = claims.smoothness(records)
+
+  erm_curves = [c for key in (("ERM", 0), ("ERM", 1)) for c in runs[key]]
+  expected = np.mean([_roughness_by_loop(c) for c in erm_curves], axis=0)
+  got = summary["ERM"]
+  np.testing.assert_allclose(
+      [got["total_variation"], got["excess_variation"], got["change_std"]],
+      expected, rtol=1e-12)
+  rising = np.mean([np.mean([(np.diff(runs[key], axis=1)[:, t] > 0).any()
+                             for t in range(5)])
+                    for key in (("ERM", 0), ("ERM", 1))])
+  np.testing.assert_allclose(got["rising_rate"], rising, rtol=1e-12)
+  assert got["runs"] == 2
+  # Monotone descents: no excess variation, no domain ever rises.
+  assert summary["PGrad"]["excess_variation"] == pytest.approx(0.0, abs=1e-12)
+  assert summary["PGrad"]["rising_rate"] == 0.0
+
+
+def test_path_lengths_and_pca_projection_as_numpy():
+  rng = np.random.default_rng(2)
+  # Points in a random 2-D plane of a 50-D space: PCA keeps their distances.
+  plane = np.linalg.qr(rng.normal(size=(50, 2)))[0].T
+  coordinates = np.cumsum(rng.normal(size=(12, 2)), axis=0)
+  points = coordinates @ plane + rng.normal(size=50)
+  lengths = claims.path_lengths(points)
+  length = sum(np.sqrt(((points[t + 1] - points[t]) ** 2).sum())
+               for t in range(11))
+  displacement = np.sqrt(((points[-1] - points[0]) ** 2).sum())
+  np.testing.assert_allclose(
+      [lengths["length"], lengths["displacement"], lengths["straightness"]],
+      [length, displacement, displacement / length], rtol=1e-12)
+  projected = claims.project(points, "pca")
+  distances = lambda x: np.linalg.norm(x[:, None] - x[None], axis=-1)
+  np.testing.assert_allclose(distances(projected), distances(coordinates),
+                             atol=1e-9)
+  embedded = claims.project(points, "tsne")
+  assert embedded.shape == (12, 2) and np.all(np.isfinite(embedded))
+  with pytest.raises(ValueError, match="pca"):
+    claims.project(points, "umap")
+
+
+TINY_ALGORITHMS = ("ERM", "PGrad", "PGrad-Bottom")
+
+
+@pytest.fixture(name="tiny_sweep", scope="module")
+def fixture_tiny_sweep(tmp_path_factory):
+  """A real sweep: 3 algorithms on ColoredDigits, a few steps each."""
+  output_dir = tmp_path_factory.mktemp("sweep")
+  flags = ["--datasets", "ColoredDigits", "--algorithms", *TINY_ALGORITHMS,
+           "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
+           "--steps", "6", "--checkpoint_freq", "2", "--trajectory_freq", "2",
+           "--hparams", '{"batch_size": 4, "cnn_width": 8}',
+           "--output_dir", str(output_dir), "--jobs", "2",
+           "--train_command",
+           f"{sys.executable} -m experiments.train --eval_examples 16"
+           " --eval_batch_size 16 --loss_examples 8"]
+  result = subprocess.run([sys.executable, "-m", "experiments.sweep", *flags],
+                          cwd=REPO, capture_output=True, text=True,
+                          check=False, env=os.environ)
+  assert result.returncode == 0, result.stdout + result.stderr
+  return output_dir
+
+
+def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
+  runs = sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
+                         algorithms=["ERM", "Fish"], n_hparams=2, n_trials=1,
+                         test_envs=[0], trajectory_freq=5)
+  saved = {(r.args["algorithm"], r.args["hparams_seed"])
+           for r in runs if "trajectory_freq" in r.args}
+  assert saved == {("ERM", 0)}
+
+
+@pytest.mark.slow
+def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
+                                               monkeypatch):
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  assert report.main(["--input_dir", str(tiny_sweep),
+                      "--output_dir", str(tmp_path)]) == 0
+
+  measured = json.loads((tmp_path / "claims" / "claims.json").read_text())
+  found = measured["ColoredDigits"]
+  assert set(found) == {"smoothness", "bottom", "trajectory_length",
+                        "trajectories"}
+  assert set(found["smoothness"]) == {"ERM", "PGrad"}
+  assert set(found["bottom"]) == {"PGrad", "PGrad-Bottom"}
+  assert set(found["trajectories"]) == {"ERM", "PGrad"}
+  for numbers in found["trajectories"].values():
+    assert numbers["length"] >= numbers["displacement"] > 0
+  text = (tmp_path / "results.md").read_text()
+  assert "## The paper's claims" in text
+
+  # Every figure the report links exists, and shows its series and axes.
+  for name in ("ColoredDigits_env0_smoothness.png",
+               "ColoredDigits_roughness.png",
+               "ColoredDigits_bottom_loss.png",
+               "ColoredDigits_trajectory_length.png",
+               "ColoredDigits_env0_trial0_trajectory.png"):
+    assert (tmp_path / "claims" / name).is_file()
+    assert f"claims/{name}" in text
+  smooth = figures["ColoredDigits_env0_smoothness.png"].axes
+  assert {line.get_label() for line in smooth[0].get_lines()} >= {
+      "ERM", "PGrad"}
+  assert smooth[0].get_ylabel() == "training loss"
+  rough = figures["ColoredDigits_roughness.png"].axes
+  assert [[t.get_text() for t in a.get_xticklabels()] for a in rough] == [
+      ["ERM", "PGrad"]] * 2
+  assert all(a.get_ylabel() for a in rough)
+  bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
+  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
+      "PGrad", "PGrad-Bottom"}
+  assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
+  bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
+  assert [t.get_text() for t in bars.get_xticklabels()] == ["PGrad"]
+  assert "accuracy" in bars.get_ylabel()
+  trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
+  assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
+  for axes in trajectory:
+    labels = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert sorted(labels) == ["ERM", "PGrad"]
+    # Snapshots at steps 0, 2, 4, 6 per path.
+    assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
+               if line.get_label() in labels)
+    assert axes.get_xlabel() and axes.get_ylabel()
