@@ -20,6 +20,7 @@ import hashlib
 import json
 import shutil
 import sys
+import textwrap
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -204,10 +205,19 @@ def _flag_type(annotation: Any) -> Any:
   return args[0] if args else annotation
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+  """Wraps help at spaces only, so registered names such as ``PGrad-kall``
+  stay whole."""
+
+  def _split_lines(self, text: str, width: int) -> list[str]:
+    return textwrap.wrap(" ".join(text.split()), width,
+                         break_on_hyphens=False)
+
+
 def make_parser() -> argparse.ArgumentParser:
   """The flags of `Config`, with the registered names as choices."""
   parser = argparse.ArgumentParser(
-      prog=PROG,
+      prog=PROG, formatter_class=_HelpFormatter,
       description="Trains one DomainBed run and writes results.jsonl.",
       epilog="An algorithm's hparams on a dataset, with their defaults, "
       "search ranges and allowed values: --list_hparams --algorithm A "

@@ -141,8 +141,8 @@ def test_commands_in_one_directory_never_print_an_old_result(tmp_path, env):
 @pytest.mark.parametrize("hparams, named", [
     ('{"lr": -0.001}', "'lr' must be a number > 0, got -0.001"),
     ('{"batch_size": 0}', "'batch_size' must be an integer >= 1, got 0"),
-    ('{"k": 0}', "'k' must be an integer >= 1, got 0"),
-    ('{"k": 2.5}', "'k' must be an integer >= 1, got 2.5"),
+    ('{"k": 0}', "'k' must be an integer >= 1 or one of 'all', got 0"),
+    ('{"k": 2.5}', "'k' must be an integer >= 1 or one of 'all', got 2.5"),
     ('{"batch_size": 64}', "'batch_size' must be a multiple of B = 3"),
     ('{"lr": 1e-3', "--hparams is not valid JSON"),
     ('[1e-3]', "--hparams must be a JSON object"),
