@@ -20,7 +20,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pgrad_jax._src import rollout as rollout_lib
+from pgrad_jax._src import layout
 
 MODELS = ("mlp", "mnist_cnn", "resnet18", "resnet50")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -268,8 +268,8 @@ def default_unroll(model: Model, batch: int, num_chunks: int) -> int | bool:
   """The library's unroll for ``model`` on chunks of ``batch / num_chunks``."""
   chunk = jax.tree.map(lambda x: x[0],
                        random_batches(model, 1, batch // num_chunks))
-  return rollout_lib.default_unroll(
-      jax.make_jaxpr(model.loss_fn)(model.params, chunk))
+  return layout.default_layout(
+      jax.make_jaxpr(model.loss_fn)(model.params, chunk)).unroll
 
 
 def unroll_name(unroll: int | bool) -> str:

@@ -13,7 +13,8 @@ with the default ``nonfinite="skip"`` (which must keep the previous inner
 state until the rollout's losses are known to be finite: two more copies
 with Adam) and with ``nonfinite="propagate"``.
 Where the device reports allocator statistics (GPU) it also runs each step
-and records ``peak_bytes_in_use``.
+once and records its device peak, or None where compilation or an earlier
+step had already set a higher high-water mark.
 
 It then compares ``trajectory_dtype=jnp.bfloat16`` with float32 on one
 configuration: the relative error and cosine similarity of the update, and
@@ -22,7 +23,7 @@ the memory saved.
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,7 +34,7 @@ from jax.flatten_util import ravel_pytree
 
 import pgrad_jax
 from benchmarks import common
-from pgrad_jax._src import interleave
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -78,10 +79,26 @@ def activation_bytes(model: common.Model, chunk: Any) -> int:
                             chunk)[1]["temp"]
 
 
-def device_peak_bytes() -> int | None:
-  """The allocator's high-water mark so far; None where there is none (CPU)."""
-  stats = jax.devices()[0].memory_stats()
-  return None if not stats else stats.get("peak_bytes_in_use")
+def device_memory() -> dict[str, int] | None:
+  """The allocator's statistics; None where there are none (CPU)."""
+  return jax.devices()[0].memory_stats() or None
+
+
+def step_peak_bytes(before: dict[str, int], after: dict[str, int],
+                    argument_bytes: int) -> int | None:
+  """The device peak of one step from the allocator's statistics around it.
+
+  The allocator keeps one high-water mark for the process, which compilation
+  (autotuning) and earlier steps may already have raised. If the step raised
+  it, its peak is the new mark less what was in use before it, plus its own
+  arguments (which were in use before it): comparable with the compiled
+  peak. If it did not, the mark belongs to something else, and the step's
+  peak is unknown: None.
+  """
+  if after["peak_bytes_in_use"] <= before["peak_bytes_in_use"]:
+    return None
+  return (after["peak_bytes_in_use"] - before["bytes_in_use"] +
+          argument_bytes)
 
 
 def trajectory_bytes(model: common.Model, batches: Any, num_chunks: int,
@@ -95,15 +112,17 @@ def trajectory_bytes(model: common.Model, batches: Any, num_chunks: int,
         jax.random.key(0), num_domains, num_chunks, "fixed")
     return pgrad_jax.rollout(
         model.loss_fn, inner, params, inner.init(params), batches, domains,
-        chunks, num_chunks=num_chunks, unroll=unroll, trajectory_dtype=dtype,
-        interleave=interleave.default_block()).displacements
+        chunks, pgrad_jax.RolloutOptions(
+            num_chunks=num_chunks, unroll=unroll,
+            trajectory_dtype=dtype)).displacements
 
   return common.num_bytes(jax.eval_shape(stored, model.params, batches))
 
 
 def measure(hidden: int, domains: int, args: argparse.Namespace,
-            unroll) -> tuple[dict[str, Any], Callable[[], Any]]:
-  """One row, compiled peak against the bound, and a call running the step."""
+            unroll) -> dict[str, Any]:
+  """One row: compiled peak against the bound and, where the device keeps
+  allocator statistics, the peak of running the step once."""
   model = common.mlp(hidden)
   batches = jax.tree.map(jnp.asarray,
                          common.random_batches(model, domains, args.batch))
@@ -132,26 +151,24 @@ def measure(hidden: int, domains: int, args: argparse.Namespace,
       "peak_over_bound_propagate": compiled["propagate"]["peak"] / bound,
       "device_peak_bytes": None,
   }
-  # The step (the last compiled: nonfinite="propagate") donates params and
-  # state, so it runs on copies.
-  run = lambda: step(*jax.tree.map(jnp.copy, (model.params, state)), batches)
-  return row, run
+  if device_memory() is not None:
+    # The step (the last compiled: nonfinite="propagate") donates params and
+    # state, so it runs on copies.
+    arguments = jax.tree.map(jnp.copy, (model.params, state))
+    common.block(arguments)
+    before = device_memory()
+    common.block(step(*arguments, batches))
+    row["device_peak_bytes"] = step_peak_bytes(
+        before, device_memory(), compiled["propagate"]["argument"])
+  return row
 
 
 def measure_all(args: argparse.Namespace, unroll) -> list[dict[str, Any]]:
-  """Every row; where the device reports a peak, runs each step once.
-
-  The peak is a high-water mark, so steps run in increasing order of their
-  compiled peak: each reading then belongs to the step just run.
-  """
-  rows, runs = zip(*(measure(h, n, args, unroll) for h in args.hidden
-                     for n in args.domains))
-  if device_peak_bytes() is not None:
-    order = sorted(range(len(rows)), key=lambda i: rows[i]["compiled"]["peak"])
-    for i in order:
-      common.block(runs[i]())
-      rows[i]["device_peak_bytes"] = device_peak_bytes()
-  return list(rows)
+  """Every row, each compiled, run and freed before the next is built, so
+  that each device peak belongs to its own step (see
+  :func:`step_peak_bytes`)."""
+  return [measure(h, n, args, unroll) for h in args.hidden
+          for n in args.domains]
 
 
 def bfloat16_trajectory(hidden: int, domains: int, args: argparse.Namespace,

@@ -19,7 +19,6 @@ stdout as a table and, with ``--out``, to a JSON file.
 """
 
 import argparse
-import functools
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 import pgrad_jax
 from benchmarks import common
-from pgrad_jax._src import interleave
 from pgrad_jax._src import principal
 from pgrad_jax._src import rollout as rollout_lib
 
@@ -125,14 +123,11 @@ class Methods:
           jax.random.key(0), args.domains, args.B, "random")
       out = pgrad_jax.rollout(
           self.model.loss_fn, self.inner, params, inner_state, batches,
-          domains, chunks, num_chunks=args.B, unroll=unroll,
-          axis_name=common.DATA, interleave=interleave.default_block())
+          domains, chunks, pgrad_jax.RolloutOptions(
+              num_chunks=args.B, unroll=unroll, axis_name=common.DATA))
       if trajectory:
         return out
-      end = jax.tree.map(
-          lambda p, d: p + (d.point(-1) if interleave.is_interleaved(d)
-                            else d[-1]),
-          params, out.displacements, is_leaf=interleave.is_interleaved)
+      end = jax.tree.map(lambda p, d: p + d, params, out.point(-1))
       return end, out.inner_state, out.losses
 
     return self.data_parallel(step), self.inner.init(self.model.params)
@@ -143,18 +138,30 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   args = methods.args
   step, inner_state = methods.rollout(unroll, trajectory=True)
   inner_state = common.place(inner_state, methods.mesh)
-  trajectory = step(params, inner_state, batches).displacements
-  gram = jax.jit(functools.partial(
-      pgrad_jax.gram, block_size=principal.default_gram_block()))
-  kk = gram(trajectory)
-  coefficients = jax.jit(lambda kk: principal.coefficients(kk, args.k))
-  beta = coefficients(kk)[0]
-  weighted_sum = jax.jit(principal.weighted_sum)
+  displacements = step(params, inner_state, batches).displacements
+  gram = jax.jit(pgrad_jax.gram)
+  centring = principal.centre(displacements).centring
+
+  def eigh_to_weights(steps_gram):
+    """Steps 3 (after the Gram matrix) to 5: all on ``m x m`` matrices."""
+    eigenvalues, eigenvectors, kernel = principal.eigh_of_centred_gram(
+        steps_gram, centring)
+    signs, ref_norm = principal.orient(eigenvectors, kernel, centring, "end")
+    weights = principal.weight_and_calibrate(
+        eigenvalues, signs, ref_norm, args.k, weighting="l2",
+        calibrate_length=True, components="top", rtol=None)
+    return weights, eigenvalues, eigenvectors
+
+  eigh_to_weights = jax.jit(eigh_to_weights)
+  steps_gram = gram(displacements)
+  small = eigh_to_weights(steps_gram)
+  project_back = jax.jit(lambda small, d: principal.project_back(
+      *small, principal.CentredTrajectory(d, centring)))
   return {
       "rollout (with trajectory)": lambda: step(params, inner_state, batches),
-      "gram": lambda: gram(trajectory),
-      "eigh (m x m)": lambda: coefficients(kk),
-      "projection": lambda: weighted_sum(beta, trajectory),
+      "gram": lambda: gram(displacements),
+      "eigh (m x m)": lambda: eigh_to_weights(steps_gram),
+      "projection": lambda: project_back(small, displacements),
   }
 
 

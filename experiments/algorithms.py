@@ -335,23 +335,19 @@ def _rollout_algorithm(
     # update; the algorithm's own state keeps None there, so its structure
     # (and checkpoints) do not depend on the BatchNorm mode.
     stateful = bool(jax.tree.leaves(stats))
-    if stateful:
-      state = optax.tree_utils.tree_set(state, model_state=stats)
     updates, state = tx.update(
         None, state, params,
         loss_fn=loss_fn if stateful else (
             lambda p, batch: loss_fn(p, batch, stats)[0]),
-        batches=batches)
+        batches=batches, model_state=stats if stateful else None)
     if stateful:
       stats = optax.tree_utils.tree_get(state, "model_state")
       state = optax.tree_utils.tree_set(state, model_state=None)
     params = optax.apply_updates(params, updates)
-    rollout_state: pgrad_jax.PGradState = state[0]
-    metrics = {"loss": rollout_state.loss,
-               "ref_norm": rollout_state.ref_norm,
-               "num_skipped": rollout_state.num_skipped}
-    if rollout_state.eigenvalues is not None:
-      eigenvalues = rollout_state.eigenvalues
+    metrics = {name: optax.tree_utils.tree_get(state, name)
+               for name in ("loss", "ref_norm", "num_skipped")}
+    eigenvalues = optax.tree_utils.tree_get(state, "eigenvalues")
+    if eigenvalues is not None:
       total = eigenvalues.sum()
       metrics["eigenvalues"] = eigenvalues / jnp.where(total > 0, total, 1.0)
     return params, stats, state, metrics

@@ -1,13 +1,15 @@
 """PGrad (principal gradients for domain generalization) for Optax."""
 
-from pgrad_jax._src.interleave import Interleaved
-from pgrad_jax._src.principal import gram
-from pgrad_jax._src.principal import Principal
+from pgrad_jax._src.layout import TrajectoryLayout
 from pgrad_jax._src.principal import principal_gradient
+from pgrad_jax._src.principal import PrincipalGradient
 from pgrad_jax._src.rollout import Rollout
 from pgrad_jax._src.rollout import rollout
+from pgrad_jax._src.rollout import RolloutOptions
 from pgrad_jax._src.schedule import domain_schedule
+from pgrad_jax._src.trajectory import gram
 from pgrad_jax._src.transform import fish
+from pgrad_jax._src.transform import FishState
 from pgrad_jax._src.transform import pgrad
 from pgrad_jax._src.transform import PGradState
 
@@ -16,12 +18,14 @@ __version__ = "0.1.0"
 __all__ = (
     "domain_schedule",
     "fish",
+    "FishState",
     "gram",
-    "Interleaved",
     "pgrad",
     "PGradState",
-    "Principal",
     "principal_gradient",
+    "PrincipalGradient",
     "rollout",
     "Rollout",
+    "RolloutOptions",
+    "TrajectoryLayout",
 )

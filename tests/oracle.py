@@ -8,6 +8,40 @@ bijection of the library.
 import numpy as np
 
 
+N_IN, N_OUT = 3, 2
+
+
+def linear_problem(num_domains=3, batch=6, seed=0):
+  """Params ``{"w", "b"}`` of a linear model and batches ``{"x", "y"}`` with
+  leaves ``(num_domains, batch, ...)``, as float64 NumPy arrays."""
+  rng = np.random.default_rng(seed)
+  params = {"w": rng.normal(size=(N_IN, N_OUT)), "b": rng.normal(size=N_OUT)}
+  # Each domain has its own target map, so the domains pull apart.
+  x = rng.normal(size=(num_domains, batch, N_IN))
+  maps = rng.normal(size=(num_domains, N_IN, N_OUT))
+  y = np.einsum("nbi,nio->nbo", x, maps) + 0.1 * rng.normal(
+      size=(num_domains, batch, N_OUT))
+  return params, {"x": x, "y": y}
+
+
+# The options of principal_gradient below that the tests try, each against
+# the defaults; k defaults to 2 there.
+OPTION_CASES = [
+    dict(),
+    dict(weighting="l1"),
+    dict(weighting="raw"),
+    dict(calibrate_length=False),
+    dict(components="bottom"),
+    dict(reference="mean"),
+    dict(k=100),
+]
+
+
+def fixed_schedule(num_domains, num_chunks):
+  """The (domain, chunk) steps of ``order="fixed"``."""
+  return [(d, c) for c in range(num_chunks) for d in range(num_domains)]
+
+
 def linear_loss_grad(theta, x, y, n_in, n_out):
   """Mean squared error of a linear model and its gradient, by hand."""
   # ravel_pytree orders a dict's leaves by key: "b" before "w".

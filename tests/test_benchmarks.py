@@ -12,7 +12,7 @@ import pytest
 from benchmarks import common
 from benchmarks import memory
 from benchmarks import step_time
-from pgrad_jax._src import interleave
+from pgrad_jax._src import layout
 
 # A rolled scan compiles fastest.
 TINY = ["--hidden", "8", "--domains", "2", "--batch", "4", "--B", "2",
@@ -71,7 +71,7 @@ def test_memory(tmp_path):
   for row in record["rows"]:
     # On one CPU device the leaves whose size the block divides are stored
     # interleaved, theta_0 included; the others stack the m - 1 steps.
-    points = [row["m"] if size % interleave.CPU_BLOCK == 0 else row["m"] - 1
+    points = [row["m"] if size % layout.CPU_INTERLEAVE_BLOCK == 0 else row["m"] - 1
               for size in sizes]
     assert row["trajectory_bytes"] == 4 * sum(
         p * size for p, size in zip(points, sizes))
@@ -81,6 +81,17 @@ def test_memory(tmp_path):
   bf16 = record["bfloat16_trajectory"]
   assert 0 <= bf16["relative_error"] < 1
   assert -1 <= bf16["cosine_similarity"] <= 1 + 1e-9
+
+
+def test_step_peak_is_the_rows_own_or_unknown():
+  # The high-water mark rose during the step: the step's peak is the new mark
+  # above what was in use before it, plus its arguments.
+  before = {"bytes_in_use": 300, "peak_bytes_in_use": 900}
+  after = {"bytes_in_use": 350, "peak_bytes_in_use": 1000}
+  assert memory.step_peak_bytes(before, after, argument_bytes=100) == 800
+  # It did not rise (compilation or an earlier row set it): unknown.
+  after = {"bytes_in_use": 350, "peak_bytes_in_use": 900}
+  assert memory.step_peak_bytes(before, after, argument_bytes=100) is None
 
 
 def test_mesh_helpers_on_one_device():

@@ -32,10 +32,6 @@ def initial_model_state():
   return {"mean": jnp.zeros(4), "count": jnp.zeros((), jnp.int32)}
 
 
-def with_model_state(tx, params, model_state):
-  return optax.tree_utils.tree_set(tx.init(params), model_state=model_state)
-
-
 @pytest.mark.parametrize("make", [
     lambda: pgrad_jax.pgrad(optax.adam(0.1), k=2, B=2, order="fixed"),
     lambda: pgrad_jax.fish(optax.adam(0.1), B=2, order="fixed"),
@@ -43,10 +39,11 @@ def with_model_state(tx, params, model_state):
 def test_state_follows_the_rollout_steps(make):
   tx = make()
   params, batches = problem()
-  state = with_model_state(tx, params, initial_model_state())
+  state, model_state = tx.init(params), initial_model_state()
   for _ in range(2):
     updates, state = tx.update(None, state, params, loss_fn=stateful_loss,
-                               batches=batches)
+                               batches=batches, model_state=model_state)
+    model_state = state.model_state
   # Independent float64 replay: fixed order, round i visits every domain on
   # chunk i; two outer updates.
   x = np.asarray(batches["x"], np.float64)
@@ -56,9 +53,8 @@ def test_state_follows_the_rollout_steps(make):
       for domain in range(3):
         mean = MOMENTUM * mean + (1 - MOMENTUM) * x[
             domain, 3 * chunk:3 * (chunk + 1)].mean(0)
-  got = optax.tree_utils.tree_get(state, "model_state")
-  np.testing.assert_allclose(got["mean"], mean, rtol=1e-5)
-  assert int(got["count"]) == 12
+  np.testing.assert_allclose(model_state["mean"], mean, rtol=1e-5)
+  assert int(model_state["count"]) == 12
 
 
 def test_stateful_loss_gives_the_stateless_update():
@@ -66,30 +62,34 @@ def test_stateful_loss_gives_the_stateless_update():
   params, batches = problem()
   stateless, _ = tx.update(None, tx.init(params), params, loss_fn=loss_fn,
                            batches=batches)
-  stateful, _ = tx.update(
-      None, with_model_state(tx, params, initial_model_state()), params,
-      loss_fn=stateful_loss, batches=batches)
+  stateful, _ = tx.update(None, tx.init(params), params,
+                          loss_fn=stateful_loss, batches=batches,
+                          model_state=initial_model_state())
   np.testing.assert_array_equal(stateful["w"], stateless["w"])
 
 
-def test_jitted_chain_compiles_once():
+def test_jitted_chain_compiles_once_per_state_structure():
   tx = optax.chain(pgrad_jax.pgrad(optax.adam(0.1), k=2, num_domains=3),
                    optax.sgd(0.1))
   params, batches = problem()
   traces = []
 
   @jax.jit
-  def train_step(params, state):
+  def train_step(params, state, model_state):
     traces.append(None)
     updates, state = tx.update(None, state, params, loss_fn=stateful_loss,
-                               batches=batches)
-    return optax.apply_updates(params, updates), state
+                               batches=batches, model_state=model_state)
+    # Read by name, through the chain.
+    model_state = optax.tree_utils.tree_get(state, "model_state")
+    return optax.apply_updates(params, updates), state, model_state
 
-  state = with_model_state(tx, params, initial_model_state())
+  state, model_state = tx.init(params), initial_model_state()
   for _ in range(3):
-    params, state = train_step(params, state)
-  assert len(traces) == 1
-  assert int(optax.tree_utils.tree_get(state, "model_state")["count"]) == 9
+    params, state, model_state = train_step(params, state, model_state)
+  # init's state holds no model state; the first update's holds one, so the
+  # step is traced for each of the two structures, then never again.
+  assert len(traces) == 2
+  assert int(model_state["count"]) == 9
 
 
 def test_nonfinite_keeps_the_old_model_state():
@@ -97,8 +97,9 @@ def test_nonfinite_keeps_the_old_model_state():
   params, batches = problem()
   batches["x"] = batches["x"].at[1, 0, 0].set(jnp.nan)
   before = initial_model_state()
-  updates, state = tx.update(None, with_model_state(tx, params, before),
-                             params, loss_fn=stateful_loss, batches=batches)
+  updates, state = tx.update(None, tx.init(params), params,
+                             loss_fn=stateful_loss, batches=batches,
+                             model_state=before)
   assert int(state.num_skipped) == 1
   np.testing.assert_array_equal(updates["w"], 0.0)
   np.testing.assert_array_equal(state.model_state["mean"], before["mean"])
@@ -108,21 +109,22 @@ def test_nonfinite_keeps_the_old_model_state():
 def test_new_model_state_must_match():
   tx = pgrad_jax.pgrad(optax.adam(0.1))
   params, batches = problem()
-  state = with_model_state(tx, params, initial_model_state())
+  state, model_state = tx.init(params), initial_model_state()
 
   def wrong_shape(params, batch, model_state):
     return loss_fn(params, batch), {**model_state, "mean": batch["x"]}
 
   with pytest.raises(TypeError, match="shapes and dtypes of the model state"):
-    tx.update(None, state, params, loss_fn=wrong_shape, batches=batches)
+    tx.update(None, state, params, loss_fn=wrong_shape, batches=batches,
+              model_state=model_state)
   with pytest.raises(TypeError, match=r"return \(loss, new_model_state\)"):
     tx.update(None, state, params, loss_fn=lambda p, b, s: loss_fn(p, b),
-              batches=batches)
+              batches=batches, model_state=model_state)
 
 
 def test_model_state_excludes_has_aux():
   tx = pgrad_jax.pgrad(optax.adam(0.1), has_aux=True)
   params, batches = problem()
   with pytest.raises(ValueError, match="has_aux=True cannot be combined"):
-    tx.update(None, with_model_state(tx, params, initial_model_state()),
-              params, loss_fn=stateful_loss, batches=batches)
+    tx.update(None, tx.init(params), params, loss_fn=stateful_loss,
+              batches=batches, model_state=initial_model_state())

@@ -65,13 +65,14 @@ def _sharded_report(out_path: str) -> None:
     return optax.softmax_cross_entropy_with_integer_labels(
         x, batch["y"]).mean()
 
-  def make_update(loss_fn, axis_name=None, inner=optax.adam(1e-2)):
+  def make_update(loss_fn, axis_name=None, inner=optax.adam(1e-2), **extras):
     # A rolled scan, the default on GPU and TPU, also compiles fastest.
     tx = pgrad_jax.pgrad(inner, K, B, unroll=1, axis_name=axis_name,
                          num_domains=DOMAINS)
 
     def update(params, state, batches):
-      return tx.update(None, state, params, loss_fn=loss_fn, batches=batches)
+      return tx.update(None, state, params, loss_fn=loss_fn, batches=batches,
+                       **extras)
 
     return tx, update
 
@@ -145,12 +146,13 @@ def _sharded_report(out_path: str) -> None:
   def stateful_loss(p, batch, model_state):
     return mlp_loss(p, batch), 0.9 * model_state + 0.1 * batch["x"].mean(0)
 
-  stateful_tx, stateful_update = make_update(stateful_loss,
-                                             inner=optax.sgd(0.1))
+  model_state = jnp.zeros(SIZES[0])
+  stateful_tx, stateful_update = make_update(
+      stateful_loss, inner=optax.sgd(0.1), model_state=model_state)
   _, local_stateful = make_update(stateful_loss, axis_name="data",
-                                  inner=optax.sgd(0.1))
-  state = optax.tree_utils.tree_set(stateful_tx.init(params),
-                                    model_state=jnp.zeros(SIZES[0]))
+                                  inner=optax.sgd(0.1),
+                                  model_state=model_state)
+  state = stateful_tx.init(params)
   mapped = jax.jit(jax.shard_map(
       local_stateful, mesh=mesh, in_specs=(P(), P(), P(None, "data")),
       out_specs=P()))

@@ -1,4 +1,5 @@
-"""pgrad's interface: errors, options, jit, dtypes and Flax integration."""
+"""pgrad and fish: against the NumPy oracle, their properties, errors,
+options, jit, dtypes, Optax wrappers and Flax."""
 
 import flax.linen as linen
 import jax
@@ -9,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.flatten_util import ravel_pytree
 
+import oracle
 import pgrad_jax
 
 
@@ -31,6 +33,146 @@ def update(tx, params, batches, state=None, **kw):
 
 def flat(tree):
   return np.asarray(ravel_pytree(tree)[0], np.float64)
+
+
+# --- against the float64 NumPy oracle -------------------------------------------
+
+N_IN, N_OUT = oracle.N_IN, oracle.N_OUT
+
+
+def linear_loss(params, batch):
+  pred = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def linear_problem(num_domains=3, batch=6, seed=0, dtype=jnp.float64):
+  cast = lambda a: jnp.asarray(a, dtype)
+  return jax.tree.map(cast, oracle.linear_problem(num_domains, batch, seed))
+
+
+fixed_schedule = oracle.fixed_schedule
+
+
+def run(tx, params, batches, steps=1):
+  state = tx.init(params)
+  for _ in range(steps):
+    updates, state = tx.update(None, state, params, loss_fn=linear_loss,
+                               batches=batches)
+  return updates, state
+
+
+@pytest.mark.parametrize("options", oracle.OPTION_CASES, ids=str)
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_matches_numpy_oracle(options, num_chunks):
+  options = dict(options)
+  k = options.pop("k", 2)
+  # PGradParallel is pgrad's option for the oracle's mean reference.
+  parallel = options.pop("reference", "end") == "mean"
+  with jax.enable_x64(True):
+    params, batches = linear_problem()
+    tx = pgrad_jax.pgrad(optax.adam(0.05), k=k, B=num_chunks, order="fixed",
+                         parallel=parallel, **options)
+    state = tx.init(params)
+    adam = oracle.Adam(0.05, 8)
+    theta0 = flat(params)
+    # Two outer steps: the inner Adam state must carry over between them.
+    for _ in range(2):
+      updates, state = tx.update(None, state, params, loss_fn=linear_loss,
+                                 batches=batches)
+      points, losses = oracle.trajectory(
+          theta0, np.asarray(batches["x"]), np.asarray(batches["y"]),
+          fixed_schedule(3, num_chunks), num_chunks, adam, N_IN, N_OUT,
+          parallel=parallel)
+      expected = oracle.principal_gradient(
+          points, k, reference="mean" if parallel else "end", **options)
+      np.testing.assert_allclose(flat(updates), expected, rtol=1e-9, atol=1e-12)
+      np.testing.assert_allclose(np.asarray(state.loss), losses.mean(),
+                                 rtol=1e-6)
+      params = optax.apply_updates(params, jax.tree.map(lambda u: 0.1 * u,
+                                                        updates))
+      theta0 = flat(params)
+
+
+def test_eigenvalues_match_covariance_spectrum():
+  with jax.enable_x64(True):
+    params, batches = linear_problem()
+    tx = pgrad_jax.pgrad(optax.adam(0.05), k=2, B=2, order="fixed",
+                         num_domains=3)
+    _, state = run(tx, params, batches)
+    points, losses = oracle.trajectory(
+        flat(params), np.asarray(batches["x"]), np.asarray(batches["y"]),
+        fixed_schedule(3, 2), 2, oracle.Adam(0.05, 8), N_IN, N_OUT)
+    centred = points - points.mean(0)
+    lam = np.sort(np.linalg.eigvalsh(centred.T @ centred))[::-1]
+    m = points.shape[0]
+    assert state.eigenvalues.shape == (m,)
+    # m = 7 > d = 8? no: d = 8 >= m, so the top m-1 agree and the rest is 0.
+    np.testing.assert_allclose(state.eigenvalues[: m - 1], lam[: m - 1],
+                               rtol=1e-5)
+    assert abs(float(state.eigenvalues[-1])) < 1e-6 * float(lam[0])
+    np.testing.assert_allclose(state.losses, losses, rtol=1e-5)
+    r = points[0] - points[-1]
+    np.testing.assert_allclose(state.ref_norm, np.linalg.norm(r), rtol=1e-5)
+
+
+# --- properties ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_length_and_orientation(seed):
+  params, batches = linear_problem(seed=seed, dtype=jnp.float32)
+  tx = pgrad_jax.pgrad(optax.adam(0.05), k=3, B=2, seed=seed)
+  updates, state = run(tx, params, batches)
+  g = flat(updates)
+  np.testing.assert_allclose(np.linalg.norm(g), state.ref_norm, rtol=1e-4)
+  # r = theta_0 - theta_end, and the update must point along it.
+  fish_updates, _ = run(pgrad_jax.fish(optax.adam(0.05), B=2, seed=seed),
+                        params, batches)
+  r = flat(fish_updates)
+  np.testing.assert_allclose(np.linalg.norm(r), state.ref_norm, rtol=1e-5)
+  assert g @ r >= 0
+
+
+def test_unit_length_without_calibration():
+  params, batches = linear_problem(dtype=jnp.float32)
+  tx = pgrad_jax.pgrad(optax.adam(0.05), k=3, B=2, calibrate_length=False)
+  updates, _ = run(tx, params, batches)
+  np.testing.assert_allclose(np.linalg.norm(flat(updates)), 1.0, rtol=1e-4)
+
+
+def test_single_step_is_the_step_itself():
+  with jax.enable_x64(True):
+    params, batches = linear_problem(num_domains=1)
+    updates, _ = run(pgrad_jax.pgrad(optax.adam(0.05), k=4, B=1), params,
+                     batches)
+    inner = optax.adam(0.05)
+    step, _ = inner.update(
+        jax.grad(linear_loss)(params, jax.tree.map(lambda x: x[0], batches)),
+        inner.init(params), params)
+    # theta_0 - theta_1 is minus the inner step.
+    np.testing.assert_allclose(flat(updates), -flat(step), rtol=1e-12)
+
+
+def test_fish_is_start_minus_end():
+  with jax.enable_x64(True):
+    params, batches = linear_problem()
+    updates, _ = run(pgrad_jax.fish(optax.adam(0.05), B=2, order="fixed"),
+                     params, batches)
+    points, _ = oracle.trajectory(
+        flat(params), np.asarray(batches["x"]), np.asarray(batches["y"]),
+        fixed_schedule(3, 2), 2, oracle.Adam(0.05, 8), N_IN, N_OUT)
+    np.testing.assert_allclose(flat(updates), points[0] - points[-1],
+                               rtol=1e-9)
+
+
+def test_zero_learning_rate_gives_zero_update():
+  params, batches = linear_problem(dtype=jnp.float32)
+  tx = pgrad_jax.pgrad(optax.sgd(0.0), k=4, B=3, num_domains=3)
+  updates, state = run(tx, params, batches)
+  assert np.all(flat(updates) == 0)
+  assert np.all(np.isfinite(np.asarray(state.eigenvalues)))
+  assert int(state.num_skipped) == 0
+
 
 
 # --- bad input ----------------------------------------------------------------
@@ -316,3 +458,159 @@ def test_state_round_trips_through_orbax(make, tmp_path):
   after, _ = update(tx, params, batches, state=restored)
   expected, _ = update(tx, params, batches, state=state)
   np.testing.assert_array_equal(flat(after), flat(expected))
+
+
+# --- degenerate input and integral options (checked when traced) -------------
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((3, 0, 3), "empty batch per domain"),
+    ((0, 6, 3), "zero domains"),
+])
+def test_degenerate_batches_are_rejected_when_traced(shape, match):
+  params, _ = problem()
+  batches = {"x": jnp.zeros(shape), "y": jnp.zeros(shape[:2])}
+  tx = pgrad_jax.pgrad(optax.sgd(0.1))
+  with pytest.raises(ValueError, match=match):
+    jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=loss_fn,
+                                   batches=batches)).lower(tx.init(params),
+                                                           params)
+
+
+@pytest.mark.parametrize("make", [pgrad_jax.pgrad, pgrad_jax.fish])
+@pytest.mark.parametrize("params", [None, {}])
+def test_init_needs_params(make, params):
+  with pytest.raises(ValueError, match="init needs the params"):
+    make(optax.sgd(0.1)).init(params)
+
+
+def test_numpy_integers_are_accepted():
+  params, batches = problem()
+  ref, _ = update(pgrad_jax.pgrad(optax.adam(0.1), k=2, B=3, order="fixed",
+                                  num_domains=2), params, batches)
+  out, _ = update(pgrad_jax.pgrad(optax.adam(0.1), k=np.int64(2),
+                                  B=np.int32(3), order="fixed",
+                                  num_domains=np.int64(2)), params, batches)
+  np.testing.assert_array_equal(flat(out), flat(ref))
+
+
+def test_inject_hyperparams_with_static_k_and_B():
+  params, batches = problem()
+  tx = optax.inject_hyperparams(pgrad_jax.pgrad, static_args=("k", "B"))(
+      inner_opt=optax.adam(0.1), k=2, B=3, order="fixed")
+  step = jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=loss_fn,
+                                        batches=batches))
+  out, _ = step(tx.init(params), params)
+  ref, _ = update(pgrad_jax.pgrad(optax.adam(0.1), k=2, B=3, order="fixed"),
+                  params, batches)
+  np.testing.assert_allclose(flat(out), flat(ref), rtol=1e-6)
+
+
+def test_inject_hyperparams_without_static_args_says_how():
+  # k and B fix shapes: traced, they raise an error naming the fix.
+  params, batches = problem()
+  tx = optax.inject_hyperparams(pgrad_jax.pgrad)(
+      inner_opt=optax.adam(0.1), k=2, B=3)
+  step = jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=loss_fn,
+                                        batches=batches))
+  with pytest.raises(TypeError, match=r"static_args=\('k', 'B'\)"):
+    step(tx.init(params), params)
+
+
+# --- Optax conventions and wrappers --------------------------------------------
+
+
+@pytest.mark.parametrize("make", [
+    lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2, num_domains=2),
+    lambda: pgrad_jax.fish(optax.adam(0.1), B=2, num_domains=2),
+], ids=["pgrad", "fish"])
+def test_update_keeps_the_state_structure_and_matches_jit(make):
+  params, batches = problem()
+  tx = make()
+  state = tx.init(params)
+  eager, new_state = tx.update(None, state, params, loss_fn=loss_fn,
+                               batches=batches)
+  jitted, jit_state = jax.jit(lambda s, p: tx.update(
+      None, s, p, loss_fn=loss_fn, batches=batches))(state, params)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert jax.tree.map(jnp.shape, new_state) == jax.tree.map(jnp.shape, state)
+  np.testing.assert_allclose(flat(eager), flat(jitted), rtol=1e-5, atol=1e-7)
+
+
+def test_fish_state_has_no_spectrum():
+  params, _ = problem()
+  state = pgrad_jax.fish(optax.adam(0.1), num_domains=2).init(params)
+  assert isinstance(state, pgrad_jax.FishState)
+  assert "eigenvalues" not in state._fields
+
+
+def test_fish_stores_no_trajectory():
+  # Fish needs the end point only: its compiled step holds far less than
+  # PGrad's, which keeps all m points (here m = 16, 2048 x 512 params).
+  params = {"w": jnp.zeros((2048, 512))}
+  batches = {"x": jnp.ones((5, 6, 2048))}
+  dense_loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+
+  def temp_bytes(tx):
+    step = jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=dense_loss,
+                                          batches=batches))
+    compiled = step.lower(tx.init(params), params).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  point = 2048 * 512 * 4
+  fish = temp_bytes(pgrad_jax.fish(optax.adam(0.1), B=3))
+  pgrad = temp_bytes(pgrad_jax.pgrad(optax.adam(0.1), B=3))
+  assert pgrad >= 15 * point
+  assert fish <= 3 * point
+
+
+def test_multisteps_keeps_only_the_last_calls_rollout():
+  # pgrad ignores the incoming gradients, so MultiSteps has nothing to
+  # accumulate: every call rolls out, and only the k-th call's rollout, on
+  # its own batches and from the state of the last emitted step, is used.
+  params, batches = problem()
+  _, other = problem(b=6)
+  other = jax.tree.map(lambda x: x[::-1], other)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  inner = lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2)
+  tx = optax.MultiSteps(inner(), every_k_schedule=2)
+  state = tx.init(params)
+  first, state = tx.update(zeros, state, params, loss_fn=loss_fn,
+                           batches=other)
+  second, state = tx.update(zeros, state, params, loss_fn=loss_fn,
+                            batches=batches)
+  alone, _ = update(inner(), params, batches)
+  assert np.all(flat(first) == 0)
+  np.testing.assert_allclose(flat(second), flat(alone), rtol=1e-6)
+
+
+def test_apply_if_finite_checks_only_the_incoming_gradients():
+  # apply_if_finite looks at the updates pgrad is given, which pgrad ignores;
+  # a non-finite rollout is caught by pgrad's own nonfinite="skip".
+  params, batches = problem()
+  batches["x"] = batches["x"].at[1, 0, 0].set(jnp.nan)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  for nonfinite, finite_output in (("propagate", False), ("skip", True)):
+    tx = optax.apply_if_finite(
+        pgrad_jax.pgrad(optax.adam(0.1), nonfinite=nonfinite), 3)
+    out, state = tx.update(zeros, tx.init(params), params, loss_fn=loss_fn,
+                           batches=batches)
+    assert bool(np.all(np.isfinite(flat(out)))) == finite_output
+    assert int(state.total_notfinite) == 0
+
+
+def test_inner_schedule_counts_inner_steps():
+  # An inner schedule advances once per inner step: n * B per outer update.
+  params, batches = problem()
+  schedule = optax.linear_schedule(1e-2, 0.0, 10)
+  tx = pgrad_jax.pgrad(optax.adam(schedule), B=3)
+  state = tx.init(params)
+  ref_norms = []
+  for outer in range(1, 4):
+    _, state = update(tx, params, batches, state=state)
+    schedule_state = state.inner_state[1]
+    assert int(schedule_state.count) == outer * 2 * 3
+    ref_norms.append(float(state.ref_norm))
+  # 12 inner steps in, the 10-step schedule has reached 0: the third rollout
+  # does not move.
+  assert ref_norms[2] < 1e-6 * ref_norms[0]

@@ -1,11 +1,11 @@
-"""Sequential inner-optimizer steps over the training domains.
+"""Step 1 of PGrad: sequential inner-optimizer steps over the training domains.
 
 A rollout starts at ``theta_0`` and takes one inner-optimizer step per
-(domain, chunk) of a schedule. It returns the trajectory as displacements
-``theta_i - theta_0``: they are small, so storing them instead of the points
-keeps the later Gram matrix free of float32 cancellation.
+(domain, chunk) of a schedule (the paper's eq. 4), storing every point it
+reaches as a displacement from ``theta_0`` (see ``trajectory.py``).
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,64 +13,72 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pgrad_jax._src import interleave as interleave_lib
+from pgrad_jax._src import layout as layout_lib
+from pgrad_jax._src import trajectory as trajectory_lib
+from pgrad_jax._src import validation
 
 LossFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+  """How a rollout steps and what it keeps; checked when built.
+
+  Attributes:
+    num_chunks: ``B``; chunk ``i`` holds examples ``[i * b / B, (i + 1) * b /
+      B)`` of a domain's batch ``b``. Any integral value.
+    parallel: if True, every step starts from ``theta_0`` instead of the
+      previous point (the PGradParallel ablation); the inner state still
+      threads through the steps.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
+    unroll: the ``jax.lax.scan`` unroll; None lets ``layout.default_layout``
+      pick it for the devices and the loss.
+    trajectory_dtype: dtype of the stored displacements; None keeps each
+      leaf's dtype.
+    axis_name: a mapped axis (``shard_map``/``pmap``) over which the data is
+      split: gradients, losses and a floating model state are averaged over it.
+    store_trajectory: if False, only the end point is kept, in the memory of
+      one point (all Fish needs).
+  """
+
+  num_chunks: int = 1
+  parallel: bool = False
+  has_aux: bool = False
+  unroll: int | bool | None = None
+  trajectory_dtype: Any = None
+  axis_name: str | None = None
+  store_trajectory: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "num_chunks",
+                       validation.positive_int("B", self.num_chunks))
+    if self.unroll is not None and self.unroll is not True:
+      validation.positive_int("unroll", self.unroll)
 
 
 class Rollout(NamedTuple):
   """What a rollout produced.
 
   Attributes:
-    displacements: a pytree like the params whose leaves have a new leading
-      axis of length ``num_steps``: entry ``i`` is ``theta_{i+1} - theta_0``.
-      With ``interleave``, a leaf may instead be an ``Interleaved``, whose
-      ``points()`` gives that stacked array.
+    displacements: the trajectory: a pytree like the params holding
+      ``theta_{i+1} - theta_0`` for every step ``i``, laid out as
+      ``trajectory.py`` describes (``pgrad_jax.gram`` and
+      ``pgrad_jax.principal_gradient`` read either layout). With
+      ``store_trajectory=False`` it holds the end point alone, as one step.
     inner_state: the inner optimizer state after the last step.
     losses: float32 ``(num_steps,)``, the loss at each step's starting point.
     model_state: the model state after the last step's forward pass (e.g.
       BatchNorm running statistics); None for a stateless loss.
   """
 
-  displacements: optax.Params
+  displacements: Any
   inner_state: optax.OptState
   losses: jax.Array
   model_state: Any = None
 
-
-def has_convolution(jaxpr: Any) -> bool:
-  """Whether a (closed) jaxpr holds a convolution, at any nesting depth."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "conv_general_dilated":
-      return True
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(getattr(sub, "jaxpr", sub), "eqns") and has_convolution(sub):
-          return True
-  return False
-
-
-def default_unroll(loss_jaxpr: Any) -> int | bool:
-  """The scan unroll that avoids the slow path of the current backend.
-
-  On GPU and TPU the scan stays rolled (an unrolled one compiles slowly). On
-  XLA:CPU a loop whose body holds a convolution runs dozens of times slower
-  than the same steps unrolled (measured: DomainBed's MNIST CNN, 39 s
-  rolled against 1.5 s unrolled per rollout), so a convolutional loss is
-  fully unrolled; any other loss stays rolled, which on CPU is as fast and
-  lets the trajectory be written in place.
-
-  Args:
-    loss_jaxpr: the loss traced on one chunk, e.g.
-      ``jax.make_jaxpr(loss_fn)(params, batch)``.
-
-  Returns:
-    ``True`` (fully unrolled) or ``1`` (rolled).
-  """
-  if jax.default_backend() != "cpu":
-    return 1
-  return True if has_convolution(loss_jaxpr) else 1
+  def point(self, step: int) -> optax.Params:
+    """``theta_{step+1} - theta_0`` like the params (``-1``: the end point)."""
+    return trajectory_lib.point(self.displacements, step)
 
 
 def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
@@ -78,8 +86,9 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
 
   Raises:
     ValueError: if there are no leaves, if a leaf has fewer than two axes, if
-      the leading two axes disagree between leaves, or if ``num_chunks`` does
-      not divide the per-domain batch.
+      the leading two axes disagree between leaves, if there are no domains
+      or no examples per domain, or if ``num_chunks`` does not divide the
+      per-domain batch.
   """
   leaves = jax.tree_util.tree_leaves_with_path(batches)
   if not leaves:
@@ -100,6 +109,15 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
         "batches leaves disagree on their leading (n_domains, per_domain_batch)"
         f" axes: {listing}. Every leaf must hold the same domains and examples.")
   num_domains, per_domain = next(iter(shapes.values()))
+  if num_domains == 0:
+    raise ValueError(
+        f"batches hold zero domains (leading axes {(0, per_domain)}); stack "
+        "one batch per training domain: (n_domains, batch, ...), n_domains >= 1.")
+  if per_domain == 0:
+    raise ValueError(
+        f"batches hold an empty batch per domain (leading axes "
+        f"{(num_domains, 0)}); every domain needs at least B={num_chunks} "
+        "examples.")
   if per_domain % num_chunks:
     lower = per_domain - per_domain % num_chunks
     options = [s for s in (lower, lower + num_chunks) if s > 0]
@@ -211,91 +229,60 @@ def rollout(
     batches: Any,
     domains: jax.Array,
     chunks: jax.Array,
+    options: RolloutOptions = RolloutOptions(),
     *,
-    num_chunks: int,
-    parallel: bool = False,
-    has_aux: bool = False,
-    unroll: int | bool | None = None,
-    trajectory_dtype: Any = None,
-    axis_name: str | None = None,
+    layout: layout_lib.TrajectoryLayout | None = None,
     model_state: Any = None,
-    interleave: int | None = None,
-    store_trajectory: bool = True,
 ) -> Rollout:
   """Takes one inner-optimizer step per scheduled (domain, chunk).
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``).
+    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), or with
+      a ``model_state``, ``loss_fn(params, batch, model_state) -> (loss,
+      new_model_state)``.
     inner_opt: the Optax transform used for the inner steps.
     params: ``theta_0``.
     inner_state: the inner optimizer state to start from.
     batches: a pytree of leaves shaped ``(n_domains, per_domain_batch, ...)``.
     domains: int ``(num_steps,)``, the domain of each step.
     chunks: int ``(num_steps,)``, the chunk of each step.
-    num_chunks: ``B``; chunk ``i`` holds examples
-      ``[i * b / B, (i + 1) * b / B)`` of a domain's batch ``b``.
-    parallel: if True, every step starts from ``theta_0`` instead of the
-      previous point (the PGradParallel ablation); the inner state still
-      threads through the steps.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
-    unroll: passed to ``jax.lax.scan``; None uses :func:`default_unroll`.
-      A scan that is not fully unrolled writes each point into a
-      preallocated trajectory in place; a fully unrolled one stacks them.
-    trajectory_dtype: dtype of the stored displacements; None keeps each
-      leaf's dtype.
-    axis_name: a mapped axis (``shard_map``/``pmap``) over which the data is
-      split: gradients and losses are averaged over it.
+    options: a :class:`RolloutOptions`.
+    layout: the scan unroll and trajectory layout; None asks
+      ``layout.default_layout`` for the current devices and this loss.
     model_state: state that the loss's forward pass updates and that is not
-      trained by gradient (e.g. BatchNorm running statistics). When given,
-      ``loss_fn(params, batch, model_state)`` returns
-      ``(loss, new_model_state)`` and each step starts from the state the
-      previous step left, so the state follows the rollout; with
-      ``axis_name`` it is averaged over the mapped axis.
-    interleave: None, or a block size ``c``: a rolled scan then stores each
-      float32/float64 leaf whose size ``c`` divides as an ``Interleaved``
-      (point axis inside, ``theta_0`` included as a zero row), whose Gram
-      matrix XLA:CPU computes about twice as fast. Only for unsharded
-      params; a fully unrolled scan stacks every leaf.
-    store_trajectory: if False, only the end point is kept: the
-      ``displacements`` leaves have a leading axis of length 1 holding
-      ``theta_end - theta_0`` (all Fish needs, in the memory of one point).
+      trained by gradient (e.g. BatchNorm running statistics). Each step
+      starts from the state the previous step left, so the state follows the
+      rollout.
 
   Returns:
     A :class:`Rollout`.
   """
-  interleave_lib.check_block_size("interleave", interleave)
-  num_domains, per_domain = batch_shape(batches, num_chunks)
+  num_chunks = options.num_chunks
+  _, per_domain = batch_shape(batches, num_chunks)
   chunked = jax.tree.map(
       lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
-  loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, has_aux,
+  loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, options.has_aux,
                              model_state)
+  if layout is None:
+    layout = layout_lib.default_layout(loss_jaxpr, options.unroll)
   stateful = model_state is not None
-  if unroll is None:
-    unroll = default_unroll(loss_jaxpr)
-  num_steps = domains.shape[0]
-  # Measured on XLA:CPU: in a rolled loop, stacked scan outputs take two more
-  # param-sized buffers than a carried trajectory updated in place; fully
-  # unrolled, the carried trajectory is the one that gets copied.
-  in_place = store_trajectory and unroll is not True and unroll < num_steps
-  stacked = store_trajectory and not in_place
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or stateful)
+  axis_name = options.axis_name
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=options.has_aux or stateful)
 
   def displacement(theta):
-    return jax.tree.map(
-        lambda t, t0: (t - t0).astype(trajectory_dtype or t.dtype), theta,
-        params)
+    return jax.tree.map(lambda t, t0: t - t0, theta, params)
 
   def step(carry, schedule):
     theta, state, model, trajectory = carry
     index, domain, chunk = schedule
     batch = jax.tree.map(lambda x: x[domain, chunk], chunked)
-    start = params if parallel else theta
+    start = params if options.parallel else theta
     varying = start if axis_name is None else vary_over(start, axis_name)
     loss, grads = grad_fn(varying, batch, *([model] if stateful else []))
     if stateful:
       loss, model = loss
-    elif has_aux:
+    elif options.has_aux:
       loss = loss[0]
     if axis_name is not None:
       loss, grads = jax.lax.pmean((loss, grads), axis_name)
@@ -305,34 +292,20 @@ def rollout(
           if jnp.issubdtype(x.dtype, jnp.inexact) else x, model)
     updates, state = inner_opt.update(grads, state, start)
     theta = optax.apply_updates(start, updates)
-    loss = loss.astype(jnp.float32)
-    if stacked:
-      return (theta, state, model, trajectory), (displacement(theta), loss)
-    if not in_place:
-      return (theta, state, model, trajectory), loss
-    trajectory = jax.tree.map(
-        lambda buf, x: interleave_lib.write(buf, index, x)
-        if interleave_lib.is_interleaved(buf)
-        else jax.lax.dynamic_update_index_in_dim(buf, x, index, 0),
-        trajectory, displacement(theta), is_leaf=interleave_lib.is_interleaved)
-    return (theta, state, model, trajectory), loss
+    if trajectory is not None:
+      trajectory = trajectory_lib.write(trajectory, index, displacement(theta))
+    return (theta, state, model, trajectory), loss.astype(jnp.float32)
 
-  def zeros(p):
-    if interleave is not None and interleave_lib.can_interleave(
-        p, interleave, trajectory_dtype):
-      return interleave_lib.zeros(p, num_steps, interleave, trajectory_dtype)
-    # Broadcasting a zero point keeps the params' sharding on its axes.
-    return jnp.broadcast_to(interleave_lib.zeros_from(p, trajectory_dtype),
-                            (num_steps,) + jnp.shape(p))
-
-  trajectory = jax.tree.map(zeros, params) if in_place else None
-  (theta, inner_state, model_state, trajectory), out = jax.lax.scan(
+  num_steps = domains.shape[0]
+  trajectory = None
+  if options.store_trajectory:
+    trajectory = trajectory_lib.allocate(params, num_steps, layout,
+                                         options.trajectory_dtype)
+  (theta, inner_state, model_state, trajectory), losses = jax.lax.scan(
       step, (params, inner_state, model_state, trajectory),
-      (jnp.arange(num_steps), domains, chunks), unroll=unroll)
-  if stacked:
-    trajectory, losses = out
-  else:
-    losses = out
-  if not store_trajectory:
-    trajectory = jax.tree.map(lambda d: d[None], displacement(theta))
+      (jnp.arange(num_steps), domains, chunks), unroll=layout.unroll)
+  if trajectory is None:
+    trajectory = jax.tree.map(
+        lambda d: d[None].astype(options.trajectory_dtype or d.dtype),
+        displacement(theta))
   return Rollout(trajectory, inner_state, losses, model_state)

@@ -5,8 +5,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from pgrad_jax._src import validation
+
 Order = Literal["random", "fixed"]
-ORDERS = ("random", "fixed")
 
 
 def domain_schedule(
@@ -15,9 +16,10 @@ def domain_schedule(
   """Returns the (domain, chunk) visited at every inner step of a rollout.
 
   Round ``i`` (``0 <= i < num_chunks``) visits every domain once, on chunk
-  ``i`` of that domain's batch. With ``order="fixed"`` (PGrad-F) each round
-  visits domains ``0..n-1``; with ``order="random"`` (PGrad) each round uses a
-  fresh random permutation.
+  ``i`` of that domain's batch (the trajectory sampling of the paper's
+  eq. 4). With ``order="fixed"`` (PGrad-F) each round visits domains
+  ``0..n-1``; with ``order="random"`` (PGrad) each round uses a fresh random
+  permutation.
 
   Args:
     key: a PRNG key; unused for ``order="fixed"``.
@@ -36,12 +38,11 @@ def domain_schedule(
     >>> domains.tolist(), chunks.tolist()
     ([0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1])
   """
+  validation.one_of("order", order, Order)
   if order == "fixed":
     perms = jnp.tile(jnp.arange(num_domains, dtype=jnp.int32), (num_chunks, 1))
-  elif order == "random":
+  else:
     keys = jax.random.split(key, num_chunks)
     perms = jax.vmap(lambda k: jax.random.permutation(k, num_domains))(keys)
-  else:
-    raise ValueError(f"order must be one of {ORDERS}, got {order!r}.")
   chunks = jnp.repeat(jnp.arange(num_chunks, dtype=jnp.int32), num_domains)
   return perms.reshape(-1).astype(jnp.int32), chunks

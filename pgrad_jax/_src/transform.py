@@ -1,38 +1,40 @@
-"""``pgrad`` and ``fish``: Optax transforms built on a rollout."""
+"""``pgrad`` and ``fish``: Optax transforms built on a rollout.
 
+An update of :func:`pgrad` is the paper's six steps in order: roll out
+(``rollout.rollout``), then centre, Gram and ``eigh``, orient, weight and
+calibrate, and project back (``principal.principal_gradient``).
+"""
+
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from pgrad_jax._src import interleave as interleave_lib
 from pgrad_jax._src import principal as principal_lib
 from pgrad_jax._src import rollout as rollout_lib
 from pgrad_jax._src import schedule as schedule_lib
+from pgrad_jax._src import validation
 
 NonFinite = Literal["skip", "propagate"]
-NONFINITE = ("skip", "propagate")
 
 
 class PGradState(NamedTuple):
-  """State of :func:`pgrad` and :func:`fish`.
+  """State of :func:`pgrad`.
 
   Attributes:
     inner_state: the inner optimizer's state; it carries over from one outer
       step to the next unless ``reset_inner_state=True``.
-    model_state: None, or model state that the loss's forward pass updates
-      and gradients do not train, such as BatchNorm running statistics. Set
-      it once after ``init`` (``optax.tree_utils.tree_set(state,
-      model_state=batch_stats)``); then ``loss_fn(params, batch, model_state)``
-      returns ``(loss, new_model_state)``, the state follows the rollout's
-      inner steps, and each update leaves the state of the rollout's last
-      step here (``optax.tree_utils.tree_get(state, "model_state")``).
+    model_state: None, or after an update given ``model_state=``, the model
+      state the rollout's last inner step left (e.g. BatchNorm running
+      statistics); read it by name, ``optax.tree_utils.tree_get(state,
+      "model_state")``, also through ``optax.chain``.
     key: the PRNG key that draws the random domain order.
     eigenvalues: ``(m,)`` spectrum of the last trajectory's centred Gram
       matrix, descending, with ``m = num_domains * B + 1``; None unless
       ``num_domains`` was given (the state's shapes are fixed at ``init``,
-      which sees only the params), and always None for :func:`fish`.
+      which sees only the params).
     ref_norm: ``||theta_0 - theta_end||`` of the last rollout.
     loss: the mean inner loss of the last rollout.
     losses: ``(num_domains * B,)`` inner loss of every step of the last
@@ -50,50 +52,58 @@ class PGradState(NamedTuple):
   num_skipped: jax.Array
 
 
-def _check_positive(name: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+class FishState(NamedTuple):
+  """State of :func:`fish`: the fields of :class:`PGradState` but
+  ``eigenvalues``, with the same meaning."""
+
+  inner_state: optax.OptState
+  model_state: Any
+  key: jax.Array
+  ref_norm: jax.Array
+  loss: jax.Array
+  losses: jax.Array | None
+  num_skipped: jax.Array
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-  if value not in choices:
-    raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+class _Step(NamedTuple):
+  """What a transform makes of a rollout: its output and diagnostics."""
+
+  update: optax.Updates
+  ref_norm: jax.Array
+  eigenvalues: jax.Array | None = None
 
 
 def _rollout_transform(
+    name: str,
     inner_opt: optax.GradientTransformation,
-    B: int,
+    options: rollout_lib.RolloutOptions,
+    from_rollout: Callable[[rollout_lib.Rollout], _Step],
     *,
-    reduce,
-    spectrum: bool,
     order: schedule_lib.Order,
-    parallel: bool,
     reset_inner_state: bool,
-    has_aux: bool,
     nonfinite: NonFinite,
-    unroll: int | bool | None,
-    trajectory_dtype: Any,
-    axis_name: str | None,
     num_domains: int | None,
     seed: int,
-    name: str,
-    store_trajectory: bool,
 ) -> optax.GradientTransformationExtraArgs:
-  """Shared machinery: ``reduce(rollout) -> (update, eigenvalues, ref_norm)``.
+  """The machinery :func:`pgrad` and :func:`fish` share around a rollout.
 
-  With ``store_trajectory`` the rollout keeps every point, interleaved where
-  the devices favour it (``interleave.default_block``); without, only the
-  end point.
+  ``from_rollout`` turns the rollout into the update; the state is a
+  :class:`PGradState` when the trajectory is stored, else a
+  :class:`FishState`.
   """
-  _check_positive("B", B)
+  validation.one_of("order", order, schedule_lib.Order)
+  validation.one_of("nonfinite", nonfinite, NonFinite)
   if num_domains is not None:
-    _check_positive("num_domains", num_domains)
-  _check_choice("order", order, schedule_lib.ORDERS)
-  _check_choice("nonfinite", nonfinite, NONFINITE)
-  steps = 0 if num_domains is None else num_domains * B
-  m = 0 if num_domains is None or not spectrum else steps + 1
+    num_domains = validation.positive_int("num_domains", num_domains)
+  num_chunks = options.num_chunks
+  num_steps = 0 if num_domains is None else num_domains * num_chunks
+  spectrum = options.store_trajectory
 
   def init_fn(params):
+    if not jax.tree.leaves(params):
+      raise ValueError(
+          f"{name}.init needs the params, a pytree of floating-point arrays; "
+          f"got {params!r}.")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
         raise TypeError(
@@ -101,20 +111,24 @@ def _rollout_transform(
             f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}. "
             "Keep integer state out of the params tree (e.g. nnx.Optimizer's "
             "wrt=nnx.Param).")
-    return PGradState(
+    # Absent diagnostics are None, not empty arrays, which checkpointers
+    # such as Orbax refuse to save.
+    fields = dict(
         inner_state=inner_opt.init(params),
         model_state=None,
         key=jax.random.PRNGKey(seed),
-        # Absent diagnostics are None, not empty arrays, which checkpointers
-        # such as Orbax refuse to save.
-        eigenvalues=jnp.zeros((m,), jnp.float32) if m else None,
         ref_norm=jnp.zeros((), jnp.float32),
         loss=jnp.zeros((), jnp.float32),
-        losses=jnp.zeros((steps,), jnp.float32) if steps else None,
+        losses=jnp.zeros((num_steps,), jnp.float32) if num_steps else None,
         num_skipped=jnp.zeros((), jnp.int32))
+    if not spectrum:
+      return FishState(**fields)
+    return PGradState(
+        eigenvalues=jnp.zeros((num_steps + 1,), jnp.float32)
+        if num_steps else None, **fields)
 
   def update_fn(updates, state, params=None, *, loss_fn=None, batches=None,
-                **extra_args):
+                model_state=None, **extra_args):
     del updates, extra_args  # The rollout computes its own gradients.
     if params is None:
       raise ValueError(f"{name}.update needs params: "
@@ -126,50 +140,55 @@ def _rollout_transform(
     if loss_fn is None:
       raise TypeError(f"{name}.update needs loss_fn=...: a callable "
                       "loss_fn(params, batch) -> scalar loss.")
-    n, _ = rollout_lib.batch_shape(batches, B)
+    n, _ = rollout_lib.batch_shape(batches, num_chunks)
     if num_domains is not None and n != num_domains:
       raise ValueError(
           f"batches hold {n} domains but {name} was built with "
           f"num_domains={num_domains}; build it with num_domains={n}.")
 
+    # Step 1: roll out.
     key, order_key = jax.random.split(state.key)
-    domains, chunks = schedule_lib.domain_schedule(order_key, n, B, order)
+    domains, chunks = schedule_lib.domain_schedule(order_key, n, num_chunks,
+                                                   order)
     inner_state = inner_opt.init(params) if reset_inner_state else (
         state.inner_state)
-    out = rollout_lib.rollout(
+    rolled = rollout_lib.rollout(
         loss_fn, inner_opt, params, inner_state, batches, domains, chunks,
-        num_chunks=B, parallel=parallel, has_aux=has_aux,
-        unroll=unroll,
-        trajectory_dtype=trajectory_dtype, axis_name=axis_name,
-        model_state=state.model_state,
-        interleave=interleave_lib.default_block(),
-        store_trajectory=store_trajectory)
-    step, eigenvalues, ref_norm = reduce(out)
-    step = jax.tree.map(lambda u, p: u.astype(p.dtype), step, params)
+        options, model_state=model_state)
+    # Steps 2 to 6 (pgrad), or the end point (fish).
+    step = from_rollout(rolled)
+    update = jax.tree.map(lambda u, p: u.astype(p.dtype), step.update, params)
 
-    inner_state, model_state = out.inner_state, out.model_state
+    inner_state, new_model_state = rolled.inner_state, rolled.model_state
     skipped = jnp.zeros((), bool)
     if nonfinite == "skip":
-      finite = jnp.all(jnp.isfinite(out.losses))
-      for leaf in jax.tree.leaves((step, model_state)):
+      finite = jnp.all(jnp.isfinite(rolled.losses))
+      for leaf in jax.tree.leaves((update, new_model_state)):
         if jnp.issubdtype(leaf.dtype, jnp.inexact):
           finite &= jnp.all(jnp.isfinite(leaf))
       skipped = ~finite
-      step = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype), step)
-      inner_state, model_state = jax.tree.map(
-          lambda new, old: jnp.where(finite, new, old),
-          (inner_state, model_state), (state.inner_state, state.model_state))
+      update = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype),
+                            update)
+      inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                 inner_state, state.inner_state)
+      # A skipped update returns the model state it was given.
+      new_model_state = jax.tree.map(
+          lambda new, old: jnp.where(finite, new, old), new_model_state,
+          model_state)
 
-    new_state = PGradState(
+    fields = dict(
         inner_state=inner_state,
-        model_state=model_state,
+        model_state=new_model_state,
         key=key,
-        eigenvalues=eigenvalues.astype(jnp.float32) if m else None,
-        ref_norm=ref_norm.astype(jnp.float32),
-        loss=jnp.mean(out.losses),
-        losses=out.losses if steps else None,
+        ref_norm=step.ref_norm.astype(jnp.float32),
+        loss=jnp.mean(rolled.losses),
+        losses=rolled.losses if num_steps else None,
         num_skipped=state.num_skipped + skipped.astype(jnp.int32))
-    return step, new_state
+    if not spectrum:
+      return update, FishState(**fields)
+    return update, PGradState(
+        eigenvalues=step.eigenvalues.astype(jnp.float32) if num_steps
+        else None, **fields)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -207,17 +226,21 @@ def pgrad(
   ``optax.sgd(0.1)``.
 
   The incoming updates are ignored: the rollout computes its own gradients
-  from the keyword-only extras ``loss_fn`` and ``batches``.
+  from the keyword-only extras ``loss_fn`` and ``batches``. Every inner step
+  is a step of ``inner_opt``, so a schedule inside it counts ``n * B`` steps
+  per outer update.
 
   Args:
     inner_opt: the Optax transform of the inner steps (the paper: Adam).
-    k: number of principal components; more than available uses them all.
-    B: chunks per domain batch (PGrad-B uses 3); must divide the batch size.
+    k: number of principal components, any positive integral value; more
+      than available uses them all.
+    B: chunks per domain batch (PGrad-B uses 3), any positive integral value;
+      must divide the batch size.
     order: ``"random"`` (PGrad: a fresh domain permutation each round) or
       ``"fixed"`` (PGrad-F: domains ``0..n-1``).
     weighting: ``"l2"`` (``lambda / ||lambda||_2``, paper default), ``"l1"``
       (``lambda / ||lambda||_1``) or ``"raw"`` (``lambda``).
-    calibrate_length: multiply by ``||r||`` (paper eq. 10); else unit length
+    calibrate_length: multiply by ``||r||`` (paper eq. 11); else unit length
       with ``"l2"`` weighting.
     components: ``"top"`` or ``"bottom"`` k components (appendix A.7 ablation).
     parallel: every inner step starts from ``theta_0`` (PGradParallel); the
@@ -231,7 +254,7 @@ def pgrad(
       ``"propagate"``: no check.
     unroll: ``jax.lax.scan`` unroll of the rollout; None picks per backend:
       rolled, except on CPU for a loss with convolutions, which XLA:CPU runs
-      far faster unrolled (see ``pgrad_jax.rollout``).
+      far faster unrolled.
     trajectory_dtype: dtype of the stored trajectory (displacements from
       ``theta_0``); e.g. ``jnp.bfloat16`` halves its memory. None keeps the
       params' dtypes.
@@ -247,10 +270,12 @@ def pgrad(
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`PGradState`. Its ``update(updates, state, params, *, loss_fn,
-    batches, **extra_args)`` takes ``loss_fn(params, batch) -> scalar`` (or,
-    with a model state in the state, ``loss_fn(params, batch, model_state) ->
-    (loss, new_model_state)``) and ``batches``, a pytree with leaves shaped
-    ``(n_domains, batch, ...)``.
+    batches, model_state=None, **extra_args)`` takes
+    ``loss_fn(params, batch) -> scalar`` and ``batches``, a pytree with leaves
+    shaped ``(n_domains, batch, ...)``. Given ``model_state`` (e.g. BatchNorm
+    statistics), ``loss_fn(params, batch, model_state)`` returns ``(loss,
+    new_model_state)``, the state follows the inner steps, and the new state's
+    ``model_state`` holds what the last step left.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -274,24 +299,24 @@ def pgrad(
     Wang, Grigsby and Qi, `PGrad: Learning Principal Gradients for Domain
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
-  _check_positive("k", k)
-  _check_choice("weighting", weighting, principal_lib.WEIGHTINGS)
-  _check_choice("components", components, principal_lib.COMPONENTS)
+  k = validation.positive_int("k", k)
+  validation.one_of("weighting", weighting, principal_lib.Weighting)
+  validation.one_of("components", components, principal_lib.Components)
+  options = rollout_lib.RolloutOptions(
+      num_chunks=B, parallel=parallel, has_aux=has_aux, unroll=unroll,
+      trajectory_dtype=trajectory_dtype, axis_name=axis_name)
 
-  def reduce(out):
+  def principal_step(rolled):
     result = principal_lib.principal_gradient(
-        out.displacements, k, weighting=weighting,
+        rolled.displacements, k, weighting=weighting,
         calibrate_length=calibrate_length, components=components,
-        reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype,
-        gram_block=principal_lib.default_gram_block())
-    return result.update, result.eigenvalues, result.ref_norm
+        reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype)
+    return _Step(result.update, result.ref_norm, result.eigenvalues)
 
   return _rollout_transform(
-      inner_opt, B, reduce=reduce, spectrum=True, order=order,
-      parallel=parallel, reset_inner_state=reset_inner_state, has_aux=has_aux,
-      nonfinite=nonfinite, unroll=unroll, trajectory_dtype=trajectory_dtype,
-      axis_name=axis_name, num_domains=num_domains, seed=seed, name="pgrad",
-      store_trajectory=True)
+      "pgrad", inner_opt, options, principal_step, order=order,
+      reset_inner_state=reset_inner_state, nonfinite=nonfinite,
+      num_domains=num_domains, seed=seed)
 
 
 def fish(
@@ -309,7 +334,8 @@ def fish(
 ) -> optax.GradientTransformationExtraArgs:
   """Fish (Reptile over domains): output ``theta_0 - theta_end`` of a rollout.
 
-  The same sequential rollout as :func:`pgrad`, without the principal
+  The same sequential rollout as :func:`pgrad`, keeping only its end point
+  (one point of memory where PGrad stores the trajectory) and no principal
   components: ``optax.chain(fish(inner_opt), optax.sgd(meta_lr))`` moves the
   params a fraction ``meta_lr`` of the way to the rollout's end point, which
   is Fish's meta update.
@@ -328,8 +354,8 @@ def fish(
     seed: seeds the random domain order.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` with a :class:`PGradState`
-    (its ``eigenvalues`` are None).
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`FishState`;
+    its ``update`` takes the same extras as :func:`pgrad`'s.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -348,14 +374,17 @@ def fish(
     <https://arxiv.org/abs/2104.09937>`_, ICLR 2022.
   """
 
-  def reduce(out):
-    end = jax.tree.map(lambda d: -d[-1], out.displacements)
-    ref_norm = jnp.sqrt(sum(jnp.sum(jnp.square(e.astype(jnp.float32)))
-                            for e in jax.tree.leaves(end)))
-    return end, None, ref_norm
+  options = rollout_lib.RolloutOptions(
+      num_chunks=B, has_aux=has_aux, unroll=unroll, axis_name=axis_name,
+      store_trajectory=False)
+
+  def end_point(rolled):
+    update = jax.tree.map(lambda d: -d, rolled.point(-1))
+    ref_norm = jnp.sqrt(sum(jnp.sum(jnp.square(u.astype(jnp.float32)))
+                            for u in jax.tree.leaves(update)))
+    return _Step(update, ref_norm)
 
   return _rollout_transform(
-      inner_opt, B, reduce=reduce, spectrum=False, order=order, parallel=False,
-      reset_inner_state=reset_inner_state, has_aux=has_aux, nonfinite=nonfinite,
-      unroll=unroll, trajectory_dtype=None, axis_name=axis_name,
-      num_domains=num_domains, seed=seed, name="fish", store_trajectory=False)
+      "fish", inner_opt, options, end_point, order=order,
+      reset_inner_state=reset_inner_state, nonfinite=nonfinite,
+      num_domains=num_domains, seed=seed)
