@@ -96,6 +96,12 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, tuple[Any, Draw]]:
     add("lambda", 1000.0, lambda rng: 10**rng.uniform(1, 4))
     add("penalty_anneal_iters", 1500, lambda rng: int(rng.uniform(0, 5000)))
     add("ema", 0.95, lambda rng: rng.uniform(0.90, 0.99))
+  elif algorithm == "IRM":
+    add("irm_lambda", 1e2, lambda rng: 10**rng.uniform(-1, 5))
+    add("irm_penalty_anneal_iters", 500,
+        lambda rng: int(10**rng.uniform(0, 4)))
+  elif algorithm == "CORAL":
+    add("mmd_gamma", 1.0, lambda rng: 10**rng.uniform(-1, 1))
   if algorithm in ("MixUp", "PGrad-BMix"):
     add("mixup_alpha", 0.2, lambda rng: 10**rng.uniform(-1, 1))
   return hp
