@@ -580,3 +580,8 @@ def terra_incognita(
   """TerraIncognita: 4 camera-trap locations, 10 classes."""
   del seed
   return image_folder_dataset("TerraIncognita", "terra_incognita", data_dir)
+
+
+# WILDS's PovertyMap and FMoW register themselves; they import this module,
+# so the import comes last.
+from experiments import wilds as _wilds  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import

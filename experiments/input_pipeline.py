@@ -64,10 +64,9 @@ def split_domains(
 def _gather(source: DomainSource, indices: np.ndarray) -> dict[str, np.ndarray]:
   """Stacks ``source[i]`` for ``i`` in ``indices`` into one batch."""
   items = [source[int(i)] for i in indices]
-  return {
-      "image": np.stack([item["image"] for item in items]),
-      "label": np.array([item["label"] for item in items], np.int32),
-  }
+  # Every key the source gives (e.g. WILDS's "group"), in its own dtype:
+  # integer classes or float regression targets.
+  return {key: np.stack([item[key] for item in items]) for key in items[0]}
 
 
 def make_train_iterator(
