@@ -361,7 +361,8 @@ def pgrad(
   Args:
     network: the model.
     hparams: ``lr`` (inner Adam), ``outer_lr``, ``k``, ``B``,
-      ``weight_decay`` and, with ``mix``, ``mixup_alpha``.
+      ``weight_decay``, optionally ``outer_lr_per_domain`` (the outer step
+      is ``outer_lr / num_domains``) and, with ``mix``, ``mixup_alpha``.
     num_domains: the number of training domains.
     seed: seeds the random domain order.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F).
@@ -374,7 +375,11 @@ def pgrad(
   rollout = pgrad_jax.pgrad(
       optax.adam(hparams["lr"]), k=hparams["k"], B=hparams["B"], order=order,
       parallel=parallel, num_domains=num_domains, seed=seed)
-  return _rollout_algorithm(network, hparams, rollout, hparams["outer_lr"],
+  # The paper's WILDS protocol scales the outer step by the rollout's length:
+  # gamma = c / n-hat, with c = outer_lr.
+  outer_lr = hparams["outer_lr"] / (
+      num_domains if hparams.get("outer_lr_per_domain", False) else 1)
+  return _rollout_algorithm(network, hparams, rollout, outer_lr,
                             mix_chunks=hparams["B"] if mix else None)
 
 

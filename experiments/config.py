@@ -67,6 +67,9 @@ class Config:
       None, "Model name. Default: mnist_cnn for digits, resnet50 otherwise.")
   pretrained: str | None = _field(
       None, "Featurizer weights (.npz or Orbax directory) to start from.")
+  init_params: str | None = _field(
+      None, "A run's final_params.npz to start the whole model from (e.g. "
+      "FMoW's ERM phase before PGrad).")
   eval_examples: int | None = _field(
       None, "Evaluate at most this many examples per split (fixed random "
       "subset). Default: all.")

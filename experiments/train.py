@@ -61,9 +61,12 @@ from jax.sharding import PartitionSpec as P
 from experiments import algorithms
 from experiments import config as config_lib
 from experiments import datasets
+from experiments import hparams_registry
 from experiments import input_pipeline
 from experiments import models
 from experiments import pretrained
+from experiments import tasks
+from experiments import wilds
 
 RESULTS_FILE = "results.jsonl"
 DONE_FILE = "done"
@@ -90,7 +93,7 @@ def build_model(
 ) -> models.Classifier:
   """The configured model, with pretrained featurizer weights if given."""
   kwargs = {}
-  if config.model.startswith("resnet"):
+  if config.model.startswith(("resnet", "densenet")):
     kwargs = {"bn_mode": hparams.get("bn_mode", "frozen"),
               "dropout": hparams.get("resnet_dropout", 0.0)}
   elif config.model == "mnist_cnn" and "cnn_width" in hparams:
@@ -101,7 +104,9 @@ def build_model(
       input_shape=dataset.input_shape, rngs=nnx.Rngs(config.seed), **kwargs)
   if config.pretrained:
     pretrained.load_pretrained(model, config.pretrained)
-  elif config.model.startswith("resnet"):
+  elif (config.model.startswith(("resnet", "densenet"))
+        # WILDS trains PovertyMap's 8-band ResNet-18 from scratch.
+        and hparams_registry.wilds_name(config.dataset) != "PovertyMap"):
     print(f"Warning: training {config.model} from scratch; DomainBed starts "
           "from ImageNet weights (--pretrained).", file=sys.stderr)
   return model
@@ -127,13 +132,16 @@ def make_eval_step(
     network: algorithms.Network,
 ) -> Callable[[nnx.State, nnx.State, jax.Array, jax.Array],
               tuple[jax.Array, jax.Array]]:
-  """The jitted ``(params, stats, images, labels) -> (correct, loss)``."""
+  """The jitted ``(params, stats, images, labels) -> (predictions, loss)``.
+
+  Predictions are classes, or values for regression targets (`tasks`).
+  """
 
   @jax.jit
   def eval_step(params, stats, images, labels):
-    logits, _ = network.logits(params, stats, images, train=False)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return jnp.argmax(logits, axis=-1) == labels, loss
+    outputs, _ = network.logits(params, stats, images, train=False)
+    loss = tasks.example_loss(outputs, {"label": labels})
+    return tasks.predictions(outputs, labels), loss
 
   return eval_step
 
@@ -189,12 +197,20 @@ def evaluate(
     config: config_lib.Config,
     sharder: Sharder,
 ) -> Record:
-  """Accuracy of every domain's in and out split, and the in-split loss."""
+  """The metrics of every domain's in and out split, and the in-split loss.
+
+  The metrics are `tasks.split_metrics`'s, as ``env{i}_{split}_{metric}``:
+  ``acc`` of classes, ``mse`` and ``r`` of regression values, and the
+  worst-group ``worst_acc`` or ``worst_r`` where the examples carry a
+  ``"group"`` (WILDS). Empty splits are skipped.
+  """
   results = {}
   size = config.eval_batch_size
   for i, domain in enumerate(sets):
     for name, indices in domain.items():
-      correct, losses = [], []
+      if len(indices) == 0:
+        continue
+      predicted, labels, groups, losses = [], [], [], []
       for batch in input_pipeline.eval_batches(dataset, i, indices,
                                                batch_size=size):
         count = len(batch["label"])
@@ -203,11 +219,17 @@ def evaluate(
                                                  v.dtype)])
                   for k, v in batch.items()}
         padded = sharder.batch(padded, axis=0)
-        ok, loss = eval_step(state.params, state.stats, padded["image"],
-                             padded["label"])
-        correct.append(np.asarray(ok)[:count])
+        prediction, loss = eval_step(state.params, state.stats,
+                                     padded["image"], padded["label"])
+        predicted.append(np.asarray(prediction)[:count])
+        labels.append(batch["label"])
+        groups.append(batch.get("group"))
         losses.append(np.asarray(loss)[:count])
-      results[f"env{i}_{name}_acc"] = float(np.concatenate(correct).mean())
+      metrics = tasks.split_metrics(
+          np.concatenate(predicted), np.concatenate(labels),
+          None if groups[0] is None else np.concatenate(groups))
+      results.update({f"env{i}_{name}_{metric}": value
+                      for metric, value in metrics.items()})
       if name == "in":
         results[f"env{i}_in_loss"] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
@@ -268,12 +290,68 @@ def save_params(path: Path, state: TrainState) -> None:
                     for k, v in flat.items()})
 
 
+def held_out_metric(record: Record, env: int) -> float:
+  """A held-out domain's headline metric: accuracy, or Pearson's r."""
+  return record.get(f"env{env}_in_acc", record.get(f"env{env}_in_r"))
+
+
 def _held_out_summary(
     record: Record, dataset: datasets.MultiDomainDataset,
     test_envs: Sequence[int]
 ) -> str:
   return ", ".join(f"env{t} ({dataset.domain_names[t]}) "
-                   f"{record[f'env{t}_in_acc']:.4f}" for t in test_envs)
+                   f"{held_out_metric(record, t):.4f}" for t in test_envs)
+
+
+def load_params(
+    path: str | Path, params: nnx.State, stats: nnx.State
+) -> tuple[nnx.State, nnx.State]:
+  """Params and statistics from another run's `save_params` file.
+
+  Raises:
+    ValueError: the file's keys or shapes differ from the model's.
+  """
+  with np.load(path) as saved:
+    loaded = dict(saved)
+  tree = {"params": nnx.to_pure_dict(params), "stats": nnx.to_pure_dict(stats)}
+  flat = traverse_util.flatten_dict(tree)
+  keys = {"/".join(map(str, k)): k for k in flat}
+  wrong = sorted(set(keys) ^ set(loaded)) + sorted(
+      k for k in set(keys) & set(loaded)
+      if loaded[k].shape != flat[keys[k]].shape)
+  if wrong:
+    raise ValueError(f"{path} does not fit the model: --model and --dataset "
+                     "must match the run that wrote it. Differing keys or "
+                     f"shapes: {wrong[:5]}.")
+  values = traverse_util.unflatten_dict(
+      {k: jnp.asarray(loaded[name]) for name, k in keys.items()})
+  # Empty statistics (frozen or no BatchNorm) leave no keys behind.
+  nnx.replace_by_pure_dict(params, values.get("params", {}))
+  nnx.replace_by_pure_dict(stats, values.get("stats", {}))
+  return params, stats
+
+
+def wilds_protocol(
+    config: config_lib.Config, dataset: datasets.MultiDomainDataset,
+    hparams: dict[str, Any]
+) -> config_lib.Config:
+  """WILDS's protocol for a `wilds.WildsDataset`; other datasets unchanged.
+
+  Its evaluation splits are the test domains, its training domains are not
+  split (WILDS has its own in-distribution splits), and without ``--steps``
+  the run lasts the dataset's epochs (PovertyMap 200, FMoW 10) of its
+  training split, at ``batch_size * domains_per_step`` examples per step.
+  """
+  if not isinstance(dataset, wilds.WildsDataset):
+    return config
+  steps = config.steps
+  if steps is None:
+    train_examples = sum(len(dataset.domains[d])
+                         for d in range(dataset.num_train_domains))
+    per_step = hparams["batch_size"] * hparams["domains_per_step"]
+    steps = max(1, -(-dataset.epochs * train_examples // per_step))
+  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
+                             holdout_fraction=0.0, steps=steps)
 
 
 def train(config: config_lib.Config) -> Record:
@@ -285,10 +363,10 @@ def train(config: config_lib.Config) -> Record:
   Returns:
     The record of the final evaluation.
   """
-  config = config.resolve()
   hparams = config.hyperparameters()
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                  seed=config.trial_seed)
+  config = wilds_protocol(config, dataset, hparams).resolve()
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
     raise ValueError(f"test_envs {config.test_envs} out of range for "
@@ -302,9 +380,13 @@ def train(config: config_lib.Config) -> Record:
 
   network, params, stats = algorithms.Network.split(
       build_model(config, dataset, hparams))
+  if config.init_params:
+    params, stats = load_params(config.init_params, params, stats)
+  # Every step trains on all training domains, or on domains_per_step of them.
+  domains_per_step = hparams.get("domains_per_step")
   algorithm = algorithms.build_algorithm(
-      config.algorithm, network, hparams, num_domains=len(train_domains),
-      seed=config.seed)
+      config.algorithm, network, hparams,
+      num_domains=domains_per_step or len(train_domains), seed=config.seed)
   sharder = Sharder()
   count = jax.device_count()
   print(f"{config.algorithm} on {config.dataset}, held out "
@@ -314,7 +396,7 @@ def train(config: config_lib.Config) -> Record:
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
   train_iter = input_pipeline.make_train_iterator(
       dataset, train_domains, splits, batch_size=hparams["batch_size"],
-      seed=config.seed)
+      seed=config.seed, domains_per_step=domains_per_step)
 
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
@@ -363,16 +445,16 @@ def train(config: config_lib.Config) -> Record:
       manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=grain.checkpoint.CheckpointSave(train_iter)))
-      held_out = [record[f"env{t}_in_acc"] for t in config.test_envs]
+      held_out = [held_out_metric(record, t) for t in config.test_envs]
       bar.set_postfix(loss=f"{record['loss']:.4f}",
-                      held_out_acc=f"{np.mean(held_out):.4f}")
+                      held_out=f"{np.mean(held_out):.4f}")
       meter = MetricMeter()
       interval_start = time.time()
   manager.wait_until_finished()
   manager.close()
   save_params(output_dir / FINAL_PARAMS_FILE, state)
   (output_dir / DONE_FILE).touch()
-  print(f"Held-out accuracy after {step} steps: "
+  print(f"Held-out accuracy (Pearson's r for regression) after {step} steps: "
         f"{_held_out_summary(record, dataset, config.test_envs)}")
   return record
 

@@ -250,7 +250,7 @@ def poverty_splits(
 
 def poverty_map(
     *, data_dir: str | Path | None = None, seed: int = 0, fold: str = "A",
-    id_eval_size: int = POVERTY_ID_EVAL_SIZE
+    id_eval_size: int | None = None
 ) -> WildsDataset:
   """PovertyMap (WILDS v1.1): asset wealth regression, 8-band images.
 
@@ -261,7 +261,8 @@ def poverty_map(
     data_dir: the folder holding ``poverty_v1.1``; ``None`` means ``./data``.
     seed: unused; WILDS's splits are fixed.
     fold: WILDS's country fold, ``"A"`` (its default) to ``"E"``.
-    id_eval_size: the in-distribution evaluation rows (WILDS: 2,000).
+    id_eval_size: the in-distribution evaluation rows; ``None`` means
+      `POVERTY_ID_EVAL_SIZE` (WILDS's 2,000).
 
   Returns:
     The dataset.
@@ -280,7 +281,8 @@ def poverty_map(
   # The CSV writes urban as True/False (or 1.0/0.0).
   groups = np.array([row["urban"].strip().lower() in ("true", "1", "1.0")
                      for row in metadata], np.int32)
-  splits = poverty_splits(countries, fold, id_eval_size)
+  splits = poverty_splits(countries, fold, POVERTY_ID_EVAL_SIZE
+                          if id_eval_size is None else id_eval_size)
 
   def load(row: int) -> np.ndarray:
     path = root / "images" / f"landsat_poverty_img_{row}.npz"
