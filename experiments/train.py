@@ -105,6 +105,7 @@ def build_model(
   if config.pretrained:
     pretrained.load_pretrained(model, config.pretrained)
   elif (config.model.startswith(("resnet", "densenet"))
+        and not config.init_params
         # WILDS trains PovertyMap's 8-band ResNet-18 from scratch.
         and hparams_registry.wilds_name(config.dataset) != "PovertyMap"):
     print(f"Warning: training {config.model} from scratch; DomainBed starts "
