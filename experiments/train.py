@@ -25,6 +25,14 @@ appends a line to ``<output_dir>/results.jsonl``::
 
 The held-out domains' accuracy is their ``in`` split's, as DomainBed reports.
 
+On a WILDS dataset (``experiments.wilds``) the held-out domains are WILDS's
+evaluation splits and the training domains are not split (see
+`wilds_protocol`); every step trains on ``domains_per_step`` sampled
+domains; an epoch is a pass over the whole training split; and the metrics
+are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
+``env{i}_in_worst_r`` for PovertyMap's regression, ``env{i}_in_acc`` and
+``env{i}_in_worst_acc`` (worst region) for FMoW.
+
 Every evaluation is followed by an Orbax checkpoint (the last two are kept) of
 the params, BatchNorm statistics, algorithm state, step and data iterator. The
 same command resumes a killed run from its last checkpoint and finishes with
@@ -422,6 +430,10 @@ def train(config: config_lib.Config) -> Record:
   sets = eval_sets(splits, config)
   steps_per_epoch = min(len(splits[d][0]) for d in train_domains) / (
       hparams["batch_size"])
+  if isinstance(dataset, wilds.WildsDataset):
+    # WILDS's epoch: one pass over the whole training split.
+    steps_per_epoch = sum(len(splits[d][0]) for d in train_domains) / (
+        hparams["batch_size"] * domains_per_step)
   meter = MetricMeter()
   step = int(state.step)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",

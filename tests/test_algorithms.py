@@ -398,3 +398,50 @@ def test_irm_and_coral_hparams_follow_domainbed():
     assert 1 <= irm["irm_penalty_anneal_iters"] <= 1e4
     assert 0.1 <= hparams_registry.random_hparams(
         "CORAL", "PACS", seed)["mmd_gamma"] <= 10
+
+
+@pytest.mark.parametrize("dataset, model, lr, outer_lr", [
+    ("PovertyMap", "resnet18", 1e-3, 0.1),
+    ("PovertyMap-C", "resnet18", 1e-3, 0.1),
+    ("FMoW", "densenet121", 1e-4, 0.01),
+])
+def test_wilds_defaults_follow_the_paper_and_wilds(dataset, model, lr,
+                                                   outer_lr):
+  assert hparams_registry.default_model(dataset) == model
+  hparams = hparams_registry.default_hparams("PGrad", dataset)
+  assert hparams["lr"] == lr and hparams["outer_lr"] == outer_lr
+  assert hparams["outer_lr_per_domain"] and hparams["weight_decay"] == 0.0
+  # WILDS's 64 images from 8 domains per step; BatchNorm trained.
+  assert hparams["domains_per_step"] == 8 and hparams["batch_size"] == 8
+  assert hparams["bn_mode"] == "train"
+  assert hparams_registry.default_hparams("PGrad-B", dataset)[
+      "batch_size"] == 9
+  # No search on WILDS: every draw is the default.
+  assert hparams_registry.random_hparams("IRM", dataset, 3) == (
+      hparams_registry.default_hparams("IRM", dataset))
+  assert hparams_registry.default_hparams("IRM", dataset)["irm_lambda"] == 1.0
+
+
+@pytest.mark.parametrize("num_domains", [2, 4])
+def test_outer_lr_per_domain_divides_the_outer_step(num_domains):
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  images = jax.random.normal(jax.random.PRNGKey(5),
+                             (num_domains, BATCH, 4, 4, 1))
+  batches = {"image": images,
+             "label": jnp.arange(num_domains * BATCH).reshape(
+                 num_domains, BATCH) % NUM_CLASSES}
+  steps = []
+  for per_domain in (False, True):
+    hparams = {**_hparams("PGrad"), "outer_lr_per_domain": per_domain}
+    algorithm = algorithms.build_algorithm("PGrad", network, hparams,
+                                           num_domains=num_domains)
+    new_params, *_ = jax.jit(algorithm.update)(
+        params, stats, algorithm.init(params), batches, jax.random.PRNGKey(0))
+    steps.append(jax.tree.map(lambda new, old: new - old, new_params, params))
+  # gamma = c / n-hat: the same direction, 1 / n-hat as long (up to the
+  # float32 rounding of new - old for params of order 1).
+  for full, scaled in zip(jax.tree.leaves(steps[0]), jax.tree.leaves(steps[1])):
+    assert np.abs(full).max() > 1e-4
+    np.testing.assert_allclose(scaled, full / num_domains, rtol=1e-4,
+                               atol=1e-7)

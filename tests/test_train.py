@@ -174,3 +174,27 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
   assert override.hyperparameters()["lr"] == 0.5
   with pytest.raises(ValueError, match="Unknown hparams"):
     config_lib.Config(hparams='{"meta_lr": 0.5}').hyperparameters()
+
+
+def test_init_params_loads_a_saved_model_and_rejects_another(tmp_path):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from experiments import algorithms, models, train  # pylint: disable=g-import-not-at-top
+
+  def split(width, seed):
+    model = models.build_model(
+        "mnist_cnn", num_classes=3, input_shape=(8, 8, 1),
+        rngs=nnx.Rngs(seed), widths=(width,) * 4)
+    _, params, stats = algorithms.Network.split(model)
+    return params, stats
+
+  saved_params, saved_stats = split(8, seed=1)
+  path = tmp_path / "final_params.npz"
+  train.save_params(path, train.TrainState(jnp.zeros(()), saved_params,
+                                           saved_stats, None))
+  params, stats = train.load_params(path, *split(8, seed=2))
+  for got, want in zip(nnx.to_flat_state(params), nnx.to_flat_state(
+      saved_params)):
+    np.testing.assert_array_equal(got[1][...], want[1][...])
+  with pytest.raises(ValueError, match="does not fit the model"):
+    train.load_params(path, *split(16, seed=2))

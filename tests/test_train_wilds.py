@@ -56,6 +56,8 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
   # The 3-domain rollout's spectrum: 3 inner steps, so 4 points.
   assert len(record["eigenvalues"]) == 4
   assert [r["step"] for r in _records(tmp_path / "run")] == [2, 4]
+  # An epoch is a pass over the 33 training rows, at 3 * 4 rows per step.
+  np.testing.assert_allclose(record["epoch"], 4 * 12 / 33)
 
 
 def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
