@@ -58,7 +58,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import tqdm
 from flax import nnx
