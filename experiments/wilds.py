@@ -9,7 +9,7 @@ and follows the same definitions without importing it (it needs PyTorch)::
     <data_dir>/poverty_v1.1/images/landsat_poverty_img_<row>.npz  # "x": (8, H, W)
     <data_dir>/fmow_v1.1/rgb_metadata.csv             # one row per image
     <data_dir>/fmow_v1.1/country_code_mapping.csv     # alpha-3 -> region
-    <data_dir>/fmow_v1.1/images/rgb_img_<row>.png
+    <data_dir>/fmow_v1.1/images/rgb_img_<i>.png  # i: the row among non-"seq" rows
 
 A `WildsDataset` is a `MultiDomainDataset` whose domains are the training
 domains (PovertyMap: the fold's training countries; FMoW: the years of the
@@ -371,10 +371,14 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
   groups = np.array([FMOW_REGIONS.index(r) if r in FMOW_REGIONS else -1
                      for r in regions], np.int32)
   years = np.array([_timestamp_year(row["timestamp"]) for row in metadata])
-  splits = fmow_splits([row["split"] for row in metadata], years)
+  split_column = np.array([row["split"] for row in metadata])
+  splits = fmow_splits(split_column, years)
+  # WILDS drops the sequestered ("seq") rows and numbers the image files by
+  # the position of a row among the rest.
+  image_number = np.cumsum(split_column != "seq") - 1
 
   def load(row: int) -> np.ndarray:
-    path = root / "images" / f"rgb_img_{row}.png"
+    path = root / "images" / f"rgb_img_{image_number[row]}.png"
     try:
       with Image.open(path) as image:
         pixels = np.asarray(image.convert("RGB"), np.float32) / 255.0

@@ -77,15 +77,16 @@ def test_fmow_splits_years_regions_and_normalisation(tmp_path):
   assert dataset.num_classes == 62 and dataset.input_shape == (8, 8, 3)
   assert dataset.epochs == 10
   by_name = dict(zip(dataset.domain_names, dataset.domains))
-  expected = {"2005": [0, 1], "2010": [2], "2012": [3], "id_val": [4],
-              "id_test": [5], "val": [6, 7], "test": [9, 10]}
+  expected = {"2005": [0, 1], "2010": [2], "2012": [4], "id_val": [5],
+              "id_test": [6], "val": [7, 8], "test": [10, 11]}
   for name, rows_of in expected.items():
     np.testing.assert_array_equal(by_name[name].rows, rows_of)
 
-  element = by_name["val"][1]  # Row 7: a country with no region.
+  element = by_name["val"][1]  # Row 8: a country with no region.
   assert element["group"] == -1
   assert by_name["val"][0]["group"] == wilds.FMOW_REGIONS.index("Americas")
-  assert element["label"] == wilds.FMOW_CATEGORIES.index(rows[7]["category"])
+  assert element["label"] == wilds.FMOW_CATEGORIES.index(rows[8]["category"])
+  # Row 8 follows the "seq" row 3, so its image is the 8th: rgb_img_7.
   pixels = np.asarray(Image.open(tmp_path / wilds.FMOW_DIR / "images"
                                  / "rgb_img_7.png"), np.float64) / 255
   np.testing.assert_allclose(

@@ -43,12 +43,13 @@ def write_poverty(data_dir: Path, *, per_country: int = 3,
 
 
 # (split column, year, country code) of every FMoW row.
+# A sequestered ("seq") row, which has no image, sits among the others.
 FMOW_ROWS = [
     ("train", 2005, "USA"), ("train", 2005, "FRA"), ("train", 2010, "KEN"),
+    ("seq", 2008, "USA"),
     ("train", 2012, "CHN"), ("val", 2011, "AUS"), ("test", 2009, "BRA"),
     ("val", 2014, "USA"), ("val", 2013, "XXX"), ("train", 2014, "FRA"),
     ("test", 2016, "KEN"), ("test", 2017, "CHN"), ("val", 2016, "USA"),
-    ("seq", 2008, "USA"),
 ]
 FMOW_COUNTRIES = [("USA", "Americas"), ("FRA", "Europe"), ("KEN", "Africa"),
                   ("CHN", "Asia"), ("AUS", "Oceania"), ("BRA", "Americas")]
@@ -59,14 +60,19 @@ def write_fmow(data_dir: Path, seed: int = 0) -> list[dict]:
   root = data_dir / wilds.FMOW_DIR
   (root / "images").mkdir(parents=True)
   rng = np.random.default_rng(seed)
-  rows = []
+  rows, image_number = [], 0
   for i, (split, year, country) in enumerate(FMOW_ROWS):
     rows.append({"split": split, "img_filename": f"x_{i}.jpg",
                  "category": wilds.FMOW_CATEGORIES[(7 * i) % 62],
                  "country_code": country,
                  "timestamp": f"{year}-06-0{1 + i % 9}T10:00:00Z"})
+    if split == "seq":
+      continue
+    # Images are numbered among the rows that are not sequestered.
     pixels = rng.integers(0, 256, (FMOW_SIZE, FMOW_SIZE, 3), np.uint8)
-    Image.fromarray(pixels).save(root / "images" / f"rgb_img_{i}.png")
+    Image.fromarray(pixels).save(
+        root / "images" / f"rgb_img_{image_number}.png")
+    image_number += 1
   _write_csv(root / "rgb_metadata.csv", rows)
   _write_csv(root / "country_code_mapping.csv",
              [{"name": c, "alpha-3": c, "region": r}
