@@ -66,6 +66,7 @@ from flax import nnx
 
 import pgrad_jax
 from experiments import hparams_registry
+from experiments import tasks
 
 Params = nnx.State
 Stats = nnx.State
@@ -204,26 +205,19 @@ def with_example_keys(batches: Batches, key: jax.Array) -> Batches:
   return {**batches, "key": keys.reshape((n, b) + keys.shape[1:])}
 
 
-def cross_entropy(logits: jax.Array, batch: Batches) -> jax.Array:
-  """Per-example cross-entropy; MixUp's two-label form for mixed batches."""
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-  if "mix_label" in batch:
-    weight = batch["mix_weight"]
-    loss = weight * loss + (1 - weight) * (
-        optax.softmax_cross_entropy_with_integer_labels(
-            logits, batch["mix_label"]))
-  return loss
-
-
 def batch_loss(
     network: Network
 ) -> Callable[[Params, Batches, Stats], tuple[jax.Array, Stats]]:
-  """``loss_fn(params, batch, stats) -> (mean cross-entropy, new stats)``."""
+  """``loss_fn(params, batch, stats) -> (mean task loss, new stats)``.
+
+  The task loss is `tasks.example_loss`: cross-entropy for classes, squared
+  error for regression targets.
+  """
 
   def loss_fn(params, batch, stats):
     logits, stats = network.logits(params, stats, batch["image"],
                                    batch["key"][0])
-    return cross_entropy(logits, batch).mean(), stats
+    return tasks.example_loss(logits, batch).mean(), stats
 
   return loss_fn
 
@@ -249,7 +243,7 @@ def mixup(
 
   Returns:
     The batches with mixed images, the partner's labels as ``"mix_label"``
-    and ``lambda`` per example as ``"mix_weight"`` (see `cross_entropy`).
+    and ``lambda`` per example as ``"mix_weight"`` (see `tasks.example_loss`).
   """
   n, b = batches["label"].shape
 
@@ -389,8 +383,9 @@ def pgrad(
     network: the model.
     hparams: ``lr`` (inner Adam), ``outer_lr``, ``k`` (an int, or ``"all"``
       for every component of the trajectory), ``B``, ``components``
-      (``"top"`` or ``"bottom"``), ``weight_decay`` and, with ``mix``,
-      ``mixup_alpha``.
+      (``"top"`` or ``"bottom"``), ``weight_decay``, optionally
+      ``outer_lr_per_domain`` (the outer step is ``outer_lr / num_domains``)
+      and, with ``mix``, ``mixup_alpha``.
     num_domains: the number of training domains.
     seed: seeds the random domain order.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F).
@@ -410,7 +405,11 @@ def pgrad(
       optax.adam(hparams["lr"]), k=k, B=hparams["B"], order=order,
       components=hparams["components"], parallel=parallel,
       num_domains=num_domains, seed=seed)
-  return _rollout_algorithm(network, hparams, rollout, hparams["outer_lr"],
+  # The paper's WILDS protocol scales the outer step by the rollout's length:
+  # gamma = c / n-hat, with c = outer_lr.
+  outer_lr = hparams["outer_lr"] / (
+      num_domains if hparams.get("outer_lr_per_domain", False) else 1)
+  return _rollout_algorithm(network, hparams, rollout, outer_lr,
                             outer_weight_decay=hparams["weight_decay"],
                             mix_chunks=hparams["B"] if mix else None)
 
@@ -451,6 +450,25 @@ def fish(network: Network, hparams: HParams, *, num_domains: int,
   return _rollout_algorithm(
       network, hparams, rollout, hparams["meta_lr"],
       outer_weight_decay=0.0 if inner else hparams["weight_decay"])
+
+
+def restart_at_anneal(
+    tx: optax.GradientTransformation,
+    params: Params,
+    opt_state: optax.OptState,
+    count: jax.Array,
+    anneal: int,
+) -> optax.OptState:
+  """A fresh optimizer state at the step a penalty's weight jumps, as DomainBed.
+
+  The jump in gradient scale when the penalty's full weight switches on
+  (step ``count == anneal``) would mislead Adam's moment estimates, so
+  DomainBed's IRM and Fishr restart Adam there. At ``anneal == 0`` the state
+  is fresh anyway.
+  """
+  restart = (count == anneal) & (anneal > 0)
+  return jax.tree.map(lambda new, old: jnp.where(restart, new, old),
+                      tx.init(params), opt_state)
 
 
 class FishrState(NamedTuple):
@@ -498,8 +516,8 @@ def head_gradients(
   head_def, head_params, head_rest = nnx.split(model.head, nnx.Param, ...)
 
   def example_loss(head_params, feature, label):
-    logits = nnx.merge(head_def, head_params, head_rest)(feature)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, label)
+    outputs = nnx.merge(head_def, head_params, head_rest)(feature[None])
+    return tasks.example_loss(outputs, {"label": label[None]})[0]
 
   grads = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(
       head_params, features, labels)
@@ -548,7 +566,7 @@ def fishr(network: Network, hparams: HParams, *, num_domains: int,
     logits, grads, stats = head_gradients(
         network, params, stats, batch["image"], batch["label"],
         batch["key"][0])
-    nll = cross_entropy(logits, batch).mean()
+    nll = tasks.example_loss(logits, batch).mean()
     variances = jnp.var(grads.reshape(n, b, -1), axis=1)
     moving = ema * state.ema + (1 - ema) * variances
     penalty = fishr_penalty(moving / (1 - ema))
@@ -560,11 +578,8 @@ def fishr(network: Network, hparams: HParams, *, num_domains: int,
     batches = with_example_keys(batches, key)
     grads, (moving, stats, metrics) = jax.grad(objective, has_aux=True)(
         params, stats, batches, state)
-    # The jump in gradient scale when the penalty switches on would mislead
-    # Adam's moment estimates, so DomainBed restarts it there.
-    restart = (state.count == anneal) & (anneal > 0)
-    opt_state = jax.tree.map(lambda new, old: jnp.where(restart, new, old),
-                             tx.init(params), state.opt_state)
+    opt_state = restart_at_anneal(tx, params, state.opt_state, state.count,
+                                  anneal)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     state = FishrState(opt_state, moving, state.count + 1)
@@ -583,5 +598,136 @@ def mixup_algorithm(network: Network, hparams: HParams, *, num_domains: int,
     mixed = mixup(batches, key, hparams["mixup_alpha"])
     loss, stats = batch_loss(network)(params, merge_domains(mixed), stats)
     return loss, ({"loss": loss}, stats)
+
+  return _gradient_algorithm(hparams, objective)
+
+
+class AnnealState(NamedTuple):
+  """The state of an algorithm whose penalty weight changes at one step.
+
+  Attributes:
+    opt_state: Adam's state.
+    count: the number of updates taken.
+  """
+
+  opt_state: optax.OptState
+  count: jax.Array
+
+
+def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+  """IRMv1's penalty of every domain, as DomainBed computes it.
+
+  The penalty is the squared gradient of the domain's risk with respect to a
+  scalar multiplier ``s`` of the outputs, at ``s = 1``. DomainBed estimates the
+  square without bias as the product of the gradients of two halves of the
+  batch: the even and the odd examples.
+
+  Args:
+    outputs: ``(n, b, C)`` logits, or ``(n, b, 1)`` predicted values.
+    labels: ``(n, b)`` classes or regression targets.
+
+  Returns:
+    ``(n,)`` penalties, one per domain.
+  """
+
+  def risk(scale, outputs, labels):
+    return tasks.example_loss(outputs * scale, {"label": labels}).mean()
+
+  def domain_penalty(outputs, labels):
+    grad = jax.grad(risk)
+    return (grad(1.0, outputs[::2], labels[::2])
+            * grad(1.0, outputs[1::2], labels[1::2]))
+
+  return jax.vmap(domain_penalty)(outputs, labels)
+
+
+@register_algorithm("IRM")
+def irm(network: Network, hparams: HParams, *, num_domains: int,
+        seed: int) -> Algorithm:
+  """IRMv1 (Arjovsky et al., 2019) as in DomainBed.
+
+  The objective is the mean over domains of the risk plus ``irm_lambda``
+  times the mean of `irm_penalty`. Before step ``irm_penalty_anneal_iters``
+  the penalty's weight is 1 (DomainBed's warm-up, not 0); at that step it
+  becomes ``irm_lambda`` and Adam restarts (`restart_at_anneal`).
+  """
+  del num_domains, seed
+  tx = _adam(hparams)
+  weight, anneal = hparams["irm_lambda"], hparams["irm_penalty_anneal_iters"]
+
+  def objective(params, stats, batches, count):
+    n, b = batches["label"].shape
+    batch = merge_domains(batches)
+    outputs, stats = network.logits(params, stats, batch["image"],
+                                    batch["key"][0])
+    nll = tasks.example_loss(outputs, batch).mean()
+    penalty = irm_penalty(outputs.reshape(n, b, -1), batches["label"]).mean()
+    objective = nll + jnp.where(count >= anneal, weight, 1.0) * penalty
+    return objective, (stats, {"loss": objective, "nll": nll,
+                               "penalty": penalty})
+
+  def update(params, stats, state, batches, key):
+    batches = with_example_keys(batches, key)
+    grads, (stats, metrics) = jax.grad(objective, has_aux=True)(
+        params, stats, batches, state.count)
+    opt_state = restart_at_anneal(tx, params, state.opt_state, state.count,
+                                  anneal)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, stats, AnnealState(opt_state, state.count + 1), metrics
+
+  return Algorithm(
+      lambda params: AnnealState(tx.init(params), jnp.zeros((), jnp.int32)),
+      update)
+
+
+def coral_penalty(features: jax.Array) -> jax.Array:
+  """DomainBed's CORAL penalty: feature mean and covariance gaps of domains.
+
+  For every pair of domains ``i < j``, the mean over features of the squared
+  difference of their feature means, plus the mean over feature pairs of the
+  squared difference of their covariances (unbiased, ``1 / (b - 1)``),
+  averaged over the ``n (n - 1) / 2`` pairs.
+
+  Args:
+    features: ``(n, b, F)``, every domain's batch of features.
+
+  Returns:
+    The scalar penalty; 0 with one domain.
+  """
+  n, b, _ = features.shape
+  if n < 2:
+    return jnp.zeros((), features.dtype)
+  means = features.mean(axis=1)
+  centered = features - means[:, None]
+  covariances = jnp.einsum("nbi,nbj->nij", centered, centered) / (b - 1)
+  first, second = jnp.triu_indices(n, k=1)
+  mean_gaps = ((means[first] - means[second]) ** 2).mean(axis=-1)
+  covariance_gaps = ((covariances[first] - covariances[second]) ** 2).mean(
+      axis=(-2, -1))
+  return (mean_gaps + covariance_gaps).mean()
+
+
+@register_algorithm("CORAL")
+def coral(network: Network, hparams: HParams, *, num_domains: int,
+          seed: int) -> Algorithm:
+  """Deep CORAL (Sun & Saenko, 2016) as in DomainBed.
+
+  Adam on the mean risk of the domains plus ``mmd_gamma`` times
+  `coral_penalty` of the featurizer's outputs.
+  """
+  del num_domains, seed
+
+  def objective(params, stats, batches, key):
+    del key
+    n, b = batches["label"].shape
+    batch = merge_domains(batches)
+    model = network.bind(params, stats)
+    features = model.features(batch["image"], rngs=batch["key"][0])
+    nll = tasks.example_loss(model.head(features), batch).mean()
+    penalty = coral_penalty(features.reshape(n, b, -1))
+    objective = nll + hparams["mmd_gamma"] * penalty
+    return objective, ({"loss": objective, "nll": nll, "penalty": penalty},
+                       nnx.state(model, nnx.BatchStat))
 
   return _gradient_algorithm(hparams, objective)

@@ -42,6 +42,10 @@ SCHEDULES = {
     "RotatedMNIST": (5000, 100),
     "ColoredMNIST": (5000, 100),
     "DomainNet": (6000, 1000),
+    # WILDS's datasets train for their epochs (PovertyMap 200, FMoW 10), which
+    # `train.wilds_protocol` turns into steps once their metadata is read.
+    **{name: (None, 500) for name in (
+        "FMoW", "PovertyMap", *(f"PovertyMap-{fold}" for fold in "BCDE"))},
 }
 DEFAULT_SCHEDULE = (5000, 300)
 
@@ -111,6 +115,9 @@ class Config:
       None, "Model name. Default: mnist_cnn for digits, resnet50 otherwise.")
   pretrained: str | None = _field(
       None, "Featurizer weights (.npz or Orbax directory) to start from.")
+  init_params: str | None = _field(
+      None, "A run's final_params.npz to start the whole model from (e.g. "
+      "FMoW's ERM phase before PGrad).")
   eval_examples: int | None = _field(
       None, "Evaluate at most this many examples per split (fixed random "
       "subset). Default: all.")

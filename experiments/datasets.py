@@ -684,3 +684,6 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
       for d in dataset.domains)
   return dataclasses.replace(dataset, domains=domains,
                              input_shape=(size, size, channels))
+# WILDS's PovertyMap and FMoW register themselves; they import this module,
+# so the import comes last.
+from experiments import wilds as _wilds  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import

@@ -49,9 +49,57 @@ VARIANTS = {
     "PGrad-Bottom": ("PGrad", {"components": "bottom", "k": 1}),
 }
 
+# WILDS datasets (experiments.wilds) -> WILDS's network: a multispectral
+# ResNet-18 for PovertyMap, an ImageNet DenseNet-121 for FMoW.
+WILDS_MODELS = {"PovertyMap": "resnet18", "FMoW": "densenet121"}
+
+
+def wilds_name(dataset: str) -> str | None:
+  """``"PovertyMap"`` for any PovertyMap fold, ``"FMoW"``, else ``None``."""
+  base = dataset.split("-")[0]
+  return base if base in WILDS_MODELS else None
+
+
 def default_model(dataset: str) -> str:
-  """DomainBed's network for ``dataset``: an MNIST CNN or a ResNet-50."""
+  """The network for ``dataset``: DomainBed's MNIST CNN or ResNet-50, WILDS's."""
+  if wilds_name(dataset):
+    return WILDS_MODELS[wilds_name(dataset)]
   return "mnist_cnn" if dataset in SMALL_IMAGES else "resnet50"
+
+
+def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
+  """Fixed hyperparameters on WILDS, which the paper does not search.
+
+  From WILDS's ``examples/configs/datasets.py``: Adam at lr 1e-3
+  (PovertyMap) or 1e-4 (FMoW) without weight decay; batches of 64 examples
+  from ``n_groups_per_batch`` = 8 domains, i.e. 8 per domain; BatchNorm
+  trained; IRM's lambda 1; CORAL's weight 10 (PovertyMap) or 0.1 (FMoW).
+  From the paper (appendix "WILDS"): PGrad's inner Adam at lr 1e-3 on
+  PovertyMap, and the outer lr gamma = c / n-hat with c = 0.1 (PovertyMap) or
+  0.01 (FMoW), n-hat the domains sampled per step (8 here, as WILDS's
+  groups per batch; the paper does not state it).
+  """
+  poverty = wilds_name(dataset) == "PovertyMap"
+  hparams = {"lr": 1e-3 if poverty else 1e-4, "weight_decay": 0.0,
+             "batch_size": 8, "domains_per_step": 8, "bn_mode": "train",
+             "resnet_dropout": 0.0}
+  if algorithm in PGRAD_ALGORITHMS:
+    b = PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1
+    hparams.update(outer_lr=0.1 if poverty else 0.01,
+                   outer_lr_per_domain=True, k=4, B=b,
+                   batch_size=round_to_multiple(8, b))
+  elif algorithm == "Fish":
+    hparams["meta_lr"] = 0.5
+  elif algorithm == "Fishr":
+    hparams.update({"lambda": 1000.0, "penalty_anneal_iters": 1500,
+                    "ema": 0.95})
+  elif algorithm == "IRM":
+    hparams.update(irm_lambda=1.0, irm_penalty_anneal_iters=500)
+  elif algorithm == "CORAL":
+    hparams["mmd_gamma"] = 10.0 if poverty else 0.1
+  if algorithm in ("MixUp", "PGrad-BMix"):
+    hparams["mixup_alpha"] = 0.2
+  return hparams
 
 
 def round_to_multiple(size: int, multiple: int) -> int:
@@ -81,10 +129,10 @@ def log_uniform(low: float, high: float, base: int = 10) -> Search:
                 f"{base}^U({low}, {high})")
 
 
-def int_log_uniform(low: float, high: float) -> Search:
-  """``int(2 ** U(low, high))``, DomainBed's batch size search."""
-  return Search(lambda rng: int(2**rng.uniform(low, high)),
-                f"int(2^U({low}, {high}))")
+def int_log_uniform(low: float, high: float, base: int = 2) -> Search:
+  """``int(base ** U(low, high))``; base 2 is DomainBed's batch size search."""
+  return Search(lambda rng: int(base**rng.uniform(low, high)),
+                f"int({base}^U({low}, {high}))")
 
 
 def uniform(low: float, high: float, cast: type = float) -> Search:
@@ -104,7 +152,8 @@ class Allowed:
   """The values a hyperparameter accepts: a type and a range, or choices.
 
   Attributes:
-    kind: ``int``, ``float`` or ``str``. A ``float`` accepts integers too.
+    kind: ``int``, ``float``, ``str`` or ``bool``. A ``float`` accepts
+      integers too.
     low: the lower bound, or ``None`` for none.
     high: the upper bound, or ``None`` for none.
     low_open: whether ``low`` itself is excluded.
@@ -124,6 +173,8 @@ class Allowed:
     choices = "one of " + ", ".join(repr(c) for c in self.choices)
     if self.kind is str:
       return choices
+    if self.kind is bool:
+      return "true or false"
     kind = "an integer" if self.kind is int else "a number"
     if self.low is not None and self.high is not None:
       kind += (f" in {'(' if self.low_open else '['}{self.low}, "
@@ -134,6 +185,8 @@ class Allowed:
 
   def accepts(self, value: Any) -> bool:
     """Whether ``value`` has the right type and lies in the range."""
+    if self.kind is bool:
+      return isinstance(value, bool)
     if isinstance(value, str) or self.kind is str:
       return value in self.choices
     # Python's bool is an int: a JSON true is no number here.
@@ -183,6 +236,16 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     for name, value in fixed.items():
       hp[name] = HParam(value, None, hp[name].allowed)
     return hp
+  if wilds_name(dataset):
+    # Every name and its allowed values as on DomainBed's photo datasets
+    # (PACS here), WILDS's values fixed: the paper does not search there.
+    hp = _hparams(algorithm, "PACS")
+    allowed = {"domains_per_step": POSITIVE_INT,
+               "outer_lr_per_domain": Allowed(bool)}
+    for name, value in _wilds_hparams(algorithm, dataset).items():
+      allowed.setdefault(name, hp[name].allowed if name in hp else None)
+      hp[name] = HParam(value, None, allowed[name])
+    return {name: hparam._replace(search=None) for name, hparam in hp.items()}
   small = dataset in SMALL_IMAGES
   pgrad = algorithm in PGRAD_ALGORITHMS
   hp: dict[str, HParam] = {}
@@ -235,6 +298,12 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     add("lambda", 1000.0, NON_NEGATIVE, log_uniform(1, 4))
     add("penalty_anneal_iters", 1500, NON_NEGATIVE_INT, uniform(0, 5000, int))
     add("ema", 0.95, FRACTION, uniform(0.90, 0.99))
+  elif algorithm == "IRM":
+    add("irm_lambda", 1e2, NON_NEGATIVE, log_uniform(-1, 5))
+    add("irm_penalty_anneal_iters", 500, NON_NEGATIVE_INT,
+        int_log_uniform(0, 4, base=10))
+  elif algorithm == "CORAL":
+    add("mmd_gamma", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
   if algorithm in ("MixUp", "PGrad-BMix"):
     add("mixup_alpha", 0.2, POSITIVE, log_uniform(-1, 1))
   return hp

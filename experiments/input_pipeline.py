@@ -64,10 +64,9 @@ def split_domains(
 def _gather(source: DomainSource, indices: np.ndarray) -> dict[str, np.ndarray]:
   """Stacks ``source[i]`` for ``i`` in ``indices`` into one batch."""
   items = [source[int(i)] for i in indices]
-  return {
-      "image": np.stack([item["image"] for item in items]),
-      "label": np.array([item["label"] for item in items], np.int32),
-  }
+  # Every key the source gives (e.g. WILDS's "group"), in its own dtype:
+  # integer classes or float regression targets.
+  return {key: np.stack([item[key] for item in items]) for key in items[0]}
 
 
 def make_train_iterator(
@@ -79,6 +78,7 @@ def make_train_iterator(
     seed: int,
     start_step: int = 0,
     num_threads: int = 1,
+    domains_per_step: int | None = None,
 ) -> grain.DatasetIterator:
   """An endless iterator of training batches, one per domain per step.
 
@@ -100,11 +100,15 @@ def make_train_iterator(
     start_step: the step of the first batch.
     num_threads: threads preparing batches ahead of time; 0 prepares each
       batch when it is requested.
+    domains_per_step: if set, every step samples this many of the training
+      domains (without replacement, in increasing order) and batches only
+      those, as the paper's WILDS protocol samples n-hat domains per step.
 
   Returns:
     A Grain iterator of ``{"image": float32 (D, B, H, W, C),
-    "label": int32 (D, B)}`` with ``D = len(train_domains)``,
-    ``B = batch_size``; ``get_state``/``set_state`` round-trip.
+    "label": (D, B), ...}`` with ``D = len(train_domains)`` (or
+    ``domains_per_step``), ``B = batch_size``; ``get_state``/``set_state``
+    round-trip.
   """
   if not train_domains:
     raise ValueError("train_domains is empty.")
@@ -115,12 +119,21 @@ def make_train_iterator(
     if len(idx) == 0:
       raise ValueError(f"Domain {dataset.domain_names[d]!r} has no train data.")
   sources = [dataset.domains[d] for d in train_domains]
+  if domains_per_step is not None and not (
+      1 <= domains_per_step <= len(sources)):
+    raise ValueError(f"domains_per_step must be in [1, {len(sources)}] (the "
+                     f"training domains), got {domains_per_step}.")
 
   def make_batch(step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, _TRAIN_STREAM, step])
+    chosen = range(len(sources))
+    if domains_per_step is not None:
+      chosen = np.sort(rng.choice(len(sources), domains_per_step,
+                                  replace=False))
     batches = [
-        _gather(source, idx[rng.integers(len(idx), size=batch_size)])
-        for source, idx in zip(sources, in_indices)
+        _gather(sources[d], in_indices[d][rng.integers(len(in_indices[d]),
+                                                       size=batch_size)])
+        for d in chosen
     ]
     return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
 

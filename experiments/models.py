@@ -251,6 +251,8 @@ def _conv(
     out_channels: int,
     kernel_size: int,
     stride: int,
+    *,
+    kernel_init: nnx.Initializer = _RESNET_CONV_INIT,
     **kwargs,
 ) -> nnx.Conv:
   """A bias-free conv with PyTorch-style symmetric padding."""
@@ -262,7 +264,7 @@ def _conv(
       strides=stride,
       padding=((pad, pad), (pad, pad)),
       use_bias=False,
-      kernel_init=_RESNET_CONV_INIT,
+      kernel_init=kernel_init,
       **kwargs,
   )
 
@@ -428,3 +430,107 @@ class ResNet(nnx.Module):
 
 register_model("resnet18")(functools.partial(ResNet, depth=18))
 register_model("resnet50")(functools.partial(ResNet, depth=50))
+
+
+# torchvision's DenseNet init: Kaiming-normal on fan-in.
+_DENSENET_CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
+# DenseNet-121 (Huang et al., CVPR 2017), as torchvision's densenet121.
+DENSENET121_BLOCKS = (6, 12, 24, 16)
+DENSENET_GROWTH = 32
+DENSENET_BOTTLENECK = 4  # The 1x1 conv's width in multiples of the growth.
+DENSENET_STEM = 64
+
+
+class DenseLayer(nnx.Module):
+  """BN-ReLU-1x1 conv, BN-ReLU-3x3 conv; its output joins its input."""
+
+  def __init__(self, in_channels: int, *, bn_mode: BNMode, **kwargs):
+    width = DENSENET_BOTTLENECK * DENSENET_GROWTH
+    conv_kwargs = dict(kernel_init=_DENSENET_CONV_INIT, **kwargs)
+    self.norm1 = _batch_norm(in_channels, bn_mode, **kwargs)
+    self.conv1 = _conv(in_channels, width, 1, 1, **conv_kwargs)
+    self.norm2 = _batch_norm(width, bn_mode, **kwargs)
+    self.conv2 = _conv(width, DENSENET_GROWTH, 3, 1, **conv_kwargs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = self.conv1(nnx.relu(self.norm1(x)))
+    y = self.conv2(nnx.relu(self.norm2(y)))
+    return jnp.concatenate([x, y], axis=-1)
+
+
+class Transition(nnx.Module):
+  """BN-ReLU-1x1 conv halving the channels, then 2x2 average pooling."""
+
+  def __init__(self, in_channels: int, *, bn_mode: BNMode, **kwargs):
+    self.norm = _batch_norm(in_channels, bn_mode, **kwargs)
+    self.conv = _conv(in_channels, in_channels // 2, 1, 1,
+                      kernel_init=_DENSENET_CONV_INIT, **kwargs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = self.conv(nnx.relu(self.norm(x)))
+    return nnx.avg_pool(x, (2, 2), strides=(2, 2))
+
+
+@register_model("densenet121")
+class DenseNet(nnx.Module):
+  """A torchvision-architecture DenseNet-121 featurizer (no ``classifier``).
+
+  Attribute names mirror torchvision's ``features`` (``conv0``, ``norm0``,
+  ``denseblock1``.. with 0-based layer indices for its 1-based
+  ``denselayer1``.., ``transition1``.., ``norm5``) so that converted
+  checkpoints map one-to-one; see ``experiments.pretrained``. BatchNorm and
+  dropout on the pooled features behave as in `ResNet`.
+  """
+
+  def __init__(
+      self,
+      in_channels: int = 3,
+      *,
+      bn_mode: BNMode = "frozen",
+      dropout: float = 0.0,
+      rngs: nnx.Rngs,
+      dtype: Dtype = jnp.float32,
+      param_dtype: Dtype = jnp.float32,
+  ):
+    """Builds the network.
+
+    Args:
+      in_channels: number of input channels.
+      bn_mode: ``"frozen"`` or ``"train"``; see the module docstring.
+      dropout: dropout rate on the pooled features, active in train mode.
+      rngs: initialization keys; also seeds the stored dropout stream.
+      dtype: computation dtype.
+      param_dtype: parameter dtype (BN statistics stay float32).
+    """
+    if bn_mode not in ("frozen", "train"):
+      raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
+    kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.conv0 = _conv(in_channels, DENSENET_STEM, 7, 2,
+                       kernel_init=_DENSENET_CONV_INIT, **kwargs)
+    self.norm0 = _batch_norm(DENSENET_STEM, bn_mode, **kwargs)
+    channels = DENSENET_STEM
+    for block, num_layers in enumerate(DENSENET121_BLOCKS, start=1):
+      layers = nnx.List()
+      for _ in range(num_layers):
+        layers.append(DenseLayer(channels, bn_mode=bn_mode, **kwargs))
+        channels += DENSENET_GROWTH
+      setattr(self, f"denseblock{block}", layers)
+      if block < len(DENSENET121_BLOCKS):
+        setattr(self, f"transition{block}",
+                Transition(channels, bn_mode=bn_mode, **kwargs))
+        channels //= 2
+    self.norm5 = _batch_norm(channels, bn_mode, **kwargs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+    self.num_features = channels
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns ``(N, 1024)`` pooled features, after dropout."""
+    x = nnx.relu(self.norm0(self.conv0(x)))
+    x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    for block in range(1, len(DENSENET121_BLOCKS) + 1):
+      for layer in getattr(self, f"denseblock{block}"):
+        x = layer(x)
+      if block < len(DENSENET121_BLOCKS):
+        x = getattr(self, f"transition{block}")(x)
+    x = nnx.relu(self.norm5(x))
+    return self.dropout(x.mean(axis=(1, 2)), rngs=rngs)

@@ -6,7 +6,8 @@ Nothing is downloaded. Two formats are accepted by :func:`load_pretrained`:
   machine with PyTorch and torchvision, save the weights in Python::
 
     import torch, torchvision
-    net = torchvision.models.resnet50(weights="IMAGENET1K_V1")  # or resnet18
+    net = torchvision.models.resnet50(weights="IMAGENET1K_V1")
+    # Or resnet18, or densenet121 (FMoW's network in WILDS).
     torch.save(net.state_dict(), "resnet50.pth")
 
   then convert them (still where PyTorch is installed)::
@@ -19,13 +20,16 @@ Nothing is downloaded. Two formats are accepted by :func:`load_pretrained`:
 Both hold a flat mapping from paths such as ``layer1/0/conv1/kernel`` (the
 featurizer's NNX state path, joined by ``/``) to arrays.
 
-A model with ``C != 3`` input channels gets an RGB stem adapted by
+A ResNet with ``C != 3`` input channels gets an RGB stem adapted by
 :func:`adapt_input_channels`, following DomainBed: input channel ``i`` takes
-the pretrained kernel of RGB channel ``i % 3``.
+the pretrained kernel of RGB channel ``i % 3``. (WILDS's PovertyMap baseline
+does not start from RGB weights: its 8-channel ResNet-18 is trained from a
+Kaiming-normal initialisation, which is also what ``resnet18`` without
+``--pretrained`` gives; see ``experiments.wilds``.)
 """
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 import os
 import sys
 from typing import Any
@@ -97,14 +101,67 @@ def _check_compatible(
     )
 
 
+def _convert(
+    state_dict: Mapping[str, np.ndarray],
+    module_path: Callable[[list[str]], tuple[str | int, ...] | None],
+    abstract_featurizer: Callable[[], nnx.Module],
+    source: str,
+) -> dict[str, Any]:
+  """Renames and transposes a torchvision ``state_dict`` for a featurizer.
+
+  Conv kernels go from OIHW to HWIO; BatchNorm ``weight``/``bias``/
+  ``running_mean``/``running_var`` become ``scale``/``bias``/``mean``/``var``;
+  ``num_batches_tracked`` is dropped.
+
+  Args:
+    state_dict: torchvision names to arrays.
+    module_path: maps a name's module parts (e.g. ``["layer1", "0",
+      "conv1"]``) to the featurizer's path, or to ``None`` to drop the tensor
+      (the classification layer, trained anew).
+    abstract_featurizer: builds the 3-channel featurizer the weights must fit.
+    source: names the weights in error messages.
+
+  Returns:
+    The nested dict of the featurizer's ``nnx.Param`` and ``nnx.BatchStat``.
+
+  Raises:
+    ValueError: if the names or shapes do not match the featurizer.
+  """
+  flat = {}
+  for name, value in state_dict.items():
+    *module, leaf = name.split(".")
+    path = module_path(module)
+    if path is None or leaf == "num_batches_tracked":
+      continue
+    value = np.asarray(value)
+    if leaf == "weight" and value.ndim == 4:
+      leaf, value = "kernel", value.transpose(2, 3, 1, 0)
+    else:
+      # Unknown names pass through unchanged and are reported below.
+      leaf = _BN_NAMES.get(leaf, leaf)
+    flat[path + (leaf,)] = value
+  abstract_state = nnx.to_pure_dict(
+      _featurizer_state(nnx.eval_shape(abstract_featurizer)))
+  expected = {key: leaf.shape for key, leaf in _flatten(abstract_state).items()}
+  _check_compatible(
+      expected,
+      {"/".join(map(str, path)): v.shape for path, v in flat.items()},
+      source,
+  )
+  return traverse_util.unflatten_dict(flat)
+
+
+def _int_parts(module: list[str]) -> tuple[str | int, ...]:
+  return tuple(int(p) if p.isdigit() else p for p in module)
+
+
 def convert_torchvision_state_dict(
     state_dict: Mapping[str, np.ndarray], depth: int
 ) -> dict[str, Any]:
   """Converts a torchvision ResNet ``state_dict`` to the featurizer's layout.
 
-  Conv kernels go from OIHW to HWIO; BatchNorm ``weight``/``bias``/
-  ``running_mean``/``running_var`` become ``scale``/``bias``/``mean``/``var``;
-  ``fc.*`` (the head is trained anew) and ``num_batches_tracked`` are dropped.
+  See `_convert` for the renaming; ``fc.*`` (the head is trained anew) is
+  dropped.
 
   Args:
     state_dict: torchvision names (e.g. ``layer1.0.downsample.0.weight``) to
@@ -119,30 +176,59 @@ def convert_torchvision_state_dict(
   Raises:
     ValueError: if the names or shapes do not match a ResNet of ``depth``.
   """
-  flat = {}
-  for name, value in state_dict.items():
-    *module, leaf = name.split(".")
-    if module[:1] == ["fc"] or leaf == "num_batches_tracked":
-      continue
-    value = np.asarray(value)
-    if leaf == "weight" and value.ndim == 4:
-      leaf, value = "kernel", value.transpose(2, 3, 1, 0)
-    else:
-      # Unknown names pass through unchanged and are reported below.
-      leaf = _BN_NAMES.get(leaf, leaf)
-    path = tuple(int(p) if p.isdigit() else p for p in module) + (leaf,)
-    flat[path] = value
-  abstract = nnx.eval_shape(
-      lambda: models.ResNet(3, depth=depth, rngs=nnx.Rngs(0))
-  )
-  abstract_state = nnx.to_pure_dict(_featurizer_state(abstract))
-  expected = {key: leaf.shape for key, leaf in _flatten(abstract_state).items()}
-  _check_compatible(
-      expected,
-      {"/".join(map(str, path)): v.shape for path, v in flat.items()},
-      f"the torchvision resnet{depth} state_dict",
-  )
-  return traverse_util.unflatten_dict(flat)
+  return _convert(
+      state_dict,
+      lambda module: None if module[:1] == ["fc"] else _int_parts(module),
+      lambda: models.ResNet(3, depth=depth, rngs=nnx.Rngs(0)),
+      f"the torchvision resnet{depth} state_dict")
+
+
+def _densenet_path(module: list[str]) -> tuple[str | int, ...] | None:
+  """``features.denseblock1.denselayer2.conv1`` -> ``denseblock1/1/conv1``."""
+  if module[:1] == ["classifier"]:
+    return None
+  if module[:1] == ["features"]:
+    module = module[1:]
+  return tuple(int(p.removeprefix("denselayer")) - 1
+               if p.startswith("denselayer") else p for p in module)
+
+
+def convert_torchvision_densenet121(
+    state_dict: Mapping[str, np.ndarray]
+) -> dict[str, Any]:
+  """Converts a torchvision DenseNet-121 ``state_dict`` to `models.DenseNet`.
+
+  ``features.`` is dropped from the names, ``denselayer<k>`` becomes the
+  0-based index ``k - 1`` and ``classifier.*`` (the head is trained anew) is
+  dropped; see `_convert` for the rest.
+
+  Args:
+    state_dict: torchvision names (e.g.
+      ``features.denseblock1.denselayer1.norm1.weight``) to arrays.
+
+  Returns:
+    A nested dict shaped like the featurizer state of a 3-channel
+    ``models.DenseNet``.
+
+  Raises:
+    ValueError: if the names or shapes do not match DenseNet-121.
+  """
+  return _convert(state_dict, _densenet_path,
+                  lambda: models.DenseNet(3, rngs=nnx.Rngs(0)),
+                  "the torchvision densenet121 state_dict")
+
+
+def convert_torchvision(state_dict: Mapping[str, np.ndarray]) -> tuple[
+    str, dict[str, Any]]:
+  """Converts a torchvision ResNet-18/50 or DenseNet-121 ``state_dict``.
+
+  Returns:
+    The model's name in ``models.MODELS`` and the converted weights.
+  """
+  if any(name.startswith("features.denseblock") for name in state_dict):
+    return "densenet121", convert_torchvision_densenet121(state_dict)
+  depth = _infer_depth(state_dict)
+  return f"resnet{depth}", convert_torchvision_state_dict(state_dict, depth)
 
 
 def save_npz(tree: Mapping[Any, Any], path: str | os.PathLike) -> None:
@@ -266,9 +352,9 @@ def _convert_command(args: argparse.Namespace) -> int:
     return 1
   state_dict = torch.load(args.input, map_location="cpu", weights_only=True)
   arrays = {k: v.detach().cpu().numpy() for k, v in state_dict.items()}
-  depth = _infer_depth(arrays)
-  save_npz(convert_torchvision_state_dict(arrays, depth), args.output)
-  print(f"Wrote resnet{depth} featurizer weights to {args.output}.")
+  name, converted = convert_torchvision(arrays)
+  save_npz(converted, args.output)
+  print(f"Wrote {name} featurizer weights to {args.output}.")
   return 0
 
 
@@ -277,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m experiments.pretrained")
   commands = parser.add_subparsers(dest="command", required=True)
   convert = commands.add_parser(
-      "convert", help="convert a torchvision ResNet state_dict (.pth) to .npz"
+      "convert", help="convert a torchvision ResNet or DenseNet-121 "
+      "state_dict (.pth) to .npz"
   )
   convert.add_argument("--in", dest="input", required=True, help="input .pth")
   convert.add_argument("--out", dest="output", required=True, help="output .npz")

@@ -37,6 +37,7 @@ from experiments import claims as claims_lib
 from experiments import datasets as datasets_lib
 from experiments import model_selection
 from experiments import plots
+from experiments import wilds_report
 from experiments.model_selection import Record, SelectedAccuracies
 
 PLOTS_DIR = "plots"
@@ -249,6 +250,7 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
   Returns:
     The Markdown text; plots are linked relative to ``output_dir``.
   """
+  wilds_table = wilds_report.wilds_table(records)
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
   datasets = _ordered(by_dataset, datasets_lib.DATASETS)
@@ -274,6 +276,13 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
                               num_domains[dataset], domain_names[dataset])]
     lines += ["", "### Averages", "",
               summary_table(selected, algorithms, num_domains)]
+
+  if wilds_table:
+    lines += ["", "## WILDS", "",
+              "The paper's layout: every run's checkpoint selected on the OOD "
+              "validation split; mean ± standard deviation over runs "
+              "(PovertyMap: every fold and seed).", "",
+              markdown_table(*wilds_table)]
 
   plots_dir = output_dir / PLOTS_DIR
   plots_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,14 @@ appends a line to ``<output_dir>/results.jsonl``::
 
 The held-out domains' accuracy is their ``in`` split's, as DomainBed reports.
 
+On a WILDS dataset (``experiments.wilds``) the held-out domains are WILDS's
+evaluation splits and the training domains are not split (see
+`wilds_protocol`); every step trains on ``domains_per_step`` sampled
+domains; an epoch is a pass over the whole training split; and the metrics
+are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
+``env{i}_in_worst_r`` for PovertyMap's regression, ``env{i}_in_acc`` and
+``env{i}_in_worst_acc`` (worst region) for FMoW.
+
 Every evaluation is followed by an Orbax checkpoint (the last two are kept) of
 the params, BatchNorm statistics, algorithm state, step and data iterator. The
 same command resumes a killed run from its last checkpoint and finishes with
@@ -61,7 +69,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import tqdm
 from flax import nnx
@@ -72,9 +79,12 @@ from jax.sharding import PartitionSpec as P
 from experiments import algorithms
 from experiments import config as config_lib
 from experiments import datasets
+from experiments import hparams_registry
 from experiments import input_pipeline
 from experiments import models
 from experiments import pretrained
+from experiments import tasks
+from experiments import wilds
 
 RESULTS_FILE = "results.jsonl"
 DONE_FILE = "done"
@@ -102,7 +112,7 @@ def build_model(
 ) -> models.Classifier:
   """The configured model, with pretrained featurizer weights if given."""
   kwargs = {}
-  if config.model.startswith("resnet"):
+  if config.model.startswith(("resnet", "densenet")):
     kwargs = {"bn_mode": hparams.get("bn_mode", "frozen"),
               "dropout": hparams.get("resnet_dropout", 0.0)}
   elif config.model == "mnist_cnn" and "cnn_width" in hparams:
@@ -113,7 +123,10 @@ def build_model(
       input_shape=dataset.input_shape, rngs=nnx.Rngs(config.seed), **kwargs)
   if config.pretrained:
     pretrained.load_pretrained(model, config.pretrained)
-  elif config.model.startswith("resnet"):
+  elif (config.model.startswith(("resnet", "densenet"))
+        and not config.init_params
+        # WILDS trains PovertyMap's 8-band ResNet-18 from scratch.
+        and hparams_registry.wilds_name(config.dataset) != "PovertyMap"):
     print(f"Warning: training {config.model} from scratch; DomainBed starts "
           "from ImageNet weights (--pretrained).", file=sys.stderr)
   return model
@@ -139,13 +152,16 @@ def make_eval_step(
     network: algorithms.Network,
 ) -> Callable[[nnx.State, nnx.State, jax.Array, jax.Array],
               tuple[jax.Array, jax.Array]]:
-  """The jitted ``(params, stats, images, labels) -> (correct, loss)``."""
+  """The jitted ``(params, stats, images, labels) -> (predictions, loss)``.
+
+  Predictions are classes, or values for regression targets (`tasks`).
+  """
 
   @jax.jit
   def eval_step(params, stats, images, labels):
-    logits, _ = network.logits(params, stats, images, train=False)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return jnp.argmax(logits, axis=-1) == labels, loss
+    outputs, _ = network.logits(params, stats, images, train=False)
+    loss = tasks.example_loss(outputs, {"label": labels})
+    return tasks.predictions(outputs, labels), loss
 
   return eval_step
 
@@ -201,7 +217,13 @@ def evaluate(
     config: config_lib.Config,
     sharder: Sharder,
 ) -> Record:
-  """Accuracy of every domain's in and out split, and the in-split loss."""
+  """The metrics of every domain's in and out split, and the in-split loss.
+
+  The metrics are `tasks.split_metrics`'s, as ``env{i}_{split}_{metric}``:
+  ``acc`` of classes, ``mse`` and ``r`` of regression values, and the
+  worst-group ``worst_acc`` or ``worst_r`` where the examples carry a
+  ``"group"`` (WILDS). Empty splits are skipped.
+  """
   results = {}
   # Batches no larger than the largest split, so small datasets are not
   # padded to the flag's size; one size for all splits, so one compilation.
@@ -210,7 +232,9 @@ def evaluate(
                  for indices in domain.values()))
   for i, domain in enumerate(sets):
     for name, indices in domain.items():
-      correct, losses = [], []
+      if len(indices) == 0:
+        continue
+      predicted, labels, groups, losses = [], [], [], []
       for batch in input_pipeline.eval_batches(dataset, i, indices,
                                                batch_size=size):
         count = len(batch["label"])
@@ -219,11 +243,17 @@ def evaluate(
                                                  v.dtype)])
                   for k, v in batch.items()}
         padded = sharder.batch(padded, axis=0)
-        ok, loss = eval_step(state.params, state.stats, padded["image"],
-                             padded["label"])
-        correct.append(np.asarray(ok)[:count])
+        prediction, loss = eval_step(state.params, state.stats,
+                                     padded["image"], padded["label"])
+        predicted.append(np.asarray(prediction)[:count])
+        labels.append(batch["label"])
+        groups.append(batch.get("group"))
         losses.append(np.asarray(loss)[:count])
-      results[f"env{i}_{name}_acc"] = float(np.concatenate(correct).mean())
+      metrics = tasks.split_metrics(
+          np.concatenate(predicted), np.concatenate(labels),
+          None if groups[0] is None else np.concatenate(groups))
+      results.update({f"env{i}_{name}_{metric}": value
+                      for metric, value in metrics.items()})
       if name == "in":
         results[f"env{i}_in_loss"] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
@@ -298,12 +328,68 @@ def save_trajectory_point(directory: Path, step: int, params: nnx.State):
   partial.replace(directory / f"{step:07d}.npy")
 
 
+def held_out_metric(record: Record, env: int) -> float:
+  """A held-out domain's headline metric: accuracy, or Pearson's r."""
+  return record.get(f"env{env}_in_acc", record.get(f"env{env}_in_r"))
+
+
 def _held_out_summary(
     record: Record, dataset: datasets.MultiDomainDataset,
     test_envs: Sequence[int]
 ) -> str:
   return ", ".join(f"{dataset.domain_names[t]} (env{t}) "
-                   f"{record[f'env{t}_in_acc']:.4f}" for t in test_envs)
+                   f"{held_out_metric(record, t):.4f}" for t in test_envs)
+
+
+def load_params(
+    path: str | Path, params: nnx.State, stats: nnx.State
+) -> tuple[nnx.State, nnx.State]:
+  """Params and statistics from another run's `save_params` file.
+
+  Raises:
+    ValueError: the file's keys or shapes differ from the model's.
+  """
+  with np.load(path) as saved:
+    loaded = dict(saved)
+  tree = {"params": nnx.to_pure_dict(params), "stats": nnx.to_pure_dict(stats)}
+  flat = traverse_util.flatten_dict(tree)
+  keys = {"/".join(map(str, k)): k for k in flat}
+  wrong = sorted(set(keys) ^ set(loaded)) + sorted(
+      k for k in set(keys) & set(loaded)
+      if loaded[k].shape != flat[keys[k]].shape)
+  if wrong:
+    raise ValueError(f"{path} does not fit the model: --model and --dataset "
+                     "must match the run that wrote it. Differing keys or "
+                     f"shapes: {wrong[:5]}.")
+  values = traverse_util.unflatten_dict(
+      {k: jnp.asarray(loaded[name]) for name, k in keys.items()})
+  # Empty statistics (frozen or no BatchNorm) leave no keys behind.
+  nnx.replace_by_pure_dict(params, values.get("params", {}))
+  nnx.replace_by_pure_dict(stats, values.get("stats", {}))
+  return params, stats
+
+
+def wilds_protocol(
+    config: config_lib.Config, dataset: datasets.MultiDomainDataset,
+    hparams: dict[str, Any]
+) -> config_lib.Config:
+  """WILDS's protocol for a `wilds.WildsDataset`; other datasets unchanged.
+
+  Its evaluation splits are the test domains, its training domains are not
+  split (WILDS has its own in-distribution splits), and without ``--steps``
+  the run lasts the dataset's epochs (PovertyMap 200, FMoW 10) of its
+  training split, at ``batch_size * domains_per_step`` examples per step.
+  """
+  if not isinstance(dataset, wilds.WildsDataset):
+    return config
+  steps = config.steps
+  if steps is None:
+    train_examples = sum(len(dataset.domains[d])
+                         for d in range(dataset.num_train_domains))
+    per_step = hparams["batch_size"] * hparams["domains_per_step"]
+    steps = max(1, -(-dataset.epochs * train_examples // per_step))
+  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
+                             holdout_fraction=0.0, steps=steps)
 
 
 def _start_run_directory(
@@ -335,13 +421,13 @@ def train(config: config_lib.Config) -> Record:
     config_lib.UsageError: the configuration cannot run, or ``output_dir``
       holds a run of another configuration; nothing was written.
   """
-  config = config.resolve()
   hparams = config.hyperparameters()
   resume = config_lib.claim_run_directory(config, hparams)
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                  seed=config.trial_seed)
   if "image_size" in hparams:
     dataset = datasets.resized(dataset, hparams["image_size"])
+  config = wilds_protocol(config, dataset, hparams)
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
     raise config_lib.UsageError(
@@ -357,9 +443,13 @@ def train(config: config_lib.Config) -> Record:
 
   network, params, stats = algorithms.Network.split(
       build_model(config, dataset, hparams))
+  if config.init_params:
+    params, stats = load_params(config.init_params, params, stats)
+  # Every step trains on all training domains, or on domains_per_step of them.
+  domains_per_step = hparams.get("domains_per_step")
   algorithm = algorithms.build_algorithm(
-      config.algorithm, network, hparams, num_domains=len(train_domains),
-      seed=config.seed)
+      config.algorithm, network, hparams,
+      num_domains=domains_per_step or len(train_domains), seed=config.seed)
   sharder = Sharder()
   count = jax.device_count()
   print(f"{config.algorithm} on {config.dataset}, held out "
@@ -369,7 +459,7 @@ def train(config: config_lib.Config) -> Record:
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
   train_iter = input_pipeline.make_train_iterator(
       dataset, train_domains, splits, batch_size=hparams["batch_size"],
-      seed=config.seed)
+      seed=config.seed, domains_per_step=domains_per_step)
 
   output_dir = Path(config.output_dir)
   results_path = output_dir / RESULTS_FILE
@@ -393,6 +483,10 @@ def train(config: config_lib.Config) -> Record:
   sets = eval_sets(splits, config)
   steps_per_epoch = min(len(splits[d][0]) for d in train_domains) / (
       hparams["batch_size"])
+  if isinstance(dataset, wilds.WildsDataset):
+    # WILDS's epoch: one pass over the whole training split.
+    steps_per_epoch = sum(len(splits[d][0]) for d in train_domains) / (
+        hparams["batch_size"] * domains_per_step)
   meter = MetricMeter()
   step = int(state.step)
   trajectory_dir = output_dir / TRAJECTORY_DIR
@@ -425,16 +519,16 @@ def train(config: config_lib.Config) -> Record:
       manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=grain.checkpoint.CheckpointSave(train_iter)))
-      held_out = [record[f"env{t}_in_acc"] for t in config.test_envs]
+      held_out = [held_out_metric(record, t) for t in config.test_envs]
       bar.set_postfix(loss=f"{record['loss']:.4f}",
-                      held_out_acc=f"{np.mean(held_out):.4f}")
+                      held_out=f"{np.mean(held_out):.4f}")
       meter = MetricMeter()
       interval_start = time.time()
   manager.wait_until_finished()
   manager.close()
   save_params(output_dir / FINAL_PARAMS_FILE, state)
   (output_dir / DONE_FILE).touch()
-  print(f"Held-out accuracy after {step} steps: "
+  print(f"Held-out accuracy (Pearson's r for regression) after {step} steps: "
         f"{_held_out_summary(record, dataset, config.test_envs)}")
   return record
 

@@ -48,6 +48,8 @@ def _hparams(name):
   hparams = hparams_registry.default_hparams(name, "RotatedDigits")
   if name == "Fishr":
     hparams["penalty_anneal_iters"] = 0  # Penalise from the first step.
+  if name == "IRM":
+    hparams["irm_penalty_anneal_iters"] = 0
   return hparams
 
 
@@ -213,19 +215,9 @@ def test_mixup_mixes_every_chunk_with_the_same_chunk_of_another_domain(
   np.testing.assert_array_equal(mixed["label"], batches["label"])
 
 
-def test_mixed_cross_entropy_weights_the_two_labels():
-  logits = jnp.array([[2.0, 0.0, -1.0]])
-  batch = {"label": jnp.array([0]), "mix_label": jnp.array([2]),
-           "mix_weight": jnp.array([0.3])}
-  log_probs = np.asarray(jax.nn.log_softmax(logits))[0]
-  np.testing.assert_allclose(
-      algorithms.cross_entropy(logits, batch),
-      [-(0.3 * log_probs[0] + 0.7 * log_probs[2])], rtol=1e-6)
-
-
 def test_registry():
   assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
-          "Fish", "Fishr", "MixUp"} <= set(algorithms.ALGORITHMS)
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(algorithms.ALGORITHMS)
   with pytest.raises(ValueError, match="already registered"):
     algorithms.register_algorithm("ERM")(algorithms.erm)
   with pytest.raises(ValueError, match="Unknown algorithm"):
@@ -434,3 +426,194 @@ def test_k_all_keeps_every_component_of_the_trajectory():
 def test_pgrad_rejects_a_bad_k(k):
   with pytest.raises(ValueError, match="k must be"):
     _one_pgrad_update({"k": k})
+def _numpy_irm_penalty(logits, labels):
+  """float64 IRMv1 penalty per domain: d(risk of s * logits)/ds at s = 1."""
+  logits = np.asarray(logits, np.float64)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  # d CE(s z, y) / ds = sum_c (softmax(s z)_c - onehot_c) z_c.
+  slope = ((probs - np.eye(logits.shape[-1])[np.asarray(labels)]) * logits
+           ).sum(-1)
+  return slope[:, ::2].mean(1) * slope[:, 1::2].mean(1)
+
+
+def _numpy_coral_penalty(features):
+  features = np.asarray(features, np.float64)
+  n = len(features)
+  total, pairs = 0.0, 0
+  for i in range(n):
+    for j in range(i + 1, n):
+      x, y = features[i], features[j]
+      cov_x = np.cov(x, rowvar=False)  # Unbiased, 1 / (b - 1).
+      cov_y = np.cov(y, rowvar=False)
+      total += (np.mean((x.mean(0) - y.mean(0)) ** 2)
+                + np.mean((cov_x - cov_y) ** 2))
+      pairs += 1
+  return total / pairs
+
+
+def _linear_model(num_features=4, seed=0):
+  model = models.Classifier(Flatten(num_features), NUM_CLASSES,
+                            rngs=nnx.Rngs(seed))
+  return algorithms.Network.split(model)
+
+
+def _numpy_logits(params, images):
+  x = np.asarray(images, np.float64).reshape(images.shape[0],
+                                             images.shape[1], -1)
+  return (x @ np.asarray(params["head"]["kernel"][...], np.float64)
+          + np.asarray(params["head"]["bias"][...], np.float64))
+
+
+@pytest.mark.parametrize("anneal, weight", [(500, 1.0), (0, 100.0)])
+def test_irm_penalty_matches_numpy(anneal, weight):
+  network, params, stats = _linear_model()
+  hparams = {**_hparams("IRM"), "irm_lambda": 100.0,
+             "irm_penalty_anneal_iters": anneal}
+  algorithm = algorithms.build_algorithm("IRM", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  batches = _batches(seed=2, image_shape=(2, 2, 1))
+  _, _, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), batches, jax.random.PRNGKey(0))
+  expected = _numpy_irm_penalty(_numpy_logits(params, batches["image"]),
+                                batches["label"])
+  assert np.all(expected != 0)
+  np.testing.assert_allclose(metrics["penalty"], expected.mean(), rtol=1e-4)
+  # Before the anneal step the weight is 1, after it irm_lambda.
+  np.testing.assert_allclose(
+      metrics["loss"], metrics["nll"] + weight * metrics["penalty"], rtol=1e-5)
+
+
+def test_irm_penalty_of_regression_matches_numpy():
+  outputs = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 1))
+  targets = jax.random.normal(jax.random.PRNGKey(1), (2, 6))
+  z = np.asarray(outputs, np.float64)[..., 0]
+  y = np.asarray(targets, np.float64)
+  # d (s z - y)^2 / ds = 2 (s z - y) z at s = 1.
+  slope = 2 * (z - y) * z
+  np.testing.assert_allclose(
+      algorithms.irm_penalty(outputs, targets),
+      slope[:, ::2].mean(1) * slope[:, 1::2].mean(1), rtol=1e-5)
+
+
+def test_irm_restarts_adam_at_the_anneal_step():
+  network, params, stats = _linear_model()
+  hparams = {**_hparams("IRM"), "irm_penalty_anneal_iters": 2}
+  algorithm = algorithms.build_algorithm("IRM", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+  adam_counts = []
+  for step in range(4):
+    params, stats, state, _ = update(params, stats, state,
+                                     _batches(step, (2, 2, 1)),
+                                     jax.random.PRNGKey(step))
+    adam_counts.append(int(state.opt_state[1][0].count))
+  # Steps 0 and 1 count 1, 2; step 2 starts afresh.
+  assert adam_counts == [1, 2, 1, 2]
+  assert int(state.count) == 4
+
+
+@pytest.mark.parametrize("num_domains", [2, 3])
+def test_coral_penalty_matches_numpy(num_domains):
+  features = jax.random.normal(jax.random.PRNGKey(num_domains),
+                               (num_domains, 5, 3))
+  features = features * jnp.arange(1.0, num_domains + 1)[:, None, None]
+  np.testing.assert_allclose(algorithms.coral_penalty(features),
+                             _numpy_coral_penalty(features), rtol=1e-5)
+  assert algorithms.coral_penalty(features[:1]) == 0
+
+
+def test_coral_objective_penalises_the_featurizer_outputs():
+  network, params, stats = _linear_model()
+  hparams = {**_hparams("CORAL"), "mmd_gamma": 0.5}
+  algorithm = algorithms.build_algorithm("CORAL", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  batches = _batches(seed=3, image_shape=(2, 2, 1))
+  _, _, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), batches, jax.random.PRNGKey(0))
+  features = np.asarray(batches["image"]).reshape(NUM_DOMAINS, BATCH, -1)
+  np.testing.assert_allclose(metrics["penalty"],
+                             _numpy_coral_penalty(features), rtol=1e-5)
+  np.testing.assert_allclose(
+      metrics["loss"], metrics["nll"] + 0.5 * metrics["penalty"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["IRM", "CORAL"])
+def test_penalised_algorithms_lower_the_loss(name):
+  network, params, stats = _linear_model(16)
+  # IRM in its warm-up, where the penalty weighs 1.
+  hparams = {**_hparams(name), "lr": 1e-2, "irm_penalty_anneal_iters": 500}
+  algorithm = algorithms.build_algorithm(name, network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+  # A fixed batch whose labels a linear head can fit.
+  batches = _batches(seed=4)
+  losses, nlls = [], []
+  for step in range(60):
+    params, stats, state, metrics = update(params, stats, state, batches,
+                                           jax.random.PRNGKey(step))
+    losses.append(float(metrics["loss"]))
+    nlls.append(float(metrics["nll"]))
+  # CORAL's penalty of these parameter-free features is a constant.
+  assert losses[-1] < losses[0] and nlls[-1] < 0.5 * nlls[0]
+
+
+def test_irm_and_coral_hparams_follow_domainbed():
+  irm = hparams_registry.default_hparams("IRM", "PACS")
+  assert irm["irm_lambda"] == 100.0 and irm["irm_penalty_anneal_iters"] == 500
+  assert hparams_registry.default_hparams("CORAL", "PACS")["mmd_gamma"] == 1.0
+  for seed in range(1, 20):
+    irm = hparams_registry.random_hparams("IRM", "PACS", seed)
+    assert 0.1 <= irm["irm_lambda"] <= 1e5
+    assert 1 <= irm["irm_penalty_anneal_iters"] <= 1e4
+    assert 0.1 <= hparams_registry.random_hparams(
+        "CORAL", "PACS", seed)["mmd_gamma"] <= 10
+
+
+@pytest.mark.parametrize("dataset, model, lr, outer_lr", [
+    ("PovertyMap", "resnet18", 1e-3, 0.1),
+    ("PovertyMap-C", "resnet18", 1e-3, 0.1),
+    ("FMoW", "densenet121", 1e-4, 0.01),
+])
+def test_wilds_defaults_follow_the_paper_and_wilds(dataset, model, lr,
+                                                   outer_lr):
+  assert hparams_registry.default_model(dataset) == model
+  hparams = hparams_registry.default_hparams("PGrad", dataset)
+  assert hparams["lr"] == lr and hparams["outer_lr"] == outer_lr
+  assert hparams["outer_lr_per_domain"] and hparams["weight_decay"] == 0.0
+  # WILDS's 64 images from 8 domains per step; BatchNorm trained.
+  assert hparams["domains_per_step"] == 8 and hparams["batch_size"] == 8
+  assert hparams["bn_mode"] == "train"
+  assert hparams_registry.default_hparams("PGrad-B", dataset)[
+      "batch_size"] == 9
+  # No search on WILDS: every draw is the default.
+  assert hparams_registry.random_hparams("IRM", dataset, 3) == (
+      hparams_registry.default_hparams("IRM", dataset))
+  assert hparams_registry.default_hparams("IRM", dataset)["irm_lambda"] == 1.0
+
+
+@pytest.mark.parametrize("num_domains", [2, 4])
+def test_outer_lr_per_domain_divides_the_outer_step(num_domains):
+  model = models.Classifier(Flatten(16), NUM_CLASSES, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  images = jax.random.normal(jax.random.PRNGKey(5),
+                             (num_domains, BATCH, 4, 4, 1))
+  batches = {"image": images,
+             "label": jnp.arange(num_domains * BATCH).reshape(
+                 num_domains, BATCH) % NUM_CLASSES}
+  steps = []
+  for per_domain in (False, True):
+    hparams = {**_hparams("PGrad"), "outer_lr_per_domain": per_domain}
+    algorithm = algorithms.build_algorithm("PGrad", network, hparams,
+                                           num_domains=num_domains)
+    new_params, *_ = jax.jit(algorithm.update)(
+        params, stats, algorithm.init(params), batches, jax.random.PRNGKey(0))
+    steps.append(jax.tree.map(lambda new, old: new - old, new_params, params))
+  # gamma = c / n-hat: the same direction, 1 / n-hat as long (up to the
+  # float32 rounding of new - old for params of order 1).
+  for full, scaled in zip(jax.tree.leaves(steps[0]), jax.tree.leaves(steps[1])):
+    assert np.abs(full).max() > 1e-4
+    np.testing.assert_allclose(scaled, full / num_domains, rtol=1e-4,
+                               atol=1e-7)

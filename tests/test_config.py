@@ -30,7 +30,8 @@ def test_every_config_field_is_a_flag():
            "data_dir": "d", "output_dir": "o", "overwrite": True, "steps": 7,
            "checkpoint_freq": 3, "seed": 4, "hparams_seed": 5,
            "trial_seed": 6, "holdout_fraction": 0.3, "hparams": '{"ema": 0.9}',
-           "model": "resnet18", "pretrained": "w.npz", "eval_examples": 8,
+           "model": "resnet18", "pretrained": "w.npz",
+           "init_params": "p.npz", "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
            "trajectory_freq": 11}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}

@@ -177,3 +177,28 @@ def test_pipeline_on_rotated_digits():
       for b in input_pipeline.eval_batches(dataset, 0, splits[0][0])
   ]
   assert sum(sizes) == len(splits[0][0])
+
+
+def test_train_batches_sample_domains_per_step(dataset, splits):
+  def sampled(domains_per_step):
+    return input_pipeline.make_train_iterator(
+        dataset, [0, 1, 2], splits, batch_size=5, seed=0, num_threads=0,
+        domains_per_step=domains_per_step)
+
+  iterator = sampled(2)
+  seen = set()
+  for _ in range(12):
+    batch = next(iterator)
+    assert batch["image"].shape == (2, 5, 4, 4, 1)
+    # Every example's image encodes its domain: 1000 * domain + index.
+    domains = (batch["image"][:, :, 0, 0, 0] // 1000).astype(int)
+    assert np.all(domains == domains[:, :1])
+    pair = tuple(domains[:, 0])
+    assert pair[0] < pair[1]  # Two different domains, in order.
+    seen.add(pair)
+  # Every pair of the three domains comes up; the draw is seeded per step.
+  assert seen == {(0, 1), (0, 2), (1, 2)}
+  np.testing.assert_array_equal(next(sampled(2))["image"],
+                                next(sampled(2))["image"])
+  with pytest.raises(ValueError, match="domains_per_step must be in"):
+    sampled(4)

@@ -1,0 +1,123 @@
+"""Tests for experiments/tasks.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from flax import nnx
+
+from experiments import algorithms
+from experiments import hparams_registry
+from experiments import models
+from experiments import tasks
+
+
+def test_mixed_cross_entropy_weights_the_two_labels():
+  logits = jnp.array([[2.0, 0.0, -1.0]])
+  batch = {"label": jnp.array([0]), "mix_label": jnp.array([2]),
+           "mix_weight": jnp.array([0.3])}
+  log_probs = np.asarray(jax.nn.log_softmax(logits))[0]
+  np.testing.assert_allclose(
+      tasks.example_loss(logits, batch),
+      [-(0.3 * log_probs[0] + 0.7 * log_probs[2])], rtol=1e-6)
+
+
+def test_float_labels_are_regressed_with_squared_error():
+  outputs = jnp.array([[1.5], [-2.0]])
+  batch = {"label": jnp.array([0.5, 1.0])}
+  np.testing.assert_allclose(tasks.example_loss(outputs, batch), [1.0, 9.0])
+  np.testing.assert_allclose(tasks.predictions(outputs, batch["label"]),
+                             [1.5, -2.0])
+  with pytest.raises(ValueError, match="num_classes=1"):
+    tasks.example_loss(jnp.zeros((2, 3)), batch)
+
+
+def _regression_data(seed=0, size=40):
+  rng = np.random.default_rng(seed)
+  labels = rng.normal(size=size)
+  predicted = labels + rng.normal(scale=0.8, size=size)
+  groups = rng.integers(0, 2, size=size)
+  return predicted, labels, groups
+
+
+def test_pearson_and_mse_match_scipy_and_numpy():
+  predicted, labels, _ = _regression_data()
+  np.testing.assert_allclose(tasks.pearson(predicted, labels),
+                             scipy.stats.pearsonr(predicted, labels)[0],
+                             rtol=1e-12)
+  np.testing.assert_allclose(tasks.mean_squared_error(predicted, labels),
+                             np.mean((predicted - labels) ** 2), rtol=1e-12)
+  assert tasks.pearson(np.ones(5), np.arange(5.0)) == 0.0
+
+
+def test_worst_group_pearson_is_the_lower_of_urban_and_rural():
+  predicted, labels, groups = _regression_data(1)
+  per_group = [scipy.stats.pearsonr(predicted[groups == g],
+                                    labels[groups == g])[0] for g in (0, 1)]
+  assert per_group[0] != per_group[1]
+  metrics = tasks.split_metrics(predicted, labels, groups)
+  np.testing.assert_allclose(metrics["worst_r"], min(per_group), rtol=1e-12)
+  np.testing.assert_allclose(metrics["r"],
+                             scipy.stats.pearsonr(predicted, labels)[0],
+                             rtol=1e-12)
+  assert set(metrics) == {"mse", "r", "worst_r"}
+
+
+def test_accuracy_and_worst_region_accuracy():
+  labels = np.array([0, 1, 2, 0, 1, 2, 0, 1])
+  predicted = np.array([0, 1, 0, 0, 1, 2, 1, 1])
+  regions = np.array([0, 0, 0, 1, 1, 1, 2, 2])
+  # Region 0: 2/3, region 1: 3/3, region 2: 1/2.
+  metrics = tasks.split_metrics(predicted, labels, regions)
+  assert metrics == {"acc": 6 / 8, "worst_acc": 0.5}
+  with pytest.raises(ValueError, match="worst_group"):
+    tasks.worst_group("mse", predicted, labels, regions)
+
+
+class Flatten(nnx.Module):
+  """The pixels are the features."""
+
+  def __init__(self, num_features: int):
+    self.num_features = num_features
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return x.reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", ["PGrad", "PGrad-B"])
+def test_pgrad_lowers_the_mse_of_synthetic_regression_domains(name):
+  num_domains, batch, num_features = 3, 12, 4
+  rng = np.random.default_rng(0)
+  weights = rng.normal(size=num_features)
+  # Every domain shifts its inputs; the target is the same linear function.
+  images = (rng.normal(size=(num_domains, batch, num_features))
+            + rng.normal(size=(num_domains, 1, num_features)))
+  targets = images @ weights + 0.05 * rng.normal(size=(num_domains, batch))
+  batches = {"image": jnp.asarray(images, jnp.float32).reshape(
+                 num_domains, batch, 2, 2, 1),
+             "label": jnp.asarray(targets, jnp.float32)}
+  model = models.Classifier(Flatten(num_features), 1, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  hparams = {**hparams_registry.default_hparams(name, "RotatedDigits"),
+             "lr": 5e-2, "outer_lr": 0.5}
+  algorithm = algorithms.build_algorithm(name, network, hparams,
+                                         num_domains=num_domains)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+
+  def mse(params):
+    outputs, _ = network.logits(params, stats, batches["image"].reshape(
+        -1, 2, 2, 1), train=False)
+    return tasks.mean_squared_error(
+        tasks.predictions(outputs, batches["label"].reshape(-1)),
+        np.asarray(targets).reshape(-1))
+
+  before = mse(params)
+  for step in range(60):
+    params, stats, state, metrics = update(params, stats, state, batches,
+                                           jax.random.PRNGKey(step))
+  assert np.isfinite(metrics["loss"])
+  assert mse(params) < 0.1 * before

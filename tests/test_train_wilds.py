@@ -1,0 +1,150 @@
+"""End-to-end training on tiny PovertyMap and FMoW folders (WILDS layout).
+
+WILDS's PovertyMap sets 2,000 in-distribution rows aside for evaluation; the
+tiny folder has 69 rows, so the runs set 6 aside instead.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experiments import config as config_lib
+from experiments import train
+from experiments import wilds
+from tests import wilds_data
+
+REPO = Path(__file__).resolve().parents[1]
+ID_EVAL_SIZE = 6
+SMALL = ["--eval_batch_size", "16", "--model", "mnist_cnn"]
+
+
+@pytest.fixture(name="small_id_eval")
+def fixture_small_id_eval(monkeypatch):
+  monkeypatch.setattr(wilds, "POVERTY_ID_EVAL_SIZE", ID_EVAL_SIZE)
+
+
+def _records(output_dir):
+  return [json.loads(line) for line in
+          (Path(output_dir) / "results.jsonl").read_text().splitlines()]
+
+
+def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
+                                                       small_id_eval):
+  del small_id_eval
+  wilds_data.write_poverty(tmp_path / "data")
+  record = train.train(config_lib.parse_args([
+      "--dataset", "PovertyMap", "--algorithm", "PGrad",
+      "--data_dir", str(tmp_path / "data"), "--output_dir",
+      str(tmp_path / "run"), "--steps", "4", "--checkpoint_freq", "2",
+      "--hparams", '{"domains_per_step": 3, "batch_size": 4}', *SMALL]))
+  assert record["args"]["test_envs"] == [13, 14, 15, 16]
+  assert record["args"]["holdout_fraction"] == 0.0
+  assert record["domains"][13:] == list(wilds.EVAL_SPLITS)
+  assert record["hparams"]["outer_lr_per_domain"] is True
+  # Regression metrics with WILDS's urban/rural worst group, per split.
+  for split in range(13, 17):
+    for metric in ("mse", "r", "worst_r"):
+      assert np.isfinite(record[f"env{split}_in_{metric}"]), (split, metric)
+    assert -1 <= record[f"env{split}_in_worst_r"] <= record[
+        f"env{split}_in_r"] + 1
+  # The 3-domain rollout's spectrum: 3 inner steps, so 4 points.
+  assert len(record["eigenvalues"]) == 4
+  assert [r["step"] for r in _records(tmp_path / "run")] == [2, 4]
+  # An epoch is a pass over the 33 training rows, at 3 * 4 rows per step.
+  np.testing.assert_allclose(record["epoch"], 4 * 12 / 33)
+
+
+def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
+  del small_id_eval
+  wilds_data.write_poverty(tmp_path)
+  dataset = wilds.poverty_map(data_dir=tmp_path)
+  config = config_lib.Config(dataset="PovertyMap", algorithm="PGrad")
+  hparams = config.hyperparameters()
+  resolved = train.wilds_protocol(config, dataset, hparams)
+  # 39 in-distribution rows - 6 evaluated = 33 training rows.
+  assert resolved.steps == -(-200 * 33 // (hparams["batch_size"] * 8))
+  assert resolved.test_envs == [13, 14, 15, 16]
+
+
+def test_fmow_erm_phase_then_pgrad(tmp_path):
+  data = tmp_path / "data"
+  wilds_data.write_fmow(data)
+  flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
+           "--checkpoint_freq", "2", *SMALL]
+  domains = '"domains_per_step": 2, "batch_size": 2'
+  erm = train.train(config_lib.parse_args([
+      *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
+      "--hparams", "{" + domains + "}"]))
+  assert erm["hparams"]["lr"] == 1e-4
+  pgrad = train.train(config_lib.parse_args([
+      *flags, "--algorithm", "PGrad", "--output_dir", str(tmp_path / "pgrad"),
+      "--init_params", str(tmp_path / "erm" / "final_params.npz"),
+      "--hparams", "{" + domains + "}"]))
+  assert pgrad["hparams"]["outer_lr"] == 0.01
+  val = pgrad["domains"].index("val")
+  # Accuracy and worst-region accuracy ("Other" left out) of every split.
+  for key in ("acc", "worst_acc"):
+    assert 0 <= pgrad[f"env{val}_in_{key}"] <= 1
+  with pytest.raises(ValueError, match="does not fit the model"):
+    train.train(config_lib.parse_args([
+        *flags[:-2], "--model", "resnet18", "--algorithm", "PGrad",
+        "--output_dir", str(tmp_path / "bad"), "--init_params",
+        str(tmp_path / "erm" / "final_params.npz")]))
+
+
+def _command(data_dir, output_dir):
+  # The tiny folder needs a smaller in-distribution evaluation set.
+  script = (f"from experiments import wilds; "
+            f"wilds.POVERTY_ID_EVAL_SIZE = {ID_EVAL_SIZE}; "
+            "from experiments import train; import sys; "
+            "sys.exit(train.main(sys.argv[1:]))")
+  return [sys.executable, "-c", script, "--dataset", "PovertyMap",
+          "--algorithm", "PGrad-B", "--data_dir", str(data_dir),
+          "--output_dir", str(output_dir), "--steps", "6",
+          "--checkpoint_freq", "2", "--hparams",
+          '{"domains_per_step": 2, "batch_size": 3}', *SMALL]
+
+
+def _params(output_dir):
+  with np.load(output_dir / "final_params.npz") as npz:
+    return {key: npz[key] for key in npz.files}
+
+
+@pytest.mark.slow
+def test_poverty_map_run_resumes_after_a_kill(tmp_path):
+  data = tmp_path / "data"
+  wilds_data.write_poverty(data)
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "PYTHONPATH": str(REPO)}
+  reference = tmp_path / "reference"
+  result = subprocess.run(_command(data, reference), cwd=REPO, env=env,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+
+  output_dir = tmp_path / "run"
+  process = subprocess.Popen(_command(data, output_dir), cwd=REPO, env=env,
+                             stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  first_checkpoint = output_dir / "checkpoints" / "2"
+  deadline = time.monotonic() + 600
+  while not first_checkpoint.exists() and process.poll() is None:
+    assert time.monotonic() < deadline, "no checkpoint was written"
+    time.sleep(0.01)
+  process.kill()
+  process.wait()
+  assert not (output_dir / "done").exists(), "the run ended before the kill"
+  resumed = subprocess.run(_command(data, output_dir), cwd=REPO, env=env,
+                           capture_output=True, text=True, check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resuming from step" in resumed.stderr
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
