@@ -427,6 +427,9 @@ def train(config: config_lib.Config) -> Record:
                                  seed=config.trial_seed)
   if "image_size" in hparams:
     dataset = datasets.resized(dataset, hparams["image_size"])
+  # The run directory records the configuration as requested: the protocol's
+  # changes follow from it.
+  requested = config
   config = wilds_protocol(config, dataset, hparams)
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
@@ -507,7 +510,7 @@ def train(config: config_lib.Config) -> Record:
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / meter.count
       if manager is None:
-        _start_run_directory(config, hparams)
+        _start_run_directory(requested, hparams)
         manager = _checkpoint_manager(output_dir)
       record = {
           "args": dataclasses.asdict(config), "hparams": hparams,

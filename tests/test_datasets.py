@@ -308,7 +308,7 @@ def test_rotated_mnist_5k_follows_domainbeds_recipe(mnist_5k, seed):
   originals, labels = mnist_5k
   ds = datasets.get_dataset("RotatedMNIST5k", seed=seed)
   assert ds.name == "RotatedMNIST5k" and ds.num_classes == 10
-  assert ds.domain_names == ("0", "15", "30", "45", "60", "75")
+  assert ds.domain_names == ("0°", "15°", "30°", "45°", "60°", "75°")
   assert ds.input_shape == (28, 28, 1)
   assert [len(d) for d in ds.domains] == [834, 834, 833, 833, 833, 833]
   parts = _deal_by_the_recipe(5000, 6, seed)
