@@ -303,3 +303,8 @@ def test_overwrite_deletes_the_run_files_only(tmp_path):
                                   "--output_dir", str(run)])
   assert not config_lib.claim_run_directory(config, config.hyperparameters())
   assert [p.name for p in run.iterdir()] == ["notes.txt"]
+
+
+def test_negative_trajectory_freq_is_rejected():
+  with pytest.raises(ValueError, match="trajectory_freq"):
+    config_lib.Config(trajectory_freq=-1).resolve()

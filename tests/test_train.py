@@ -161,8 +161,3 @@ def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
                            if k.startswith("params/")])
   # Same values, possibly in another leaf order.
   np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
-
-
-def test_negative_trajectory_freq_is_rejected():
-  with pytest.raises(ValueError, match="trajectory_freq"):
-    config_lib.Config(trajectory_freq=-1).resolve()
