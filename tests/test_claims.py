@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _roughness_by_loop(values):
-  total, rises = 0.0, 0.0
+  total = 0.0
   changes = []
   for before, after in zip(values[:-1], values[1:]):
     change = float(after) - float(before)
