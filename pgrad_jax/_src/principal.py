@@ -2,12 +2,11 @@
 
 The trajectory ``theta_0..theta_{m-1}`` is stored as displacements
 ``D_i = theta_i - theta_0`` (``trajectory.py``), so ``D_0 = 0`` and only the
-``s = m - 1`` later points take memory. Every quantity PGrad needs comes from
-the ``m x m`` matrix ``K = D D^T`` of all ``m`` displacements, ``D_0``
-included: its row and column 0 are zero, so it is the ``s x s`` Gram matrix
-of the stored steps padded with a zero row and column (:func:`gram_and_eigh`).
-With ``H = I - 11^T / m`` the centring matrix, the centred trajectory is
-``C = H D`` (centring the points or their displacements is the same), and:
+``s = m - 1`` later points take memory. Everything PGrad needs comes from
+``K = D D^T`` over all ``m`` points: the ``s x s`` Gram matrix of the stored
+steps, padded with a zero row and column for ``D_0``. With the centring
+``H = I - 11^T / m``, the centred trajectory is ``C = H D`` (centring the
+points or their displacements is the same), and:
 
 * ``G = C C^T = H K H``, whose eigenpairs ``(lambda_z, e_z)`` give the
   principal axes ``v_z = C^T e_z / sqrt(lambda_z)`` (eq. 7; the ``d x d``
@@ -17,9 +16,8 @@ With ``H = I - 11^T / m`` the centring matrix, the centred trajectory is
 * the principal gradient ``sum_z w_z v_z = C^T a = D^T (H a)`` is one weighted
   sum of the stored displacements, ``a = E (w / sqrt(lambda))``.
 
-So the trajectory is read twice, once for ``K`` and once for the weighted sum,
-and nothing but ``K`` is ever reduced across devices. Equation numbers are
-those of the paper (Wang, Grigsby and Qi, ICLR 2023).
+So the trajectory is read twice, for ``K`` and for the weighted sum, and only
+``K`` is reduced across devices. Equation numbers are the paper's.
 """
 
 from typing import Any, Literal, NamedTuple
@@ -39,10 +37,10 @@ class PrincipalGradient(NamedTuple):
   """The principal gradient and what it was built from.
 
   Attributes:
-    update: the principal gradient, a pytree like one trajectory point, in
-      gradient sign convention (``theta <- theta - lr * update`` descends).
-    eigenvalues: ``(m,)``, the eigenvalues of the centred Gram matrix in
-      descending order, clamped at zero.
+    update: a pytree like one trajectory point, in gradient sign convention
+      (``theta <- theta - lr * update`` descends).
+    eigenvalues: ``(m,)``, those of the centred Gram matrix, descending and
+      clamped at zero.
     ref_norm: ``||r||``, the length of the reference ``r``.
   """
 
@@ -52,12 +50,8 @@ class PrincipalGradient(NamedTuple):
 
 
 class CentredTrajectory(NamedTuple):
-  """``C = H D``, kept as its two factors: nothing of size ``d`` is copied.
-
-  Attributes:
-    displacements: the stored trajectory ``D`` (``trajectory.py``).
-    centring: ``H = I - 11^T / m``, ``(m, m)``.
-  """
+  """``C = H D``, kept as its two factors so nothing of size ``d`` is copied:
+  the stored trajectory ``D`` and the ``(m, m)`` centring ``H``."""
 
   displacements: Any
   centring: jax.Array
@@ -68,15 +62,15 @@ def centre(displacements: Any, dtype=None) -> CentredTrajectory:
 
   Args:
     displacements: the stored trajectory.
-    dtype: the dtype of the ``m x m`` matrices (at least float32); None uses
-      the Gram matrix's.
+    dtype: the dtype of the ``m x m`` matrices; see :func:`principal_gradient`.
 
   Returns:
     A :class:`CentredTrajectory`.
   """
   m = trajectory_lib.num_steps(displacements) + 1
-  dtype = jnp.promote_types(dtype or trajectory_lib.gram_dtype(displacements),
-                            jnp.float32)
+  # The Gram matrix's dtype: the stored dtypes, at least float32.
+  dtype = jnp.promote_types(
+      dtype or jnp.result_type(*jax.tree.leaves(displacements)), jnp.float32)
   return CentredTrajectory(displacements,
                            jnp.eye(m, dtype=dtype) - jnp.ones((), dtype) / m)
 
@@ -116,8 +110,7 @@ def orient(
 
   Args:
     eigenvectors: ``(m, m)``, the ``e_z`` as columns.
-    kernel: ``K = D D^T``.
-    centring: ``H``.
+    kernel, centring: ``K = D D^T`` and ``H``.
     reference: ``"end"``: ``r = theta_0 - theta_end`` (the paper);
       ``"mean"``: ``r = theta_0 - mean_{i>0} theta_i`` (PGradParallel).
 
@@ -166,20 +159,15 @@ def weight_and_calibrate(
   norm = {"l2": jnp.linalg.norm, "l1": jnp.sum,
           "raw": lambda x: jnp.ones((), dtype)}[weighting](lam)
   weights = jnp.where(norm > 0, lam / jnp.where(norm > 0, norm, 1.0), 0.0)
-  weights = weights * signs
-  return weights * ref_norm if calibrate_length else weights
+  return weights * signs * (ref_norm if calibrate_length else 1.0)
 
 
 def project_back(
     weights: jax.Array, eigenvalues: jax.Array, eigenvectors: jax.Array,
     centred: CentredTrajectory,
 ) -> optax.Updates:
-  """Step 6: ``sum_z w_z v_z`` in parameter space, with ``v_z = C^T e_z /
-  sqrt(lambda_z)`` (eq. 7).
-
-  ``sum_z w_z v_z = D^T H E (w / sqrt(lambda))``: one weighted sum of the
-  stored displacements, in each leaf's shape and dtype.
-  """
+  """Step 6: ``sum_z w_z v_z = D^T H E (w / sqrt(lambda))`` (eq. 7), one
+  weighted sum of the stored displacements in each leaf's shape and dtype."""
   chosen = weights != 0
   scaled = jnp.where(chosen, weights / jnp.sqrt(
       jnp.where(chosen, eigenvalues, 1.0)), 0.0)
@@ -211,8 +199,10 @@ def principal_gradient(
       pytree with leaves ``(s, *leaf_shape)``, entry ``i`` being
       ``theta_{i+1} - theta_0``.
     k: how many components to use; more than available uses them all.
-    weighting: ``"l2"`` (paper), ``"l1"`` or ``"raw"``.
-    calibrate_length: scale by ``||r||`` (eq. 11).
+    weighting: ``"l2"`` (``lambda / ||lambda||_2``, the paper), ``"l1"``
+      (``lambda / ||lambda||_1``) or ``"raw"`` (``lambda``).
+    calibrate_length: scale by ``||r||`` (eq. 11); else unit length with
+      ``"l2"``.
     components: ``"top"`` (largest eigenvalues) or ``"bottom"`` (smallest
       non-zero, the ablation of the paper's appendix A.7).
     reference: ``"end"`` or ``"mean"``, see :func:`orient`.
