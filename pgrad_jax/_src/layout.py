@@ -1,8 +1,7 @@
 """The one place where the devices decide how a rollout runs and stores.
 
-Both choices are made once, when the update is traced (:func:`default_layout`);
-the rollout and the trajectory take the :class:`TrajectoryLayout` as an
-argument.
+Both are made once, when the update is traced (:func:`default_layout`); the
+rollout and the trajectory take the :class:`TrajectoryLayout` it returns.
 
 * **Unroll.** On GPU and TPU the rollout's ``lax.scan`` stays rolled (an
   unrolled one compiles slowly). On XLA:CPU a loop whose body holds a

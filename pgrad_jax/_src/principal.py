@@ -1,9 +1,8 @@
 """Steps 2 to 6 of PGrad: from a trajectory to its principal gradient.
 
-The trajectory ``theta_0..theta_{m-1}`` is stored as displacements
-``D_i = theta_i - theta_0`` (``trajectory.py``), so ``D_0 = 0`` and only the
-``s = m - 1`` later points take memory. Everything PGrad needs comes from
-``K = D D^T`` over all ``m`` points: the ``s x s`` Gram matrix of the stored
+The ``m`` points are stored as displacements ``D_i = theta_i - theta_0``
+(``trajectory.py``); ``D_0 = 0`` is not stored. Everything PGrad needs comes
+from ``K = D D^T``: the ``s x s`` Gram matrix of the ``s = m - 1`` stored
 steps, padded with a zero row and column for ``D_0``. With the centring
 ``H = I - 11^T / m``, the centred trajectory is ``C = H D`` (centring the
 points or their displacements is the same), and:
@@ -138,10 +137,10 @@ def weight_and_calibrate(
 
   The weight of axis ``z`` is ``lambda_z / ||lambda_{:k}||_2`` (eqs. 9 and
   12; ``"l1"``: over the L1 norm; ``"raw"``: ``lambda_z``), times its sign
-  and, with ``calibrate_length``, times ``||r||`` (eq. 11). Eigenvalues below
-  ``rtol * lambda_max`` are numerically zero: they get no weight and do not
-  count towards ``k`` (a centred trajectory of ``m`` points has at most
-  ``m - 1`` non-zero ones).
+  and, with ``calibrate_length``, times ``||r||`` (eq. 11; without it and
+  with ``"l2"``, unit length). Eigenvalues below ``rtol * lambda_max`` are
+  numerically zero: they get no weight and do not count towards ``k`` (a
+  centred trajectory of ``m`` points has at most ``m - 1`` non-zero ones).
 
   Returns:
     ``(m,)`` weights ``w_z``, zero for the axes not chosen.
@@ -199,10 +198,8 @@ def principal_gradient(
       pytree with leaves ``(s, *leaf_shape)``, entry ``i`` being
       ``theta_{i+1} - theta_0``.
     k: how many components to use; more than available uses them all.
-    weighting: ``"l2"`` (``lambda / ||lambda||_2``, the paper), ``"l1"``
-      (``lambda / ||lambda||_1``) or ``"raw"`` (``lambda``).
-    calibrate_length: scale by ``||r||`` (eq. 11); else unit length with
-      ``"l2"``.
+    weighting: ``"l2"`` (paper), ``"l1"`` or ``"raw"``.
+    calibrate_length: scale by ``||r||`` (eq. 11).
     components: ``"top"`` (largest eigenvalues) or ``"bottom"`` (smallest
       non-zero, the ablation of the paper's appendix A.7).
     reference: ``"end"`` or ``"mean"``, see :func:`orient`.

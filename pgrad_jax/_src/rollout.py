@@ -25,13 +25,8 @@ class RolloutOptions:
   Attributes:
     num_chunks: ``B``; chunk ``i`` holds examples ``[i * b / B, (i + 1) * b /
       B)`` of a domain's batch ``b``.
-    parallel: every step starts from ``theta_0`` (PGradParallel); the inner
-      state still threads through the steps.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
-    unroll: the ``jax.lax.scan`` unroll; None: ``layout.py`` picks it.
-    trajectory_dtype: dtype of the stored displacements; None keeps the params'.
-    axis_name: a mapped axis (``shard_map``/``pmap``) splitting the data:
-      gradients, losses and a floating model state are averaged over it.
+    parallel, has_aux, unroll, trajectory_dtype, axis_name: as the arguments
+      of :func:`pgrad` that build them.
     store_trajectory: if False, only the end point is kept (all Fish needs).
   """
 

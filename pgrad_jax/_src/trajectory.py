@@ -13,9 +13,6 @@ of two layouts (``layout.py`` chooses):
   cost about 1 ms per step more). The ``m`` rows include ``theta_0`` as a
   zero row: one point of memory, for tiles 16 rows tall when ``s = 15``,
   which matrix kernels handle better (15-row tiles took a fifth longer).
-
-Either is written in place, one step at a time, into a buffer allocated
-before the rollout.
 """
 
 import dataclasses
@@ -63,7 +60,8 @@ def _accumulation_dtype(dtype) -> Any:
 
 def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
              dtype=None) -> Any:
-  """A trajectory of ``num_steps`` zero displacements shaped like ``params``.
+  """A buffer of ``num_steps`` zero displacements like ``params``, which the
+  rollout then fills in place, one step at a time (:func:`write`).
 
   Args:
     params: ``theta_0``.

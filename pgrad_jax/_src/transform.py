@@ -222,10 +222,11 @@ def pgrad(
       :func:`domain_schedule`.
     weighting, calibrate_length, components, rtol: as in
       :func:`principal_gradient`.
-    parallel: every inner step starts from ``theta_0`` (PGradParallel); the
-      reference becomes ``theta_0`` minus the mean of the rollout's points.
+    parallel: every inner step starts from ``theta_0`` (PGradParallel), the
+      inner state still threading through; the reference becomes ``theta_0``
+      minus the mean of the rollout's points.
     reset_inner_state: re-initialise the inner optimizer every outer step.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is ignored.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
     nonfinite: ``"skip"``: if an inner loss, the update or the new model
       state is not finite, the update is zero, the inner and model states are
       kept and ``num_skipped`` counts it; ``"propagate"``: no check.
@@ -234,7 +235,8 @@ def pgrad(
     trajectory_dtype: dtype of the stored displacements, e.g. ``jnp.bfloat16``
       to halve their memory; None keeps the params' dtypes.
     gram_dtype: the ``dtype`` of :func:`principal_gradient`.
-    axis_name: a mapped axis splitting the batch; see :class:`RolloutOptions`.
+    axis_name: inside ``shard_map``/``pmap`` with the batch split over this
+      axis, average gradients, losses and a floating model state over it.
     num_domains: the number of training domains; sizes the state's
       ``eigenvalues`` and ``losses`` and is checked against ``batches``.
     seed: seeds the random domain order.
