@@ -33,8 +33,7 @@ class TrajectoryLayout:
   """How a rollout runs its scan and stores its trajectory.
 
   Attributes:
-    unroll: the ``jax.lax.scan`` unroll of the rollout: a positive int, or
-      ``True`` for fully unrolled.
+    unroll: the ``jax.lax.scan`` unroll: a positive int, or ``True`` (full).
     interleave_block: None: every leaf is stored stacked. Else a block size
       ``c``: each float32 or float64 leaf whose size ``c`` divides is stored
       interleaved (``trajectory.py``).

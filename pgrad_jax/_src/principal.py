@@ -80,9 +80,8 @@ def gram_and_eigh(
   """Step 3: eigendecompose ``G = C C^T`` (eqs. 5-7).
 
   Returns:
-    ``(eigenvalues, eigenvectors, K)``: ``(m,)`` eigenvalues descending and
-    clamped at zero, the ``(m, m)`` eigenvectors ``e_z`` as columns, and the
-    ``(m, m)`` Gram matrix ``K = D D^T`` of the displacements.
+    ``(eigenvalues, eigenvectors, K)``: ``(m,)``, descending and clamped at
+    zero; the ``(m, m)`` ``e_z`` as columns; ``K = D D^T``, ``(m, m)``.
   """
   return eigh_of_centred_gram(trajectory_lib.gram(centred.displacements),
                               centred.centring)
@@ -114,8 +113,7 @@ def orient(
       ``"mean"``: ``r = theta_0 - mean_{i>0} theta_i`` (PGradParallel).
 
   Returns:
-    ``(signs, ref_norm)``: ``s_z = +-1`` with ``<s_z v_z, r> >= 0``, and
-    ``||r||``.
+    ``(signs, ref_norm)``: ``s_z = +-1`` with ``<s_z v_z, r> >= 0``; ``||r||``.
   """
   m = kernel.shape[0]
   # r = D^T rho.

@@ -54,8 +54,7 @@ class Rollout(NamedTuple):
       ``store_trajectory=False``, the end point alone, as one step.
     inner_state: the inner optimizer state after the last step.
     losses: float32 ``(num_steps,)``, the loss at each step's starting point.
-    model_state: the model state the last step's forward pass left; None for
-      a stateless loss.
+    model_state: what the last step's forward pass left; None if stateless.
   """
 
   displacements: Any
