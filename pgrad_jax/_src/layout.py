@@ -1,22 +1,19 @@
 """The one place where the devices decide how a rollout runs and stores.
 
-Two choices depend on the hardware, and both are made here, once, when the
-update is traced (:func:`default_layout`); the rollout and the trajectory
-take the result, a :class:`TrajectoryLayout`, as an argument.
+Both are made once, when the update is traced (:func:`default_layout`); the
+rollout and the trajectory take the :class:`TrajectoryLayout` it returns.
 
 * **Unroll.** On GPU and TPU the rollout's ``lax.scan`` stays rolled (an
   unrolled one compiles slowly). On XLA:CPU a loop whose body holds a
-  convolution runs dozens of times slower than the same steps unrolled
-  (measured on a 0.37M-parameter convolutional network: 39 s rolled against
-  1.5 s unrolled per rollout), so a loss with a convolution is fully
-  unrolled there; any other loss stays rolled, which is as fast.
-* **Interleaving.** XLA:CPU multiplies a stacked trajectory leaf
-  ``(s, n)`` by its transpose on one thread, after copying it into a
-  transposed layout; interleaved (``trajectory.py``), the Gram matrix needs
-  no copy and runs about twice as fast (measured on a 2-core CPU,
-  4.2M-parameter MLP, 16 points: about 40 ms against 77 ms). Only on a single
-  CPU device: GPU and TPU libraries multiply stacked leaves well, and with
-  several devices a leaf may be sharded, which slicing it would gather.
+  convolution runs dozens of times slower than the same steps unrolled (a
+  0.37M-parameter convolutional network: 39 s rolled, 1.5 s unrolled per
+  rollout), so such a loss is fully unrolled there; others stay rolled.
+* **Interleaving.** XLA:CPU multiplies a stacked trajectory leaf ``(s, n)``
+  by its transpose on one thread, after copying it transposed; interleaved
+  (``trajectory.py``), the Gram matrix needs no copy and runs about twice as
+  fast (2-core CPU, 4.2M-parameter MLP, 16 points: 40 ms against 77 ms).
+  Only on a single CPU device: GPU and TPU libraries multiply stacked leaves
+  well, and slicing a leaf sharded over several devices would gather it.
 """
 
 import dataclasses
@@ -36,11 +33,10 @@ class TrajectoryLayout:
   """How a rollout runs its scan and stores its trajectory.
 
   Attributes:
-    unroll: the ``jax.lax.scan`` unroll of the rollout: a positive int, or
-      ``True`` for fully unrolled.
-    interleave_block: None: every leaf is stored stacked,
-      ``(s, *leaf_shape)``. Else a block size ``c``: each float32 or float64
-      leaf whose size ``c`` divides is stored interleaved (``trajectory.py``).
+    unroll: the ``jax.lax.scan`` unroll: a positive int, or ``True`` (full).
+    interleave_block: None: every leaf is stored stacked. Else a block size
+      ``c``: each float32 or float64 leaf whose size ``c`` divides is stored
+      interleaved (``trajectory.py``).
   """
 
   unroll: int | bool = 1

@@ -1,13 +1,11 @@
 """Steps 2 to 6 of PGrad: from a trajectory to its principal gradient.
 
-The trajectory ``theta_0..theta_{m-1}`` is stored as displacements
-``D_i = theta_i - theta_0`` (``trajectory.py``), so ``D_0 = 0`` and only the
-``s = m - 1`` later points take memory. Every quantity PGrad needs comes from
-the ``m x m`` matrix ``K = D D^T`` of all ``m`` displacements, ``D_0``
-included: its row and column 0 are zero, so it is the ``s x s`` Gram matrix
-of the stored steps padded with a zero row and column (:func:`gram_and_eigh`).
-With ``H = I - 11^T / m`` the centring matrix, the centred trajectory is
-``C = H D`` (centring the points or their displacements is the same), and:
+The ``m`` points are stored as displacements ``D_i = theta_i - theta_0``
+(``trajectory.py``); ``D_0 = 0`` is not stored. Everything PGrad needs comes
+from ``K = D D^T``: the ``s x s`` Gram matrix of the ``s = m - 1`` stored
+steps, padded with a zero row and column for ``D_0``. With the centring
+``H = I - 11^T / m``, the centred trajectory is ``C = H D`` (centring the
+points or their displacements is the same), and:
 
 * ``G = C C^T = H K H``, whose eigenpairs ``(lambda_z, e_z)`` give the
   principal axes ``v_z = C^T e_z / sqrt(lambda_z)`` (eq. 7; the ``d x d``
@@ -17,9 +15,8 @@ With ``H = I - 11^T / m`` the centring matrix, the centred trajectory is
 * the principal gradient ``sum_z w_z v_z = C^T a = D^T (H a)`` is one weighted
   sum of the stored displacements, ``a = E (w / sqrt(lambda))``.
 
-So the trajectory is read twice, once for ``K`` and once for the weighted sum,
-and nothing but ``K`` is ever reduced across devices. Equation numbers are
-those of the paper (Wang, Grigsby and Qi, ICLR 2023).
+So the trajectory is read twice, for ``K`` and for the weighted sum, and only
+``K`` is reduced across devices. Equation numbers are the paper's.
 """
 
 from typing import Any, Literal, NamedTuple
@@ -39,10 +36,10 @@ class PrincipalGradient(NamedTuple):
   """The principal gradient and what it was built from.
 
   Attributes:
-    update: the principal gradient, a pytree like one trajectory point, in
-      gradient sign convention (``theta <- theta - lr * update`` descends).
-    eigenvalues: ``(m,)``, the eigenvalues of the centred Gram matrix in
-      descending order, clamped at zero.
+    update: a pytree like one trajectory point, in gradient sign convention
+      (``theta <- theta - lr * update`` descends).
+    eigenvalues: ``(m,)``, those of the centred Gram matrix, descending and
+      clamped at zero.
     ref_norm: ``||r||``, the length of the reference ``r``.
   """
 
@@ -52,12 +49,8 @@ class PrincipalGradient(NamedTuple):
 
 
 class CentredTrajectory(NamedTuple):
-  """``C = H D``, kept as its two factors: nothing of size ``d`` is copied.
-
-  Attributes:
-    displacements: the stored trajectory ``D`` (``trajectory.py``).
-    centring: ``H = I - 11^T / m``, ``(m, m)``.
-  """
+  """``C = H D``, kept as its two factors so nothing of size ``d`` is copied:
+  the stored trajectory ``D`` and the ``(m, m)`` centring ``H``."""
 
   displacements: Any
   centring: jax.Array
@@ -68,15 +61,15 @@ def centre(displacements: Any, dtype=None) -> CentredTrajectory:
 
   Args:
     displacements: the stored trajectory.
-    dtype: the dtype of the ``m x m`` matrices (at least float32); None uses
-      the Gram matrix's.
+    dtype: the dtype of the ``m x m`` matrices; see :func:`principal_gradient`.
 
   Returns:
     A :class:`CentredTrajectory`.
   """
   m = trajectory_lib.num_steps(displacements) + 1
-  dtype = jnp.promote_types(dtype or trajectory_lib.gram_dtype(displacements),
-                            jnp.float32)
+  # The Gram matrix's dtype: the stored dtypes, at least float32.
+  dtype = jnp.promote_types(
+      dtype or jnp.result_type(*jax.tree.leaves(displacements)), jnp.float32)
   return CentredTrajectory(displacements,
                            jnp.eye(m, dtype=dtype) - jnp.ones((), dtype) / m)
 
@@ -87,9 +80,8 @@ def gram_and_eigh(
   """Step 3: eigendecompose ``G = C C^T`` (eqs. 5-7).
 
   Returns:
-    ``(eigenvalues, eigenvectors, K)``: ``(m,)`` eigenvalues descending and
-    clamped at zero, the ``(m, m)`` eigenvectors ``e_z`` as columns, and the
-    ``(m, m)`` Gram matrix ``K = D D^T`` of the displacements.
+    ``(eigenvalues, eigenvectors, K)``: ``(m,)``, descending and clamped at
+    zero; the ``(m, m)`` ``e_z`` as columns; ``K = D D^T``, ``(m, m)``.
   """
   return eigh_of_centred_gram(trajectory_lib.gram(centred.displacements),
                               centred.centring)
@@ -116,14 +108,12 @@ def orient(
 
   Args:
     eigenvectors: ``(m, m)``, the ``e_z`` as columns.
-    kernel: ``K = D D^T``.
-    centring: ``H``.
+    kernel, centring: ``K = D D^T`` and ``H``.
     reference: ``"end"``: ``r = theta_0 - theta_end`` (the paper);
       ``"mean"``: ``r = theta_0 - mean_{i>0} theta_i`` (PGradParallel).
 
   Returns:
-    ``(signs, ref_norm)``: ``s_z = +-1`` with ``<s_z v_z, r> >= 0``, and
-    ``||r||``.
+    ``(signs, ref_norm)``: ``s_z = +-1`` with ``<s_z v_z, r> >= 0``; ``||r||``.
   """
   m = kernel.shape[0]
   # r = D^T rho.
@@ -145,10 +135,10 @@ def weight_and_calibrate(
 
   The weight of axis ``z`` is ``lambda_z / ||lambda_{:k}||_2`` (eqs. 9 and
   12; ``"l1"``: over the L1 norm; ``"raw"``: ``lambda_z``), times its sign
-  and, with ``calibrate_length``, times ``||r||`` (eq. 11). Eigenvalues below
-  ``rtol * lambda_max`` are numerically zero: they get no weight and do not
-  count towards ``k`` (a centred trajectory of ``m`` points has at most
-  ``m - 1`` non-zero ones).
+  and, with ``calibrate_length``, times ``||r||`` (eq. 11; without it and
+  with ``"l2"``, unit length). Eigenvalues below ``rtol * lambda_max`` are
+  numerically zero: they get no weight and do not count towards ``k`` (a
+  centred trajectory of ``m`` points has at most ``m - 1`` non-zero ones).
 
   Returns:
     ``(m,)`` weights ``w_z``, zero for the axes not chosen.
@@ -166,20 +156,15 @@ def weight_and_calibrate(
   norm = {"l2": jnp.linalg.norm, "l1": jnp.sum,
           "raw": lambda x: jnp.ones((), dtype)}[weighting](lam)
   weights = jnp.where(norm > 0, lam / jnp.where(norm > 0, norm, 1.0), 0.0)
-  weights = weights * signs
-  return weights * ref_norm if calibrate_length else weights
+  return weights * signs * (ref_norm if calibrate_length else 1.0)
 
 
 def project_back(
     weights: jax.Array, eigenvalues: jax.Array, eigenvectors: jax.Array,
     centred: CentredTrajectory,
 ) -> optax.Updates:
-  """Step 6: ``sum_z w_z v_z`` in parameter space, with ``v_z = C^T e_z /
-  sqrt(lambda_z)`` (eq. 7).
-
-  ``sum_z w_z v_z = D^T H E (w / sqrt(lambda))``: one weighted sum of the
-  stored displacements, in each leaf's shape and dtype.
-  """
+  """Step 6: ``sum_z w_z v_z = D^T H E (w / sqrt(lambda))`` (eq. 7), one
+  weighted sum of the stored displacements in each leaf's shape and dtype."""
   chosen = weights != 0
   scaled = jnp.where(chosen, weights / jnp.sqrt(
       jnp.where(chosen, eigenvalues, 1.0)), 0.0)

@@ -1,8 +1,8 @@
 """Step 1 of PGrad: sequential inner-optimizer steps over the training domains.
 
 A rollout starts at ``theta_0`` and takes one inner-optimizer step per
-(domain, chunk) of a schedule (the paper's eq. 4), storing every point it
-reaches as a displacement from ``theta_0`` (see ``trajectory.py``).
+(domain, chunk) of a schedule (eq. 4), storing the points it reaches
+(``trajectory.py``).
 """
 
 import dataclasses
@@ -17,8 +17,6 @@ from pgrad_jax._src import layout as layout_lib
 from pgrad_jax._src import trajectory as trajectory_lib
 from pgrad_jax._src import validation
 
-LossFn = Callable[..., Any]
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutOptions:
@@ -26,19 +24,10 @@ class RolloutOptions:
 
   Attributes:
     num_chunks: ``B``; chunk ``i`` holds examples ``[i * b / B, (i + 1) * b /
-      B)`` of a domain's batch ``b``. Any integral value.
-    parallel: if True, every step starts from ``theta_0`` instead of the
-      previous point (the PGradParallel ablation); the inner state still
-      threads through the steps.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
-    unroll: the ``jax.lax.scan`` unroll; None lets ``layout.default_layout``
-      pick it for the devices and the loss.
-    trajectory_dtype: dtype of the stored displacements; None keeps each
-      leaf's dtype.
-    axis_name: a mapped axis (``shard_map``/``pmap``) over which the data is
-      split: gradients, losses and a floating model state are averaged over it.
-    store_trajectory: if False, only the end point is kept, in the memory of
-      one point (all Fish needs).
+      B)`` of a domain's batch ``b``.
+    parallel, has_aux, unroll, trajectory_dtype, axis_name: as the arguments
+      of :func:`pgrad` that build them.
+    store_trajectory: if False, only the end point is kept (all Fish needs).
   """
 
   num_chunks: int = 1
@@ -60,15 +49,12 @@ class Rollout(NamedTuple):
   """What a rollout produced.
 
   Attributes:
-    displacements: the trajectory: a pytree like the params holding
-      ``theta_{i+1} - theta_0`` for every step ``i``, laid out as
-      ``trajectory.py`` describes (``pgrad_jax.gram`` and
-      ``pgrad_jax.principal_gradient`` read either layout). With
-      ``store_trajectory=False`` it holds the end point alone, as one step.
+    displacements: ``theta_{i+1} - theta_0`` for every step ``i``, like the
+      params, laid out as ``trajectory.py`` describes; with
+      ``store_trajectory=False``, the end point alone, as one step.
     inner_state: the inner optimizer state after the last step.
     losses: float32 ``(num_steps,)``, the loss at each step's starting point.
-    model_state: the model state after the last step's forward pass (e.g.
-      BatchNorm running statistics); None for a stateless loss.
+    model_state: what the last step's forward pass left; None if stateless.
   """
 
   displacements: Any
@@ -85,10 +71,9 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
   """Checks ``batches`` and returns ``(num_domains, per_domain_batch)``.
 
   Raises:
-    ValueError: if there are no leaves, if a leaf has fewer than two axes, if
-      the leading two axes disagree between leaves, if there are no domains
-      or no examples per domain, or if ``num_chunks`` does not divide the
-      per-domain batch.
+    ValueError: naming the fix, unless every leaf has the same leading axes
+      ``(n_domains, per_domain_batch)``, both non-zero, ``num_chunks``
+      dividing the second.
   """
   leaves = jax.tree_util.tree_leaves_with_path(batches)
   if not leaves:
@@ -132,11 +117,10 @@ def split_chunks(x: jax.Array, num_chunks: int, per_chunk: int) -> jax.Array:
   """Reshapes ``(n, b, ...)`` to ``(n, num_chunks, per_chunk, ...)``.
 
   Under a mesh with explicit axes, a per-domain batch axis sharded over devices
-  hands its mesh axes to the within-chunk axis: every chunk is then spread
-  over the same devices and each inner step runs data-parallel, at the price
-  of one reshuffle of the batch per update. (Kept on the chunk axis instead,
-  each chunk would live on a fraction of the devices, and JAX rejects the
-  reshape as ambiguous.)
+  hands its mesh axes to the within-chunk axis, so every chunk is spread over
+  all of them and each inner step runs data-parallel, for one reshuffle of
+  the batch per update (on the chunk axis, each chunk would live on a
+  fraction of the devices, and JAX rejects that reshape as ambiguous).
   """
   x = jnp.asarray(x)  # A NumPy batch could not be indexed by the scan.
   shape = (x.shape[0], num_chunks, per_chunk) + x.shape[2:]
@@ -165,12 +149,7 @@ def check_loss_fn(
     loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool,
     model_state: Any = None,
 ) -> Any:
-  """Checks at trace time that ``loss_fn`` gives a scalar (and a model state).
-
-  With ``model_state`` (not None), ``loss_fn(params, batch, model_state)``
-  must return ``(loss, new_model_state)`` with ``new_model_state`` shaped like
-  ``model_state``; otherwise ``loss_fn(params, batch)`` returns the loss, or
-  ``(loss, aux)`` with ``has_aux``.
+  """Checks at trace time that ``loss_fn`` returns what :func:`rollout` says.
 
   Returns:
     The loss traced to a closed jaxpr.
@@ -180,19 +159,25 @@ def check_loss_fn(
         "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
         f"{type(loss_fn).__name__}. Pass it as a keyword: "
         "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
-  if model_state is not None:
-    if has_aux:
-      raise ValueError(
-          "has_aux=True cannot be combined with a model state: with a model "
-          "state, loss_fn(params, batch, model_state) returns "
-          "(loss, new_model_state). Build the transform with has_aux=False.")
-    jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
-        params, batch, model_state)
+  stateful = model_state is not None
+  if stateful and has_aux:
+    raise ValueError(
+        "has_aux=True cannot be combined with a model state: with a model "
+        "state, loss_fn(params, batch, model_state) returns "
+        "(loss, new_model_state). Build the transform with has_aux=False.")
+  jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
+      params, batch, *([model_state] if stateful else []))
+  if stateful or has_aux:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError(
           "With a model state, loss_fn(params, batch, model_state) must return "
-          f"(loss, new_model_state); got {out}.")
+          f"(loss, new_model_state); got {out}." if stateful else
+          f"With has_aux=True, loss_fn must return (loss, aux); got {out}.")
     out, new_state = out
+  elif isinstance(out, tuple):
+    raise TypeError("loss_fn returned a tuple; if it returns (loss, aux), "
+                    "build the transform with has_aux=True.")
+  if stateful:
     expected = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)),
                             model_state)
     got = jax.tree.map(lambda x: (x.shape, x.dtype), new_state)
@@ -202,16 +187,6 @@ def check_loss_fn(
           "loss_fn's new model state must have the structure, shapes and "
           f"dtypes of the model state it was given: expected {expected}, got "
           f"{got}.")
-  else:
-    jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(params, batch)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError("With has_aux=True, loss_fn must return (loss, aux); "
-                        f"got {out}.")
-      out = out[0]
-    elif isinstance(out, tuple):
-      raise TypeError("loss_fn returned a tuple; if it returns (loss, aux), "
-                      "build the transform with has_aux=True.")
   if getattr(out, "shape", None) != () or not jnp.issubdtype(
       out.dtype, jnp.floating):
     raise TypeError(
@@ -222,7 +197,7 @@ def check_loss_fn(
 
 
 def rollout(
-    loss_fn: LossFn,
+    loss_fn: Callable[..., Any],
     inner_opt: optax.GradientTransformation,
     params: optax.Params,
     inner_state: optax.OptState,
@@ -240,19 +215,18 @@ def rollout(
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), or with
       a ``model_state``, ``loss_fn(params, batch, model_state) -> (loss,
       new_model_state)``.
-    inner_opt: the Optax transform used for the inner steps.
+    inner_opt: the Optax transform of the inner steps.
     params: ``theta_0``.
     inner_state: the inner optimizer state to start from.
     batches: a pytree of leaves shaped ``(n_domains, per_domain_batch, ...)``.
-    domains: int ``(num_steps,)``, the domain of each step.
-    chunks: int ``(num_steps,)``, the chunk of each step.
+    domains, chunks: int ``(num_steps,)``, the domain and chunk of each step
+      (:func:`domain_schedule`).
     options: a :class:`RolloutOptions`.
     layout: the scan unroll and trajectory layout; None asks
       ``layout.default_layout`` for the current devices and this loss.
-    model_state: state that the loss's forward pass updates and that is not
-      trained by gradient (e.g. BatchNorm running statistics). Each step
-      starts from the state the previous step left, so the state follows the
-      rollout.
+    model_state: state that the loss's forward pass updates and gradients do
+      not train (e.g. BatchNorm running statistics); each step starts from
+      the state the previous step left.
 
   Returns:
     A :class:`Rollout`.

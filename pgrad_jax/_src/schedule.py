@@ -16,16 +16,14 @@ def domain_schedule(
   """Returns the (domain, chunk) visited at every inner step of a rollout.
 
   Round ``i`` (``0 <= i < num_chunks``) visits every domain once, on chunk
-  ``i`` of that domain's batch (the trajectory sampling of the paper's
-  eq. 4). With ``order="fixed"`` (PGrad-F) each round visits domains
-  ``0..n-1``; with ``order="random"`` (PGrad) each round uses a fresh random
-  permutation.
+  ``i`` of that domain's batch (the trajectory sampling of eq. 4).
 
   Args:
     key: a PRNG key; unused for ``order="fixed"``.
     num_domains: ``n``, the number of training domains.
     num_chunks: ``B``, the number of chunks each domain's batch is split into.
-    order: ``"random"`` or ``"fixed"``.
+    order: ``"fixed"`` (PGrad-F): every round visits domains ``0..n-1``;
+      ``"random"`` (PGrad): a fresh random permutation each round.
 
   Returns:
     ``(domains, chunks)``: two int32 arrays of length ``n * B``; step ``s``

@@ -1,23 +1,18 @@
 """The stored trajectory: displacements from theta_0, in one of two layouts.
 
 A rollout stores each point ``theta_i`` as its displacement
-``D_i = theta_i - theta_0``: small numbers, so their Gram matrix is free of
-the float32 cancellation the raw points would suffer. Each leaf is stored in
-one of two layouts (``layout.py`` chooses):
+``D_i = theta_i - theta_0``: small numbers, whose Gram matrix is free of the
+float32 cancellation the raw points would suffer. Each leaf is stored in one
+of two layouts (``layout.py`` chooses):
 
 * **stacked**, ``(s, *leaf_shape)`` for the ``s = m - 1`` steps: the leaf
-  keeps its own axes, so a sharded leaf stays sharded, and its Gram matrix
-  is one product over those axes (only the ``s x s`` result is reduced);
+  keeps its own axes, so a sharded leaf stays sharded;
 * **interleaved**, ``(n / c, m, c)`` for a leaf of ``n`` elements: block
   ``j`` of every point sits together, so the Gram matrix is a batched
-  product of small ``(m, c)`` tiles that stay in cache (about twice as fast
-  on XLA:CPU; the strided writes cost about 1 ms per step more). The ``m``
-  rows include ``theta_0`` as a zero row: one point of memory, for tiles 16
-  rows tall when ``s = 15``, which matrix kernels handle better than 15
-  (15-row tiles took a fifth longer).
-
-Either is written in place, one step at a time, into a buffer allocated
-before the rollout.
+  product of small ``(m, c)`` tiles that stay in cache (the strided writes
+  cost about 1 ms per step more). The ``m`` rows include ``theta_0`` as a
+  zero row: one point of memory, for tiles 16 rows tall when ``s = 15``,
+  which matrix kernels handle better (15-row tiles took a fifth longer).
 """
 
 import dataclasses
@@ -63,28 +58,10 @@ def _accumulation_dtype(dtype) -> Any:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def _zeros_like_leaf(leaf, dtype) -> jax.Array:
-  # ``leaf * 0`` rather than ``jnp.zeros``: XLA merges equal constant
-  # broadcasts, so two same-shaped leaves would share one buffer and the loop
-  # writing them in place would copy it (an extra trajectory-sized copy per
-  # repeated shape, measured). A non-finite leaf gives NaN here, as its
-  # rollout would anyway.
-  return (leaf * 0).astype(dtype or jnp.result_type(leaf))
-
-
-def _interleaves(leaf, block: int | None, dtype) -> bool:
-  # XLA:CPU widens an operand narrower than 32 bits whole before a product,
-  # so interleaving a narrow leaf would not save its copy.
-  if block is None:
-    return False
-  size = jnp.size(leaf)
-  dtype = jnp.dtype(dtype or jnp.result_type(leaf))
-  return size > 0 and size % block == 0 and dtype.itemsize >= 4
-
-
 def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
              dtype=None) -> Any:
-  """A trajectory of ``num_steps`` zero displacements shaped like ``params``.
+  """A buffer of ``num_steps`` zero displacements like ``params``, which the
+  rollout then fills in place, one step at a time (:func:`write`).
 
   Args:
     params: ``theta_0``.
@@ -98,8 +75,16 @@ def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
   block = layout.interleave_block
 
   def leaf_zeros(leaf):
-    zeros = _zeros_like_leaf(leaf, dtype)
-    if _interleaves(leaf, block, dtype):
+    # ``leaf * 0`` rather than ``jnp.zeros``: XLA merges equal constant
+    # broadcasts, so two same-shaped leaves would share one buffer and the
+    # loop writing them in place would copy it (an extra trajectory-sized copy
+    # per repeated shape, measured). A non-finite leaf gives NaN here, as its
+    # rollout would anyway.
+    zeros = (leaf * 0).astype(dtype or jnp.result_type(leaf))
+    # XLA:CPU widens an operand narrower than 32 bits whole before a product,
+    # so interleaving a narrow leaf would not save its copy.
+    if (block is not None and zeros.size and zeros.size % block == 0
+        and zeros.dtype.itemsize >= 4):
       rows = zeros.reshape(-1, 1, block)
       return InterleavedLeaf(
           jnp.broadcast_to(rows, (rows.shape[0], num_steps + 1, block)),
@@ -141,19 +126,11 @@ def num_steps(trajectory: Any) -> int:
   return leaf.blocks.shape[1] - 1 if _is_interleaved(leaf) else leaf.shape[0]
 
 
-def gram_dtype(trajectory: Any) -> Any:
-  """The dtype :func:`gram` returns: the stored dtypes, at least float32."""
-  leaves = jax.tree.leaves(_map(lambda x: x, lambda leaf: leaf.blocks,
-                                trajectory))
-  return _accumulation_dtype(jnp.result_type(*leaves))
-
-
 def gram(trajectory: Any) -> jax.Array:
   """``K[i, j] = <D_i, D_j>`` over the stored steps, leaf by leaf.
 
   Accumulated in at least float32. A stacked leaf is contracted over its own
-  axes, so it is never reshaped and, if sharded, stays sharded: only the
-  ``(s, s)`` result is reduced. An interleaved leaf is a batch of tiles.
+  axes, never reshaped; an interleaved leaf is a batch of tiles.
 
   Args:
     trajectory: displacements as :func:`allocate` lays them out, or any
@@ -195,10 +172,8 @@ def gram(trajectory: Any) -> jax.Array:
 
 
 def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
-  """``sum_i beta_i D_i`` leaf by leaf, in each point's shape and dtype.
-
-  Accumulated in at least float32.
-  """
+  """``sum_i beta_i D_i`` leaf by leaf, in each point's shape and dtype,
+  accumulated in at least float32."""
 
   def stacked_sum(x):
     acc = _accumulation_dtype(x.dtype)

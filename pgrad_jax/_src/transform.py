@@ -1,8 +1,8 @@
 """``pgrad`` and ``fish``: Optax transforms built on a rollout.
 
 An update of :func:`pgrad` is the paper's six steps in order: roll out
-(``rollout.rollout``), then centre, Gram and ``eigh``, orient, weight and
-calibrate, and project back (``principal.principal_gradient``).
+(``rollout.py``), then centre, Gram and ``eigh``, orient, weight and calibrate,
+and project back (``principal.py``).
 """
 
 from collections.abc import Callable
@@ -24,22 +24,22 @@ class PGradState(NamedTuple):
   """State of :func:`pgrad`.
 
   Attributes:
-    inner_state: the inner optimizer's state; it carries over from one outer
-      step to the next unless ``reset_inner_state=True``.
+    inner_state: the inner optimizer's state, carried from one outer step to
+      the next unless ``reset_inner_state=True``.
     model_state: None, or after an update given ``model_state=``, the model
-      state the rollout's last inner step left (e.g. BatchNorm running
-      statistics); read it by name, ``optax.tree_utils.tree_get(state,
-      "model_state")``, also through ``optax.chain``.
-    key: the PRNG key that draws the random domain order.
-    eigenvalues: ``(m,)`` spectrum of the last trajectory's centred Gram
-      matrix, descending, with ``m = num_domains * B + 1``; None unless
-      ``num_domains`` was given (the state's shapes are fixed at ``init``,
-      which sees only the params).
+      state the rollout's last inner step left; read it by name,
+      ``optax.tree_utils.tree_get(state, "model_state")``.
+    key: the PRNG key of the random domain order.
+    eigenvalues: ``(num_domains * B + 1,)`` spectrum of the last trajectory's
+      centred Gram matrix, descending.
     ref_norm: ``||theta_0 - theta_end||`` of the last rollout.
     loss: the mean inner loss of the last rollout.
     losses: ``(num_domains * B,)`` inner loss of every step of the last
-      rollout, in visiting order; None unless ``num_domains`` was given.
+      rollout, in visiting order.
     num_skipped: how many updates ``nonfinite="skip"`` has skipped.
+
+  ``eigenvalues`` and ``losses`` are None unless ``num_domains`` was given:
+  ``init`` sees only the params, and fixes the state's shapes.
   """
 
   inner_state: optax.OptState
@@ -53,8 +53,7 @@ class PGradState(NamedTuple):
 
 
 class FishState(NamedTuple):
-  """State of :func:`fish`: the fields of :class:`PGradState` but
-  ``eigenvalues``, with the same meaning."""
+  """State of :func:`fish`: :class:`PGradState` without ``eigenvalues``."""
 
   inner_state: optax.OptState
   model_state: Any
@@ -65,19 +64,12 @@ class FishState(NamedTuple):
   num_skipped: jax.Array
 
 
-class _Step(NamedTuple):
-  """What a transform makes of a rollout: its output and diagnostics."""
-
-  update: optax.Updates
-  ref_norm: jax.Array
-  eigenvalues: jax.Array | None = None
-
-
 def _rollout_transform(
     name: str,
     inner_opt: optax.GradientTransformation,
     options: rollout_lib.RolloutOptions,
-    from_rollout: Callable[[rollout_lib.Rollout], _Step],
+    from_rollout: Callable[[rollout_lib.Rollout],
+                           principal_lib.PrincipalGradient],
     *,
     order: schedule_lib.Order,
     reset_inner_state: bool,
@@ -87,9 +79,8 @@ def _rollout_transform(
 ) -> optax.GradientTransformationExtraArgs:
   """The machinery :func:`pgrad` and :func:`fish` share around a rollout.
 
-  ``from_rollout`` turns the rollout into the update; the state is a
-  :class:`PGradState` when the trajectory is stored, else a
-  :class:`FishState`.
+  ``from_rollout`` turns the rollout into the update and its diagnostics
+  (``eigenvalues`` None for fish).
   """
   validation.one_of("order", order, schedule_lib.Order)
   validation.one_of("nonfinite", nonfinite, NonFinite)
@@ -98,6 +89,15 @@ def _rollout_transform(
   num_chunks = options.num_chunks
   num_steps = 0 if num_domains is None else num_domains * num_chunks
   spectrum = options.store_trajectory
+
+  def make_state(eigenvalues, losses, **fields):
+    # Absent diagnostics are None, not empty arrays, which checkpointers
+    # such as Orbax refuse to save.
+    if not num_steps:
+      eigenvalues = losses = None
+    if not spectrum:
+      return FishState(losses=losses, **fields)
+    return PGradState(eigenvalues=eigenvalues, losses=losses, **fields)
 
   def init_fn(params):
     if not jax.tree.leaves(params):
@@ -111,28 +111,23 @@ def _rollout_transform(
             f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}. "
             "Keep integer state out of the params tree (e.g. nnx.Optimizer's "
             "wrt=nnx.Param).")
-    # Absent diagnostics are None, not empty arrays, which checkpointers
-    # such as Orbax refuse to save.
-    fields = dict(
+    return make_state(
+        eigenvalues=jnp.zeros((num_steps + 1,), jnp.float32),
+        losses=jnp.zeros((num_steps,), jnp.float32),
         inner_state=inner_opt.init(params),
         model_state=None,
         key=jax.random.PRNGKey(seed),
         ref_norm=jnp.zeros((), jnp.float32),
         loss=jnp.zeros((), jnp.float32),
-        losses=jnp.zeros((num_steps,), jnp.float32) if num_steps else None,
         num_skipped=jnp.zeros((), jnp.int32))
-    if not spectrum:
-      return FishState(**fields)
-    return PGradState(
-        eigenvalues=jnp.zeros((num_steps + 1,), jnp.float32)
-        if num_steps else None, **fields)
 
   def update_fn(updates, state, params=None, *, loss_fn=None, batches=None,
                 model_state=None, **extra_args):
     del updates, extra_args  # The rollout computes its own gradients.
     if params is None:
-      raise ValueError(f"{name}.update needs params: "
-                       "tx.update(grads, state, params, loss_fn=..., batches=...).")
+      raise ValueError(
+          f"{name}.update needs params: "
+          "tx.update(grads, state, params, loss_fn=..., batches=...).")
     if batches is None:
       raise ValueError(
           f"{name}.update needs batches=...: a pytree whose leaves stack one "
@@ -169,26 +164,22 @@ def _rollout_transform(
       skipped = ~finite
       update = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype),
                             update)
-      inner_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                 inner_state, state.inner_state)
-      # A skipped update returns the model state it was given.
-      new_model_state = jax.tree.map(
-          lambda new, old: jnp.where(finite, new, old), new_model_state,
-          model_state)
+      # A skipped update keeps the inner state and returns the model state
+      # it was given.
+      inner_state, new_model_state = jax.tree.map(
+          lambda new, old: jnp.where(finite, new, old),
+          (inner_state, new_model_state), (state.inner_state, model_state))
 
-    fields = dict(
+    return update, make_state(
+        eigenvalues=None if step.eigenvalues is None
+        else step.eigenvalues.astype(jnp.float32),
+        losses=rolled.losses,
         inner_state=inner_state,
         model_state=new_model_state,
         key=key,
         ref_norm=step.ref_norm.astype(jnp.float32),
         loss=jnp.mean(rolled.losses),
-        losses=rolled.losses if num_steps else None,
         num_skipped=state.num_skipped + skipped.astype(jnp.int32))
-    if not spectrum:
-      return update, FishState(**fields)
-    return update, PGradState(
-        eigenvalues=step.eigenvalues.astype(jnp.float32) if num_steps
-        else None, **fields)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -216,66 +207,46 @@ def pgrad(
 ) -> optax.GradientTransformationExtraArgs:
   """PGrad: step along the principal directions of a rollout trajectory.
 
-  Each update rolls out ``n * B`` inner-optimizer steps over the training
-  domains (each domain's batch split into ``B`` chunks, round ``i`` visiting
-  every domain once on chunk ``i``), centres the ``m = n * B + 1`` points,
-  eigendecomposes their ``m x m`` Gram matrix, orients each principal axis
-  along ``r = theta_0 - theta_end`` and outputs
-  ``||r|| * sum_{z<k} lambda_z / ||lambda_{:k}||_2 * v_z`` in gradient sign
-  convention. Chain it with the outer optimizer: the paper uses
+  Each update rolls out ``n * B`` steps of ``inner_opt`` over the ``n``
+  training domains (:func:`domain_schedule`; a schedule inside ``inner_opt``
+  counts them all) and outputs the principal gradient of the trajectory
+  (:func:`principal_gradient`) in gradient sign convention. The incoming
+  updates are ignored. Chain it with the outer optimizer: the paper uses
   ``optax.sgd(0.1)``.
-
-  The incoming updates are ignored: the rollout computes its own gradients
-  from the keyword-only extras ``loss_fn`` and ``batches``. Every inner step
-  is a step of ``inner_opt``, so a schedule inside it counts ``n * B`` steps
-  per outer update.
 
   Args:
     inner_opt: the Optax transform of the inner steps (the paper: Adam).
-    k: number of principal components, any positive integral value; more
-      than available uses them all.
-    B: chunks per domain batch (PGrad-B uses 3), any positive integral value;
-      must divide the batch size.
-    order: ``"random"`` (PGrad: a fresh domain permutation each round) or
-      ``"fixed"`` (PGrad-F: domains ``0..n-1``).
-    weighting: ``"l2"`` (``lambda / ||lambda||_2``, paper default), ``"l1"``
-      (``lambda / ||lambda||_1``) or ``"raw"`` (``lambda``).
-    calibrate_length: multiply by ``||r||`` (paper eq. 11); else unit length
-      with ``"l2"`` weighting.
-    components: ``"top"`` or ``"bottom"`` k components (appendix A.7 ablation).
-    parallel: every inner step starts from ``theta_0`` (PGradParallel); the
-      reference becomes ``theta_0`` minus the mean of the rollout's points.
-    reset_inner_state: re-initialise the inner optimizer every outer step
-      instead of carrying its state over.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is ignored.
-    nonfinite: ``"skip"``: if any inner loss, the update or the new model
+    k: how many principal components; more than available uses them all.
+    B: chunks per domain batch (PGrad-B uses 3); must divide the batch size.
+    order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F): see
+      :func:`domain_schedule`.
+    weighting, calibrate_length, components, rtol: as in
+      :func:`principal_gradient`.
+    parallel: every inner step starts from ``theta_0`` (PGradParallel), the
+      inner state still threading through; the reference becomes ``theta_0``
+      minus the mean of the rollout's points.
+    reset_inner_state: re-initialise the inner optimizer every outer step.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
+    nonfinite: ``"skip"``: if an inner loss, the update or the new model
       state is not finite, the update is zero, the inner and model states are
-      kept and ``num_skipped`` counts it, so NaN never reaches the params;
-      ``"propagate"``: no check.
-    unroll: ``jax.lax.scan`` unroll of the rollout; None picks per backend:
-      rolled, except on CPU for a loss with convolutions, which XLA:CPU runs
-      far faster unrolled.
-    trajectory_dtype: dtype of the stored trajectory (displacements from
-      ``theta_0``); e.g. ``jnp.bfloat16`` halves its memory. None keeps the
-      params' dtypes.
-    gram_dtype: dtype of the Gram matrix and ``eigh`` (at least float32).
-    rtol: relative cut-off under which an eigenvalue counts as zero.
+      kept and ``num_skipped`` counts it; ``"propagate"``: no check.
+    unroll: ``jax.lax.scan`` unroll of the rollout; None lets ``layout.py``
+      pick it for the devices and the loss.
+    trajectory_dtype: dtype of the stored displacements, e.g. ``jnp.bfloat16``
+      to halve their memory; None keeps the params' dtypes.
+    gram_dtype: the ``dtype`` of :func:`principal_gradient`.
     axis_name: inside ``shard_map``/``pmap`` with the batch split over this
-      axis, average gradients and losses over it.
-    num_domains: the number of training domains; sizes the per-step
-      diagnostics in the state (``eigenvalues``, ``losses``), which are empty
-      without it, and is checked against ``batches``.
+      axis, average gradients, losses and a floating model state over it.
+    num_domains: the number of training domains; sizes the state's
+      ``eigenvalues`` and ``losses`` and is checked against ``batches``.
     seed: seeds the random domain order.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`PGradState`. Its ``update(updates, state, params, *, loss_fn,
-    batches, model_state=None, **extra_args)`` takes
-    ``loss_fn(params, batch) -> scalar`` and ``batches``, a pytree with leaves
-    shaped ``(n_domains, batch, ...)``. Given ``model_state`` (e.g. BatchNorm
-    statistics), ``loss_fn(params, batch, model_state)`` returns ``(loss,
-    new_model_state)``, the state follows the inner steps, and the new state's
-    ``model_state`` holds what the last step left.
+    An ``optax.GradientTransformationExtraArgs`` with a :class:`PGradState`.
+    Its ``update(updates, state, params, *, loss_fn, batches,
+    model_state=None)`` takes ``loss_fn`` and ``batches`` (leaves
+    ``(n_domains, batch, ...)``) as :func:`rollout` does, and an optional
+    ``model_state`` (e.g. BatchNorm statistics) that follows the inner steps.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -287,12 +258,11 @@ def pgrad(
     ...   return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
     >>> tx = optax.chain(pgrad_jax.pgrad(optax.adam(1e-2), k=2, B=3),
     ...                  optax.sgd(0.1))
-    >>> state = tx.init(params)
-    >>> updates, state = tx.update(None, state, params, loss_fn=loss_fn,
-    ...                            batches=batches)
-    >>> params = optax.apply_updates(params, updates)
-    >>> bool(loss_fn(params, {"x": x[0], "y": batches["y"][0]}) <
-    ...      loss_fn({"w": jnp.zeros(3)}, {"x": x[0], "y": batches["y"][0]}))
+    >>> updates, state = tx.update(None, tx.init(params), params,
+    ...                            loss_fn=loss_fn, batches=batches)
+    >>> first = jax.tree.map(lambda b: b[0], batches)
+    >>> new_params = optax.apply_updates(params, updates)
+    >>> bool(loss_fn(new_params, first) < loss_fn(params, first))
     True
 
   References:
@@ -307,11 +277,10 @@ def pgrad(
       trajectory_dtype=trajectory_dtype, axis_name=axis_name)
 
   def principal_step(rolled):
-    result = principal_lib.principal_gradient(
+    return principal_lib.principal_gradient(
         rolled.displacements, k, weighting=weighting,
         calibrate_length=calibrate_length, components=components,
         reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype)
-    return _Step(result.update, result.ref_norm, result.eigenvalues)
 
   return _rollout_transform(
       "pgrad", inner_opt, options, principal_step, order=order,
@@ -334,24 +303,14 @@ def fish(
 ) -> optax.GradientTransformationExtraArgs:
   """Fish (Reptile over domains): output ``theta_0 - theta_end`` of a rollout.
 
-  The same sequential rollout as :func:`pgrad`, keeping only its end point
-  (one point of memory where PGrad stores the trajectory) and no principal
-  components: ``optax.chain(fish(inner_opt), optax.sgd(meta_lr))`` moves the
-  params a fraction ``meta_lr`` of the way to the rollout's end point, which
-  is Fish's meta update.
+  The rollout of :func:`pgrad`, keeping only its end point (one point of
+  memory): ``optax.chain(fish(inner_opt), optax.sgd(meta_lr))`` moves the
+  params a fraction ``meta_lr`` of the way there, Fish's meta update.
 
   Args:
     inner_opt: the Optax transform of the inner steps (Fish uses Adam).
-    B: chunks per domain batch, as in :func:`pgrad`.
-    order: ``"random"`` or ``"fixed"`` domain order.
-    reset_inner_state: re-initialise the inner optimizer every outer step.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``.
-    nonfinite: ``"skip"`` or ``"propagate"``, as in :func:`pgrad`.
-    unroll: ``jax.lax.scan`` unroll; None picks per backend and loss, as in
-      :func:`pgrad`.
-    axis_name: mapped axis to average gradients over, as in :func:`pgrad`.
-    num_domains: sizes the per-step ``losses`` diagnostic.
-    seed: seeds the random domain order.
+    B, order, reset_inner_state, has_aux, nonfinite, unroll, axis_name,
+      num_domains, seed: as in :func:`pgrad`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`FishState`;
@@ -373,7 +332,6 @@ def fish(
     Shi et al., `Gradient Matching for Domain Generalization
     <https://arxiv.org/abs/2104.09937>`_, ICLR 2022.
   """
-
   options = rollout_lib.RolloutOptions(
       num_chunks=B, has_aux=has_aux, unroll=unroll, axis_name=axis_name,
       store_trajectory=False)
@@ -382,7 +340,7 @@ def fish(
     update = jax.tree.map(lambda d: -d, rolled.point(-1))
     ref_norm = jnp.sqrt(sum(jnp.sum(jnp.square(u.astype(jnp.float32)))
                             for u in jax.tree.leaves(update)))
-    return _Step(update, ref_norm)
+    return principal_lib.PrincipalGradient(update, None, ref_norm)
 
   return _rollout_transform(
       "fish", inner_opt, options, end_point, order=order,

@@ -11,8 +11,7 @@ def positive_int(name: str, value: Any) -> int:
   """``value`` as a Python int, or an error naming ``name``.
 
   Accepts anything integral (``4``, ``np.int64(4)``, a concrete integer
-  array); rejects booleans, floats and traced arrays, whose value is unknown
-  when shapes are fixed.
+  array); rejects booleans, floats and traced arrays.
   """
   if isinstance(value, jax.core.Tracer):
     raise TypeError(
