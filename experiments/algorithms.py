@@ -1,7 +1,8 @@
 """Domain generalization algorithms as pure update functions.
 
 An algorithm's builder ``builder(network, hparams, *, num_domains, seed)``,
-registered by name in ``experiments.catalog``, returns an `Algorithm`, a pair of pure functions:
+registered by name in ``experiments.catalog``, returns an `Algorithm`, a
+pair of pure functions:
 
 * ``init(params) -> state``: the algorithm's state (its optimizer state and
   anything else it tracks, PRNG keys included);

@@ -46,7 +46,9 @@ class DatasetEntry(registry.Entry):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelEntry(registry.Entry):
-  """A featurizer; its builder is ``builder(in_channels, *, rngs, dtype,
+  """A featurizer network, the part of a model before its linear head.
+
+  Its builder is called as ``builder(in_channels, *, rngs, dtype,
   param_dtype, **options, **hparams_options(hparams))``.
 
   Attributes:
@@ -62,8 +64,10 @@ class ModelEntry(registry.Entry):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AlgorithmEntry(registry.Entry):
-  """An algorithm; its builder is ``builder(network, hparams, *,
-  num_domains, seed, **options)``.
+  """A training algorithm.
+
+  Its builder is called as ``builder(network, hparams, *, num_domains, seed,
+  **options)`` and returns an ``algorithms.Algorithm``.
 
   Attributes:
     variant_of: for an ablation of the claims, the algorithm whose search
