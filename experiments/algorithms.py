@@ -1,7 +1,8 @@
-"""Domain generalization algorithms as pure update functions, and a registry.
+"""Domain generalization algorithms as pure update functions.
 
-A registered builder ``builder(network, hparams, *, num_domains, seed)``
-returns an `Algorithm`, a pair of pure functions:
+An algorithm's builder ``builder(network, hparams, *, num_domains, seed)``,
+registered by name in ``experiments.catalog``, returns an `Algorithm`, a
+pair of pure functions:
 
 * ``init(params) -> state``: the algorithm's state (its optimizer state and
   anything else it tracks, PRNG keys included);
@@ -55,7 +56,6 @@ Conventions shared by all algorithms:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -65,7 +65,7 @@ import optax
 from flax import nnx
 
 import pgrad_jax
-from experiments import hparams_registry
+from experiments import catalog
 from experiments import tasks
 
 Params = nnx.State
@@ -136,33 +136,6 @@ class Algorithm(NamedTuple):
       tuple[Params, Stats, Any, Metrics]]
 
 
-AlgorithmBuilder = Callable[..., Algorithm]
-ALGORITHMS: dict[str, AlgorithmBuilder] = {}
-
-
-def register_algorithm(
-    name: str, **options: Any
-) -> Callable[[AlgorithmBuilder], AlgorithmBuilder]:
-  """Registers ``builder(network, hparams, *, num_domains, seed, **options)``.
-
-  Args:
-    name: the name `build_algorithm` knows it by.
-    **options: keyword arguments bound to the builder, so that variants of one
-      algorithm register the same builder with different options.
-
-  Returns:
-    A decorator that registers the builder and returns it unchanged.
-  """
-
-  def decorator(builder: AlgorithmBuilder) -> AlgorithmBuilder:
-    if name in ALGORITHMS:
-      raise ValueError(f"Algorithm {name!r} is already registered.")
-    ALGORITHMS[name] = functools.partial(builder, **options)
-    return builder
-
-  return decorator
-
-
 def build_algorithm(
     name: str,
     network: Network,
@@ -174,7 +147,7 @@ def build_algorithm(
   """Builds a registered algorithm.
 
   Args:
-    name: a key of `ALGORITHMS`.
+    name: a name of ``catalog.ALGORITHMS``.
     network: the model, from `Network.split`.
     hparams: its hyperparameters (see ``experiments.hparams_registry``).
     num_domains: the number of training domains.
@@ -183,10 +156,8 @@ def build_algorithm(
   Returns:
     The algorithm.
   """
-  if name not in ALGORITHMS:
-    raise ValueError(
-        f"Unknown algorithm {name!r}; known: {', '.join(ALGORITHMS)}.")
-  return ALGORITHMS[name](network, hparams, num_domains=num_domains, seed=seed)
+  return catalog.ALGORITHMS[name].build(network, hparams,
+                                       num_domains=num_domains, seed=seed)
 
 
 # ----------------------------------------------------------------------------
@@ -353,7 +324,6 @@ def _rollout_algorithm(
 # The algorithms.
 
 
-@register_algorithm("ERM")
 def erm(network: Network, hparams: HParams, *, num_domains: int,
         seed: int) -> Algorithm:
   """Empirical risk minimisation: Adam on the loss of all domains pooled."""
@@ -414,19 +384,6 @@ def pgrad(
                             mix_chunks=hparams["B"] if mix else None)
 
 
-# The "-B" variants differ only in their hparams (B = 3).
-register_algorithm("PGrad")(pgrad)
-register_algorithm("PGrad-F", order="fixed")(pgrad)
-register_algorithm("PGrad-B")(pgrad)
-register_algorithm("PGrad-BMix", mix=True)(pgrad)
-register_algorithm("PGradParallel", parallel=True)(pgrad)
-# The claims' ablations differ only in hparams; see
-# `hparams_registry.VARIANTS`. All vary PGrad.
-for _variant in hparams_registry.VARIANTS:
-  register_algorithm(_variant)(pgrad)
-
-
-@register_algorithm("Fish")
 def fish(network: Network, hparams: HParams, *, num_domains: int,
          seed: int) -> Algorithm:
   """Fish: ``theta += meta_lr * (theta_inner - theta)`` after a rollout.
@@ -538,7 +495,6 @@ def fishr_penalty(variances: jax.Array) -> jax.Array:
   return jnp.mean((variances - variances.mean(axis=0)) ** 2)
 
 
-@register_algorithm("Fishr")
 def fishr(network: Network, hparams: HParams, *, num_domains: int,
           seed: int) -> Algorithm:
   """Fishr (Rame et al., ICML 2022) as in DomainBed.
@@ -588,7 +544,6 @@ def fishr(network: Network, hparams: HParams, *, num_domains: int,
   return Algorithm(init, update)
 
 
-@register_algorithm("MixUp")
 def mixup_algorithm(network: Network, hparams: HParams, *, num_domains: int,
                     seed: int) -> Algorithm:
   """Inter-domain MixUp (Yan et al., 2020) as in DomainBed; see `mixup`."""
@@ -641,7 +596,6 @@ def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
   return jax.vmap(domain_penalty)(outputs, labels)
 
 
-@register_algorithm("IRM")
 def irm(network: Network, hparams: HParams, *, num_domains: int,
         seed: int) -> Algorithm:
   """IRMv1 (Arjovsky et al., 2019) as in DomainBed.
@@ -708,7 +662,6 @@ def coral_penalty(features: jax.Array) -> jax.Array:
   return (mean_gaps + covariance_gaps).mean()
 
 
-@register_algorithm("CORAL")
 def coral(network: Network, hparams: HParams, *, num_domains: int,
           seed: int) -> Algorithm:
   """Deep CORAL (Sun & Saenko, 2016) as in DomainBed.

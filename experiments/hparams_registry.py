@@ -27,44 +27,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# Datasets of small images, trained with DomainBed's MNIST CNN from scratch.
-SMALL_IMAGES = ("RotatedDigits", "ColoredDigits", "RotatedMNIST",
-                "ColoredMNIST", "RotatedMNIST5k", "ColoredMNIST5k")
-# The datasets built from scikit-learn's bundled digits.
-EMBEDDED = ("RotatedDigits", "ColoredDigits")
+from experiments import catalog
+
 # Algorithms built on a PGrad rollout, which use the paper's search space.
 PGRAD_ALGORITHMS = ("PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix",
                     "PGradParallel")
 # Chunks per domain batch of the "-B" variants.
 PGRAD_B = 3
-# Ablations that measure the paper's claims: name -> (the algorithm it
-# varies, the hparams it fixes). Each is its own algorithm name, so that model
-# selection and the report never pool it with its base. ``k="all"`` keeps
-# every component of the trajectory; ``components="bottom"`` with ``k=1``
-# steps along the trajectory's least-varying direction (the paper's A.7).
-VARIANTS = {
-    "PGrad-k1": ("PGrad", {"k": 1}),
-    "PGrad-k2": ("PGrad", {"k": 2}),
-    "PGrad-kall": ("PGrad", {"k": "all"}),
-    "PGrad-Bottom": ("PGrad", {"components": "bottom", "k": 1}),
-}
-
-# WILDS datasets (experiments.wilds) -> WILDS's network: a multispectral
-# ResNet-18 for PovertyMap, an ImageNet DenseNet-121 for FMoW.
-WILDS_MODELS = {"PovertyMap": "resnet18", "FMoW": "densenet121"}
-
-
-def wilds_name(dataset: str) -> str | None:
-  """``"PovertyMap"`` for any PovertyMap fold, ``"FMoW"``, else ``None``."""
-  base = dataset.split("-")[0]
-  return base if base in WILDS_MODELS else None
-
-
-def default_model(dataset: str) -> str:
-  """The network for ``dataset``: DomainBed's MNIST CNN or ResNet-50, WILDS's."""
-  if wilds_name(dataset):
-    return WILDS_MODELS[wilds_name(dataset)]
-  return "mnist_cnn" if dataset in SMALL_IMAGES else "resnet50"
 
 
 def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
@@ -79,7 +48,7 @@ def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   0.01 (FMoW), n-hat the domains sampled per step (8 here, as WILDS's
   groups per batch; the paper does not state it).
   """
-  poverty = wilds_name(dataset) == "PovertyMap"
+  poverty = catalog.DATASETS[dataset].wilds == "PovertyMap"
   hparams = {"lr": 1e-3 if poverty else 1e-4, "weight_decay": 0.0,
              "batch_size": 8, "domains_per_step": 8, "bn_mode": "train",
              "resnet_dropout": 0.0}
@@ -230,13 +199,14 @@ class HParam(NamedTuple):
 
 def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
   """Every hyperparameter of ``algorithm`` on ``dataset``, by name."""
-  if algorithm in VARIANTS:
-    base, fixed = VARIANTS[algorithm]
-    hp = _hparams(base, dataset)
-    for name, value in fixed.items():
+  variant_of = catalog.ALGORITHMS[algorithm].variant_of
+  if variant_of:
+    hp = _hparams(variant_of, dataset)
+    for name, value in catalog.ALGORITHMS[algorithm].fixed_hparams.items():
       hp[name] = HParam(value, None, hp[name].allowed)
     return hp
-  if wilds_name(dataset):
+  facts = catalog.DATASETS[dataset]
+  if facts.wilds:
     # Every name and its allowed values as on DomainBed's photo datasets
     # (PACS here), WILDS's values fixed: the paper does not search there.
     hp = _hparams(algorithm, "PACS")
@@ -246,7 +216,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
       allowed.setdefault(name, hp[name].allowed if name in hp else None)
       hp[name] = HParam(value, None, allowed[name])
     return {name: hparam._replace(search=None) for name, hparam in hp.items()}
-  small = dataset in SMALL_IMAGES
+  small = facts.small_images
   pgrad = algorithm in PGRAD_ALGORITHMS
   hp: dict[str, HParam] = {}
 
@@ -280,7 +250,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
     # the embedded digits are 8x8 scans upsampled, so a quarter of that width
     # learns them as well and trains in minutes on a CPU.
-    add("cnn_width", 16 if dataset in EMBEDDED else 64, POSITIVE_INT)
+    add("cnn_width", 16 if facts.upsampled else 64, POSITIVE_INT)
     # The image side the network sees; DomainBed's 28 (see
     # datasets.resized for why the embedded digits can take 14).
     add("image_size", 28, POSITIVE_INT)

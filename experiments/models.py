@@ -1,4 +1,4 @@
-"""Flax NNX networks for the DomainBed experiments, and a registry to build them.
+"""Flax NNX networks for the DomainBed experiments, built by name.
 
 Every model is a :class:`Classifier`: a ``featurizer`` that maps channels-last
 images ``(N, H, W, C)`` to a feature vector, followed by a linear ``head``.
@@ -49,14 +49,15 @@ one mask. Evaluation is ``nnx.merge(graphdef, params, rest)`` then
 ``.eval()`` (or the stateful model after ``nnx.update(model, params, rest)``).
 """
 
-from collections.abc import Callable, Sequence
-import functools
-from typing import Literal, TypeVar
+from collections.abc import Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Dtype
+
+from experiments import catalog
 
 BNMode = Literal["frozen", "train"]
 Rng = nnx.Rngs | jax.Array | None
@@ -108,33 +109,6 @@ class Classifier(nnx.Module):
     return self.head(self.features(x, rngs=rngs))
 
 
-ModelFactory = Callable[..., nnx.Module]
-F = TypeVar("F", bound=ModelFactory)
-MODELS: dict[str, ModelFactory] = {}
-
-
-def register_model(name: str) -> Callable[[F], F]:
-  """Registers a featurizer factory under ``name`` for :func:`build_model`.
-
-  The factory is called as ``factory(in_channels, *, rngs, dtype,
-  param_dtype, **kwargs)`` and returns a featurizer (see :class:`Classifier`).
-
-  Args:
-    name: the name passed to :func:`build_model`.
-
-  Returns:
-    A decorator that registers its argument and returns it unchanged.
-  """
-
-  def decorator(factory: F) -> F:
-    if name in MODELS:
-      raise ValueError(f"Model {name!r} is already registered.")
-    MODELS[name] = factory
-    return factory
-
-  return decorator
-
-
 def build_model(
     name: str,
     *,
@@ -145,10 +119,10 @@ def build_model(
     param_dtype: Dtype = jnp.float32,
     **kwargs,
 ) -> Classifier:
-  """Builds the registered featurizer ``name`` with a fresh linear head.
+  """Builds the featurizer registered as ``name`` with a fresh linear head.
 
   Args:
-    name: a key of :data:`MODELS`, e.g. ``"mnist_cnn"``, ``"resnet50"``.
+    name: a name of ``catalog.MODELS``, e.g. ``"mnist_cnn"``, ``"resnet50"``.
     num_classes: number of output logits.
     input_shape: channels-last shape of one image, ``(H, W, C)``; only ``C``
       shapes the model (all models pool globally).
@@ -161,11 +135,9 @@ def build_model(
   Returns:
     The :class:`Classifier`, in train mode.
   """
-  if name not in MODELS:
-    raise KeyError(f"Unknown model {name!r}; registered: {sorted(MODELS)}.")
   if len(input_shape) != 3:
     raise ValueError(f"input_shape must be (H, W, C), got {input_shape}.")
-  featurizer = MODELS[name](
+  featurizer = catalog.MODELS[name].build(
       input_shape[-1], rngs=rngs, dtype=dtype, param_dtype=param_dtype, **kwargs
   )
   return Classifier(
@@ -173,7 +145,6 @@ def build_model(
   )
 
 
-@register_model("mnist_cnn")
 class MNISTCNN(nnx.Module):
   """DomainBed's MNIST_CNN: four 3x3 convs, each + ReLU + GroupNorm(8).
 
@@ -271,6 +242,8 @@ def _conv(
 
 def _batch_norm(num_features: int, bn_mode: BNMode, **kwargs) -> nnx.BatchNorm:
   """A BatchNorm with PyTorch's defaults (momentum 0.1 = Flax's 0.9)."""
+  if bn_mode not in ("frozen", "train"):
+    raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
   cls = {"frozen": FrozenBatchNorm, "train": nnx.BatchNorm}[bn_mode]
   return cls(num_features, momentum=0.9, epsilon=1e-5, **kwargs)
 
@@ -397,8 +370,6 @@ class ResNet(nnx.Module):
       raise ValueError(
           f"depth must be one of {sorted(RESNET_SPECS)}, got {depth}."
       )
-    if bn_mode not in ("frozen", "train"):
-      raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
     block, stage_sizes = RESNET_SPECS[depth]
     layer_kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.conv1 = _conv(in_channels, 64, 7, 2, **layer_kwargs)
@@ -426,10 +397,6 @@ class ResNet(nnx.Module):
       for block in getattr(self, name):
         x = block(x)
     return self.dropout(x.mean(axis=(1, 2)), rngs=rngs)
-
-
-register_model("resnet18")(functools.partial(ResNet, depth=18))
-register_model("resnet50")(functools.partial(ResNet, depth=50))
 
 
 # torchvision's DenseNet init: Kaiming-normal on fan-in.
@@ -471,7 +438,6 @@ class Transition(nnx.Module):
     return nnx.avg_pool(x, (2, 2), strides=(2, 2))
 
 
-@register_model("densenet121")
 class DenseNet(nnx.Module):
   """A torchvision-architecture DenseNet-121 featurizer (no ``classifier``).
 
@@ -492,18 +458,7 @@ class DenseNet(nnx.Module):
       dtype: Dtype = jnp.float32,
       param_dtype: Dtype = jnp.float32,
   ):
-    """Builds the network.
-
-    Args:
-      in_channels: number of input channels.
-      bn_mode: ``"frozen"`` or ``"train"``; see the module docstring.
-      dropout: dropout rate on the pooled features, active in train mode.
-      rngs: initialization keys; also seeds the stored dropout stream.
-      dtype: computation dtype.
-      param_dtype: parameter dtype (BN statistics stay float32).
-    """
-    if bn_mode not in ("frozen", "train"):
-      raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
+    """Builds the network; the arguments are `ResNet`'s but ``depth``."""
     kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.conv0 = _conv(in_channels, DENSENET_STEM, 7, 2,
                        kernel_init=_DENSENET_CONV_INIT, **kwargs)

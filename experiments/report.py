@@ -32,9 +32,8 @@ from typing import NamedTuple
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import algorithms as algorithms_lib
+from experiments import catalog
 from experiments import claims as claims_lib
-from experiments import datasets as datasets_lib
 from experiments import model_selection
 from experiments import plots
 from experiments import wilds_report
@@ -208,7 +207,7 @@ def write_plots(
     return [], [f"no plots: no run has hparams_seed {PLOTTED_HPARAMS_SEED}"]
   by_algorithm = model_selection.group_by(runs,
                                           lambda r: r["args"]["algorithm"])
-  algorithms = _ordered(by_algorithm, algorithms_lib.ALGORITHMS)
+  algorithms = _ordered(by_algorithm, catalog.ALGORITHMS)
   loss_runs = [r for r in runs if _has_loss_curves(r)]
   # (caption, file suffix, plot function, records or [] with the reason).
   figures = [
@@ -253,9 +252,9 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
   wilds_table = wilds_report.wilds_table(records)
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
-  datasets = _ordered(by_dataset, datasets_lib.DATASETS)
+  datasets = _ordered(by_dataset, catalog.DATASETS)
   algorithms = _ordered((r["args"]["algorithm"] for r in records),
-                        algorithms_lib.ALGORITHMS)
+                        catalog.ALGORITHMS)
   num_domains = {d: model_selection.num_envs(by_dataset[d][0])
                  for d in datasets}
   domain_names = {d: next((r["domains"] for r in by_dataset[d]

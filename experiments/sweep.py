@@ -38,7 +38,7 @@ from typing import Any
 
 import tqdm
 
-from experiments import algorithms as algorithms_lib
+from experiments import catalog
 from experiments import claims as claims_lib
 from experiments import config as config_lib
 from experiments import datasets as datasets_lib
@@ -300,11 +300,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       "unfinished runs. Default: launch.")
   parser.add_argument(
       "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
-      choices=list(datasets_lib.DATASETS), metavar="DATASET",
+      choices=list(catalog.DATASETS), metavar="DATASET",
       help=f"Default: {' '.join(DEFAULT_DATASETS)}.")
   parser.add_argument(
-      "--algorithms", nargs="+", default=list(algorithms_lib.ALGORITHMS),
-      choices=list(algorithms_lib.ALGORITHMS), metavar="ALGORITHM",
+      "--algorithms", nargs="+", default=list(catalog.ALGORITHMS),
+      choices=list(catalog.ALGORITHMS), metavar="ALGORITHM",
       help="Default: all of them.")
   parser.add_argument(
       "--test_envs", nargs="+", type=int, default=None,

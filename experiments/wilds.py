@@ -393,10 +393,3 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
                        num_classes=len(FMOW_CATEGORIES),
                        group_names=FMOW_REGIONS, epochs=10)
 
-
-datasets.register_dataset("FMoW")(fmow)
-datasets.register_dataset("PovertyMap")(poverty_map)
-for _fold in "BCDE":
-  datasets.register_dataset(f"PovertyMap-{_fold}")(
-      lambda *, data_dir=None, seed=0, fold=_fold: poverty_map(
-          data_dir=data_dir, seed=seed, fold=fold))

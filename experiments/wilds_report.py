@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from experiments import hparams_registry
+from experiments import catalog
 from experiments import model_selection
 from experiments.model_selection import Record
 
@@ -28,9 +28,16 @@ def _split_env(record: Record, split: str) -> int:
   return record["domains"].index(split)
 
 
+def wilds_name(record: Record) -> str | None:
+  """The WILDS dataset a record's run is on (any PovertyMap fold is
+  ``"PovertyMap"``), or ``None`` for another dataset, registered or not."""
+  entry = catalog.DATASETS.get(record["args"]["dataset"])
+  return None if entry is None else entry.wilds
+
+
 def selected_metrics(run_records: Sequence[Record]) -> tuple[float, float]:
   """The ``(val, test)`` metric of a run's best checkpoint on ``val``."""
-  dataset = hparams_registry.wilds_name(run_records[0]["args"]["dataset"])
+  dataset = wilds_name(run_records[0])
   metric = METRICS[dataset][0]
 
   def value(record: Record, split: str) -> float:
@@ -43,7 +50,7 @@ def selected_metrics(run_records: Sequence[Record]) -> tuple[float, float]:
 def wilds_records(records: Iterable[Record]) -> list[Record]:
   """The records of runs on a WILDS dataset."""
   return [r for r in records
-          if hparams_registry.wilds_name(r["args"]["dataset"])]
+          if wilds_name(r)]
 
 
 def _format(values: Sequence[float], scale: float) -> str:
@@ -67,7 +74,7 @@ def wilds_table(
   """
   runs = model_selection.group_by(
       wilds_records(records),
-      lambda r: (hparams_registry.wilds_name(r["args"]["dataset"]),
+      lambda r: (wilds_name(r),
                  r["args"]["algorithm"], r["args"]["dataset"],
                  r["args"]["seed"], r["args"]["hparams_seed"],
                  r["args"]["trial_seed"]))

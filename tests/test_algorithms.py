@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from experiments import algorithms
+from experiments import catalog
 from experiments import hparams_registry
 from experiments import models
 
@@ -53,7 +54,7 @@ def _hparams(name):
   return hparams
 
 
-@pytest.mark.parametrize("name", list(algorithms.ALGORITHMS))
+@pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
 def test_every_algorithm_takes_a_finite_step(name):
   model = models.Classifier(TinyFeaturizer(16, rngs=nnx.Rngs(0)), NUM_CLASSES,
                             rngs=nnx.Rngs(1))
@@ -217,9 +218,9 @@ def test_mixup_mixes_every_chunk_with_the_same_chunk_of_another_domain(
 
 def test_registry():
   assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
-          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(algorithms.ALGORITHMS)
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(catalog.ALGORITHMS)
   with pytest.raises(ValueError, match="already registered"):
-    algorithms.register_algorithm("ERM")(algorithms.erm)
+    catalog.ALGORITHMS.register("ERM", algorithms.erm)
   with pytest.raises(ValueError, match="Unknown algorithm"):
     algorithms.build_algorithm("SGD", None, {}, num_domains=2)
 
@@ -231,7 +232,7 @@ def test_registry():
 ])
 def test_pgrad_b_defaults_follow_the_paper(dataset, model, lr, batch):
   hparams = hparams_registry.default_hparams("PGrad-B", dataset)
-  assert hparams_registry.default_model(dataset) == model
+  assert catalog.DATASETS[dataset].model == model
   assert hparams["lr"] == lr and hparams["outer_lr"] == 0.1
   assert hparams["k"] == 4 and hparams["B"] == 3
   assert hparams["batch_size"] == batch and hparams["weight_decay"] == 0.0
@@ -256,7 +257,7 @@ def test_random_hparams_are_seeded_and_in_range():
 
 @pytest.mark.parametrize("dataset", ["RotatedDigits", "PACS", "DomainNet"])
 def test_every_draw_is_allowed_and_bad_values_name_their_range(dataset):
-  for name in algorithms.ALGORITHMS:
+  for name in catalog.ALGORITHMS:
     for seed in range(6):
       hparams_registry.check_hparams(
           name, dataset, hparams_registry.random_hparams(name, dataset, seed))
@@ -393,8 +394,12 @@ def test_fish_random_order_visits_the_domains_in_another_order():
 
 
 def test_variants_fix_their_hparams_over_the_base_search_space():
-  for name, (base, fixed) in hparams_registry.VARIANTS.items():
-    assert name in algorithms.ALGORITHMS
+  variants = {name: entry for name, entry in catalog.ALGORITHMS.items()
+              if entry.variant_of}
+  assert set(variants) == {"PGrad-k1", "PGrad-k2", "PGrad-kall",
+                           "PGrad-Bottom"}
+  for name, entry in variants.items():
+    base, fixed = entry.variant_of, entry.fixed_hparams
     defaults = hparams_registry.default_hparams(name, "RotatedDigits")
     assert defaults == {**hparams_registry.default_hparams(
         base, "RotatedDigits"), **fixed}
@@ -579,7 +584,7 @@ def test_irm_and_coral_hparams_follow_domainbed():
 ])
 def test_wilds_defaults_follow_the_paper_and_wilds(dataset, model, lr,
                                                    outer_lr):
-  assert hparams_registry.default_model(dataset) == model
+  assert catalog.DATASETS[dataset].model == model
   hparams = hparams_registry.default_hparams("PGrad", dataset)
   assert hparams["lr"] == lr and hparams["outer_lr"] == outer_lr
   assert hparams["outer_lr_per_domain"] and hparams["weight_decay"] == 0.0

@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pytest
 
-from experiments import algorithms
+from experiments import catalog
 from experiments import config as config_lib
 from experiments import datasets
 from experiments import hparams_registry
-from experiments import models
 from experiments import sweep
 from experiments import train
+from experiments import training
 from test_train import REPO, fixture_env, read_records  # pylint: disable=unused-import
 
 
@@ -50,8 +50,9 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
   assert (config.dataset, config.algorithm, config.test_envs) == (
       "RotatedDigits", "PGrad-B", [0])
   assert config.model == "mnist_cnn"
-  assert (config.steps, config.checkpoint_freq) == config_lib.SCHEDULES[
-      "RotatedDigits"]
+  facts = catalog.DATASETS["RotatedDigits"]
+  assert (config.steps, config.checkpoint_freq) == (300, 50) == (
+      facts.steps, facts.checkpoint_freq)
   assert config.hyperparameters()["batch_size"] == 63
   assert config_lib.parse_args(["--dataset", "PACS"]).resolve().model == (
       "resnet50")
@@ -68,11 +69,12 @@ SHORT = ["--steps", "2", "--checkpoint_freq", "2", "--eval_examples", "16",
 TINY = [*SHORT, "--hparams", '{"batch_size": 3, "B": 1}']
 
 
-def _train_in(cwd, env, *flags):
+def _train_in(cwd, env, *flags, python_flags=()):
   """Runs the train command in ``cwd``, as a user would from a checkout."""
   env = {**env, "PYTHONPATH": os.pathsep.join(
       [str(REPO), *filter(None, [env.get("PYTHONPATH")])])}
-  return subprocess.run([sys.executable, "-m", "experiments.train", *flags],
+  return subprocess.run([sys.executable, *python_flags, "-m",
+                         "experiments.train", *flags],
                         cwd=cwd, env=env, capture_output=True, text=True,
                         check=False)
 
@@ -171,12 +173,51 @@ def test_an_unknown_algorithm_is_a_usage_error(tmp_path, env):
   print(f"--algorithm Nope rejected in {elapsed:.2f} s")
 
 
+# What makes a command line slow to refuse: each takes seconds to import.
+HEAVY_MODULES = {"jax", "flax", "optax", "grain", "orbax", "pgrad_jax"}
+
+
+@pytest.mark.parametrize("flags, status", [
+    (["--algorithm", "Nope"], 2), (["--dataset", "Nope"], 2),
+    (["--model", "Nope"], 2), (["--hparams", '{"lr": -1}'], 2),
+    (["--help"], 0),
+    (["--list_hparams", "--algorithm", "Fish", "--dataset", "PACS"], 0),
+])
+def test_the_command_line_is_checked_before_jax_is_imported(
+    flags, status, tmp_path, env):
+  # -X importtime writes a line per module imported, so an import of JAX,
+  # however quick, shows.
+  result = _train_in(tmp_path, env, *flags, python_flags=("-X", "importtime"))
+  assert result.returncode == status, result.stderr[-2000:]
+  imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
+              for line in result.stderr.splitlines()
+              if line.startswith("import time:")}
+  assert "experiments" in imported
+  assert not imported & HEAVY_MODULES, imported & HEAVY_MODULES
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("dataset, directory_hash", [
+    ("RotatedDigits", "88af1fde"), ("ColoredMNIST5k", "55075376"),
+    ("DomainNet", "561824be"), ("PACS", "4fc4c79e"),
+    ("TerraIncognita", "43c3fcd0"), ("PovertyMap-C", "8e50d895"),
+    ("FMoW", "049f590f")])
+def test_default_output_dirs_keep_the_names_existing_sweeps_have(
+    dataset, directory_hash):
+  # The hashes of the resolved defaults (steps, checkpoint frequency, model)
+  # before they moved onto the datasets' entries.
+  config = config_lib.parse_args(["--dataset", dataset])
+  assert config.output_dir == str(
+      config_lib.DEFAULT_RUNS_DIR
+      / f"{dataset}-PGrad-B-test0-{directory_hash}")
+
+
 def test_help_lists_the_registries_and_list_hparams_prints_them(capsys):
   with pytest.raises(SystemExit) as exit_info:
     config_lib.parse_args(["--help"])
   assert exit_info.value.code == 0
   text = " ".join(capsys.readouterr().out.split())
-  for name in (*datasets.DATASETS, *algorithms.ALGORITHMS, *models.MODELS):
+  for name in (*catalog.DATASETS, *catalog.ALGORITHMS, *catalog.MODELS):
     assert name in text
   assert "--list_hparams" in text
 
@@ -256,7 +297,7 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(
   def failing_step(*args):
     raise RuntimeError("the step failed")
 
-  monkeypatch.setattr(train, "make_train_step", failing_step)
+  monkeypatch.setattr(training, "make_train_step", failing_step)
   with pytest.raises(RuntimeError, match="the step failed"):
     train.main(["--dataset", "ColoredDigits", "--algorithm", "ERM"])
   assert list(tmp_path.iterdir()) == []
@@ -280,10 +321,10 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
     # Correct exactly when the image's value is even.
     return np.where(value % 2 == 0, labels, 1 - labels), value
 
-  state = train.TrainState(0, None, None, None)
+  state = training.TrainState(0, None, None, None)
   config = config_lib.Config(loss_examples=4)
-  results = train.evaluate(eval_step, state, dataset, sets, config,
-                           train.Sharder())
+  results = training.evaluate(eval_step, state, dataset, sets, config,
+                              training.Sharder())
   assert set(shapes) == {9}  # The largest split, not the flag's 256.
   assert results["env0_in_acc"] == 5 / 9  # 0, 2, 4, 6, 8 of 0..8.
   assert results["env0_out_acc"] == 1 / 3  # 10 of 9, 10, 11.

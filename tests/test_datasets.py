@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 from sklearn.datasets import load_digits
 
+from experiments import catalog
 from experiments import datasets
 
 NUM_DIGITS = 1797
@@ -27,7 +28,7 @@ def colored():
 
 
 def test_registry_knows_all_datasets():
-  assert set(datasets.DATASETS) >= {
+  assert set(catalog.DATASETS) >= {
       "RotatedDigits", "ColoredDigits", "RotatedMNIST", "ColoredMNIST",
       "DomainNet", "PACS", "VLCS", "OfficeHome", "TerraIncognita",
       "RotatedMNIST5k", "ColoredMNIST5k",
@@ -39,9 +40,9 @@ def test_unknown_dataset_lists_known_names():
     datasets.get_dataset("NoSuchDataset")
 
 
-def test_register_dataset_rejects_duplicates():
+def test_registering_a_dataset_twice_is_refused():
   with pytest.raises(ValueError, match="already registered"):
-    datasets.register_dataset("RotatedDigits")(lambda **_: None)
+    catalog.DATASETS.register("RotatedDigits", lambda **_: None)
 
 
 @pytest.mark.parametrize(

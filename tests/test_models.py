@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from experiments import catalog
 from experiments import models
 from experiments import pretrained
 
@@ -286,11 +287,10 @@ def test_registry():
   with pytest.raises(KeyError, match="resnet50"):
     _build("no_such_model")
   with pytest.raises(ValueError, match="already registered"):
-    models.register_model("resnet18")(models.ResNet)
+    catalog.MODELS.register("resnet18", models.ResNet)
   with pytest.raises(ValueError, match="bn_mode"):
     nnx.eval_shape(lambda: _build("resnet18", bn_mode="eval"))
 
-  @models.register_model("tiny_test_model")
   class Tiny(nnx.Module):
 
     def __init__(self, in_channels, *, rngs, dtype, param_dtype):
@@ -299,10 +299,11 @@ def test_registry():
     def __call__(self, x, *, rngs=None):
       return x.mean(axis=(1, 2))
 
+  catalog.MODELS.register("tiny_test_model", Tiny)
   try:
     assert _build("tiny_test_model", channels=4)(_images(4)).shape == (2, 5)
   finally:
-    del models.MODELS["tiny_test_model"]
+    del catalog.MODELS["tiny_test_model"]
 
 
 # ---------------------------------------------------------------------------

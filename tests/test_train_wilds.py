@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from experiments import config as config_lib
-from experiments import train
+from experiments import training
 from experiments import wilds
 from tests import wilds_data
 
@@ -38,7 +38,7 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
                                                        small_id_eval):
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
-  record = train.train(config_lib.parse_args([
+  record = training.train(config_lib.parse_args([
       "--dataset", "PovertyMap", "--algorithm", "PGrad",
       "--data_dir", str(tmp_path / "data"), "--output_dir",
       str(tmp_path / "run"), "--steps", "4", "--checkpoint_freq", "2",
@@ -66,7 +66,7 @@ def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
   dataset = wilds.poverty_map(data_dir=tmp_path)
   config = config_lib.Config(dataset="PovertyMap", algorithm="PGrad")
   hparams = config.hyperparameters()
-  resolved = train.wilds_protocol(config, dataset, hparams)
+  resolved = training.wilds_protocol(config, dataset, hparams)
   # 39 in-distribution rows - 6 evaluated = 33 training rows.
   assert resolved.steps == -(-200 * 33 // (hparams["batch_size"] * 8))
   assert resolved.test_envs == [13, 14, 15, 16]
@@ -78,11 +78,11 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
            "--checkpoint_freq", "2", *SMALL]
   domains = '"domains_per_step": 2, "batch_size": 2'
-  erm = train.train(config_lib.parse_args([
+  erm = training.train(config_lib.parse_args([
       *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
       "--hparams", "{" + domains + "}"]))
   assert erm["hparams"]["lr"] == 1e-4
-  pgrad = train.train(config_lib.parse_args([
+  pgrad = training.train(config_lib.parse_args([
       *flags, "--algorithm", "PGrad", "--output_dir", str(tmp_path / "pgrad"),
       "--init_params", str(tmp_path / "erm" / "final_params.npz"),
       "--hparams", "{" + domains + "}"]))
@@ -92,7 +92,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   for key in ("acc", "worst_acc"):
     assert 0 <= pgrad[f"env{val}_in_{key}"] <= 1
   with pytest.raises(ValueError, match="does not fit the model"):
-    train.train(config_lib.parse_args([
+    training.train(config_lib.parse_args([
         *flags[:-2], "--model", "resnet18", "--algorithm", "PGrad",
         "--output_dir", str(tmp_path / "bad"), "--init_params",
         str(tmp_path / "erm" / "final_params.npz")]))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from experiments import catalog
 from experiments import datasets
 from experiments import input_pipeline
 from experiments import wilds
@@ -57,7 +58,7 @@ def test_poverty_map_folds_move_the_countries(tmp_path):
   countries = np.array([r["country"] for r in rows])
   train, val, test = wilds.POVERTY_FOLDS["C"]
   dataset = wilds.poverty_map(data_dir=tmp_path, fold="C", id_eval_size=6)
-  assert dataset.name == "PovertyMap-C" and "PovertyMap-C" in datasets.DATASETS
+  assert dataset.name == "PovertyMap-C" and "PovertyMap-C" in catalog.DATASETS
   assert dataset.domain_names == train + wilds.EVAL_SPLITS
   by_name = dict(zip(dataset.domain_names, dataset.domains))
   assert sorted(set(countries[by_name["test"].rows])) == sorted(test)

@@ -1,0 +1,188 @@
+"""Every dataset, model and algorithm by name, with its facts.
+
+Adding one is a few lines here: a ``register`` call naming its builder (in
+``datasets.py``, ``wilds.py``, ``models.py`` or ``algorithms.py``) and its
+facts; an algorithm also needs its hparams in ``hparams_registry.py``. A
+folder dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
+
+This module imports no builder: it is what parses the command line, before
+JAX starts (see `registry`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from experiments import registry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DatasetEntry(registry.Entry):
+  """A dataset; its builder is ``builder(*, data_dir, seed, **options)``.
+
+  Attributes:
+    steps: training steps by default; ``None`` for WILDS's datasets, which
+      train for their epochs (``training.wilds_protocol`` turns them into
+      steps once the data are read).
+    checkpoint_freq: steps between evaluations and checkpoints by default.
+    model: the default network, a name of `MODELS`.
+    small_images: digits trained from scratch by DomainBed's MNIST CNN, with
+      its hparams; otherwise photos for an ImageNet network.
+    upsampled: the images are 8x8 scans upsampled to 28x28, which a quarter
+      of the MNIST CNN's width learns as well.
+    wilds: the WILDS dataset it is (every PovertyMap fold is
+      ``"PovertyMap"``), or ``None``.
+  """
+
+  steps: int | None = 5000
+  checkpoint_freq: int = 300
+  model: str = "resnet50"
+  small_images: bool = False
+  upsampled: bool = False
+  wilds: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelEntry(registry.Entry):
+  """A featurizer network, the part of a model before its linear head.
+
+  Its builder is called as ``builder(in_channels, *, rngs, dtype,
+  param_dtype, **options, **hparams_options(hparams))``.
+
+  Attributes:
+    hparams_options: the builder's keyword arguments that a run's hparams
+      set.
+    imagenet: whether DomainBed starts it from ImageNet weights.
+  """
+
+  hparams_options: Callable[[Mapping[str, Any]], dict[str, Any]] = (
+      lambda hparams: {})
+  imagenet: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AlgorithmEntry(registry.Entry):
+  """A training algorithm.
+
+  Its builder is called as ``builder(network, hparams, *, num_domains, seed,
+  **options)`` and returns an ``algorithms.Algorithm``.
+
+  Attributes:
+    variant_of: for an ablation of the claims, the algorithm whose search
+      space it takes, with `fixed_hparams` fixed. Each ablation is its own
+      name, so that model selection and the report never pool it with its
+      base.
+    fixed_hparams: the hparams the ablation fixes.
+  """
+
+  variant_of: str | None = None
+  fixed_hparams: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+DATASETS = registry.Registry("dataset", DatasetEntry)
+MODELS = registry.Registry("model", ModelEntry)
+ALGORITHMS = registry.Registry("algorithm", AlgorithmEntry)
+
+# ----------------------------------------------------------------------------
+# Datasets. The digits train in a few minutes on two CPU cores (their domains
+# hold ~240 training images, so 100 steps of 63 images are ~25 epochs); the
+# others follow the paper (5,000 steps; DomainNet 6,000) and DomainBed's
+# evaluation frequency.
+
+_DIGITS = {"model": "mnist_cnn", "small_images": True}
+DATASETS.register("RotatedDigits", "experiments.datasets:rotated_digits",
+                  steps=300, checkpoint_freq=50, upsampled=True, **_DIGITS)
+DATASETS.register("ColoredDigits", "experiments.datasets:colored_digits",
+                  steps=300, checkpoint_freq=50, upsampled=True, **_DIGITS)
+DATASETS.register("RotatedMNIST", "experiments.datasets:rotated_mnist",
+                  checkpoint_freq=100, **_DIGITS)
+DATASETS.register("ColoredMNIST", "experiments.datasets:colored_mnist",
+                  checkpoint_freq=100, **_DIGITS)
+DATASETS.register("DomainNet", "experiments.datasets:domainnet", steps=6000,
+                  checkpoint_freq=1000)
+
+# DomainBed's folder datasets: name -> (folder under data_dir, the domain
+# folders its download script writes). Domains are their sorted folders.
+FOLDER_DATASETS = {
+    "PACS": ("PACS", ("art_painting", "cartoon", "photo", "sketch")),
+    "VLCS": ("VLCS", ("Caltech101", "LabelMe", "SUN09", "VOC2007")),
+    "OfficeHome": ("office_home", ("Art", "Clipart", "Product",
+                                   "Real World")),
+    "TerraIncognita": ("terra_incognita", ("location_100", "location_38",
+                                           "location_43", "location_46")),
+}
+for _name, (_folder, _domains) in FOLDER_DATASETS.items():
+  DATASETS.register(_name, "experiments.datasets:image_folder_dataset",
+                    options={"name": _name, "folder": _folder,
+                             "domains": _domains})
+
+DATASETS.register("RotatedMNIST5k", "experiments.datasets:rotated_mnist_5k",
+                  **_DIGITS)
+DATASETS.register("ColoredMNIST5k", "experiments.datasets:colored_mnist_5k",
+                  **_DIGITS)
+
+# WILDS's datasets train WILDS's networks for their epochs: an ImageNet
+# DenseNet-121 for FMoW, a multispectral ResNet-18 for PovertyMap (every fold).
+DATASETS.register("FMoW", "experiments.wilds:fmow", steps=None,
+                  checkpoint_freq=500, model="densenet121", wilds="FMoW")
+for _fold in "ABCDE":
+  DATASETS.register(
+      "PovertyMap" if _fold == "A" else f"PovertyMap-{_fold}",
+      "experiments.wilds:poverty_map", options={"fold": _fold}, steps=None,
+      checkpoint_freq=500, model="resnet18", wilds="PovertyMap")
+
+# ----------------------------------------------------------------------------
+# Models.
+
+
+def _cnn_options(hparams: Mapping[str, Any]) -> dict[str, Any]:
+  """The MNIST CNN's widths: ``cnn_width``, then twice it."""
+  if "cnn_width" not in hparams:
+    return {}
+  width = hparams["cnn_width"]
+  return {"widths": (width, 2 * width, 2 * width, 2 * width)}
+
+
+def _imagenet_options(hparams: Mapping[str, Any]) -> dict[str, Any]:
+  """BatchNorm's mode and the feature dropout of an ImageNet network."""
+  return {"bn_mode": hparams.get("bn_mode", "frozen"),
+          "dropout": hparams.get("resnet_dropout", 0.0)}
+
+
+MODELS.register("mnist_cnn", "experiments.models:MNISTCNN",
+                hparams_options=_cnn_options)
+for _depth in (18, 50):
+  MODELS.register(f"resnet{_depth}", "experiments.models:ResNet",
+                  options={"depth": _depth}, hparams_options=_imagenet_options,
+                  imagenet=True)
+MODELS.register("densenet121", "experiments.models:DenseNet",
+                hparams_options=_imagenet_options, imagenet=True)
+
+# ----------------------------------------------------------------------------
+# Algorithms.
+
+ALGORITHMS.register("ERM", "experiments.algorithms:erm")
+# The "-B" variants differ only in their hparams (B = 3).
+ALGORITHMS.register("PGrad", "experiments.algorithms:pgrad")
+ALGORITHMS.register("PGrad-F", "experiments.algorithms:pgrad",
+                    options={"order": "fixed"})
+ALGORITHMS.register("PGrad-B", "experiments.algorithms:pgrad")
+ALGORITHMS.register("PGrad-BMix", "experiments.algorithms:pgrad",
+                    options={"mix": True})
+ALGORITHMS.register("PGradParallel", "experiments.algorithms:pgrad",
+                    options={"parallel": True})
+# The claims' ablations of PGrad. ``k="all"`` keeps every component of the
+# trajectory; ``components="bottom"`` with ``k=1`` steps along the
+# trajectory's least-varying direction (the paper's A.7).
+for _name, _fixed in (("PGrad-k1", {"k": 1}), ("PGrad-k2", {"k": 2}),
+                      ("PGrad-kall", {"k": "all"}),
+                      ("PGrad-Bottom", {"components": "bottom", "k": 1})):
+  ALGORITHMS.register(_name, "experiments.algorithms:pgrad",
+                      variant_of="PGrad", fixed_hparams=_fixed)
+ALGORITHMS.register("Fish", "experiments.algorithms:fish")
+ALGORITHMS.register("Fishr", "experiments.algorithms:fishr")
+ALGORITHMS.register("MixUp", "experiments.algorithms:mixup_algorithm")
+ALGORITHMS.register("IRM", "experiments.algorithms:irm")
+ALGORITHMS.register("CORAL", "experiments.algorithms:coral")
