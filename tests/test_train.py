@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import config as config_lib
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, FREQ = 10, 2
