@@ -17,7 +17,7 @@ import pytest
 from experiments import config as config_lib
 from experiments import training
 from experiments import wilds
-from tests import wilds_data
+import wilds_data
 
 REPO = Path(__file__).resolve().parents[1]
 ID_EVAL_SIZE = 6

@@ -8,7 +8,7 @@ from experiments import catalog
 from experiments import datasets
 from experiments import input_pipeline
 from experiments import wilds
-from tests import wilds_data
+import wilds_data
 
 
 def test_poverty_map_splits_domains_channels_and_labels(tmp_path):
