@@ -475,6 +475,8 @@ def train(config: config_lib.Config) -> Record:
   manager.close()
   save_params(output_dir / FINAL_PARAMS_FILE, state)
   (output_dir / DONE_FILE).touch()
-  print(f"Held-out accuracy (Pearson's r for regression) after {step} steps: "
+  metric = ("accuracy" if f"env{config.test_envs[0]}_in_acc" in record
+            else "Pearson's r")
+  print(f"Held-out {metric} after {step} steps: "
         f"{_held_out_summary(record, dataset, config.test_envs)}")
   return record
