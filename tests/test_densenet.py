@@ -10,6 +10,7 @@ from flax import nnx
 
 from experiments import models
 from experiments import pretrained
+from test_models import FakeTensor
 
 BLOCKS, GROWTH, STEM = (6, 12, 24, 16), 32, 64
 
@@ -163,27 +164,11 @@ def test_densenet_conversion_reports_wrong_shapes():
     pretrained.convert_torchvision_densenet121(state)
 
 
-class _FakeTensor:
-  """The bits of torch.Tensor that the converter uses."""
-
-  def __init__(self, array):
-    self.array = array
-
-  def detach(self):
-    return self
-
-  def cpu(self):
-    return self
-
-  def numpy(self):
-    return self.array
-
-
 def test_convert_cli_recognises_densenet(monkeypatch, tmp_path, capsys):
   # torch is not installed here: a stand-in returns the state_dict.
   state = torchvision_densenet121_state(seed=2)
   monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
-      load=lambda *args, **kwargs: {k: _FakeTensor(v)
+      load=lambda *args, **kwargs: {k: FakeTensor(v)
                                     for k, v in state.items()}))
   out = tmp_path / "d.npz"
   assert pretrained.main(["convert", "--in", "d.pth", "--out", str(out)]) == 0

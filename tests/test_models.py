@@ -451,7 +451,7 @@ def test_convert_cli_without_torch_explains(monkeypatch, capsys):
   assert "needs PyTorch" in capsys.readouterr().err
 
 
-class _FakeTensor:
+class FakeTensor:
   """The bits of torch.Tensor that the converter uses."""
 
   def __init__(self, array):
@@ -472,7 +472,7 @@ def test_convert_cli_end_to_end(resnet18_npz, monkeypatch, tmp_path):
 
   def load(path, map_location, weights_only):
     assert (path, map_location, weights_only) == ("r.pth", "cpu", True)
-    return {k: _FakeTensor(v) for k, v in state_dict.items()}
+    return {k: FakeTensor(v) for k, v in state_dict.items()}
 
   monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(load=load))
   out = tmp_path / "r.npz"

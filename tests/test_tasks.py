@@ -12,6 +12,7 @@ from experiments import algorithms
 from experiments import hparams_registry
 from experiments import models
 from experiments import tasks
+from test_algorithms import Flatten
 
 
 def test_mixed_cross_entropy_weights_the_two_labels():
@@ -74,17 +75,6 @@ def test_accuracy_and_worst_region_accuracy():
   assert metrics == {"acc": 6 / 8, "worst_acc": 0.5}
   with pytest.raises(ValueError, match="worst_group"):
     tasks.worst_group("mse", predicted, labels, regions)
-
-
-class Flatten(nnx.Module):
-  """The pixels are the features."""
-
-  def __init__(self, num_features: int):
-    self.num_features = num_features
-
-  def __call__(self, x, *, rngs=None):
-    del rngs
-    return x.reshape(x.shape[0], -1)
 
 
 @pytest.mark.parametrize("name", ["PGrad", "PGrad-B"])
