@@ -86,14 +86,16 @@ def test_run_writes_domainbed_results_and_done(reference):
   assert all(np.all(np.isfinite(v)) for v in params.values())
 
 
-@pytest.mark.slow
-def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
-    reference, env, tmp_path):
-  output_dir = tmp_path / "run"
-  process = subprocess.Popen(_command(output_dir), cwd=REPO, env=env,
+def kill_at_first_checkpoint(command, output_dir, step, env):
+  """Runs ``command`` and SIGKILLs it once checkpoint ``step`` exists.
+
+  Polls for the checkpoint's folder (a deadline, not a speed check), so the
+  kill lands between that checkpoint and the end of the run.
+  """
+  process = subprocess.Popen(command, cwd=REPO, env=env,
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-  first_checkpoint = output_dir / "checkpoints" / str(FREQ)
+  first_checkpoint = output_dir / "checkpoints" / str(step)
   deadline = time.monotonic() + 600
   while not first_checkpoint.exists() and process.poll() is None:
     assert time.monotonic() < deadline, "no checkpoint was written"
@@ -101,6 +103,13 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
   process.kill()  # SIGKILL: no clean-up at all.
   process.wait()
   assert not (output_dir / "done").exists(), "the run ended before the kill"
+
+
+@pytest.mark.slow
+def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
+    reference, env, tmp_path):
+  output_dir = tmp_path / "run"
+  kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ, env)
   # A record newer than any checkpoint, and one cut short: both are dropped.
   with (output_dir / "results.jsonl").open("a") as f:
     f.write(json.dumps({"step": STEPS + 1}) + '\n{"step": 4, "env0_in')

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 from experiments import config as config_lib
 from experiments import training
 from experiments import wilds
+from test_train import kill_at_first_checkpoint
 import wilds_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,17 +129,7 @@ def test_poverty_map_run_resumes_after_a_kill(tmp_path):
   assert result.returncode == 0, result.stderr
 
   output_dir = tmp_path / "run"
-  process = subprocess.Popen(_command(data, output_dir), cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-  first_checkpoint = output_dir / "checkpoints" / "2"
-  deadline = time.monotonic() + 600
-  while not first_checkpoint.exists() and process.poll() is None:
-    assert time.monotonic() < deadline, "no checkpoint was written"
-    time.sleep(0.01)
-  process.kill()
-  process.wait()
-  assert not (output_dir / "done").exists(), "the run ended before the kill"
+  kill_at_first_checkpoint(_command(data, output_dir), output_dir, 2, env)
   resumed = subprocess.run(_command(data, output_dir), cwd=REPO, env=env,
                            capture_output=True, text=True, check=False)
   assert resumed.returncode == 0, resumed.stderr
