@@ -1,26 +1,16 @@
-"""Tests for experiments/claims.py and the report's claims section.
+"""Tests for experiments/claims.py.
 
 The numbers are checked against float64 NumPy loops on hand-made records;
-the figures are drawn by the report command from a tiny real sweep.
+`test_report.py` checks the figures the report command draws from them.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from matplotlib.figure import Figure
 
 from experiments import claims
-from experiments import report
 from experiments import sweep
 from test_model_selection import make_record
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _roughness_by_loop(values):
   total = 0.0
@@ -100,28 +90,6 @@ def test_path_lengths_and_pca_projection_as_numpy():
     claims.project(points, "umap")
 
 
-TINY_ALGORITHMS = ("ERM", "PGrad", "PGrad-Bottom")
-
-
-@pytest.fixture(name="tiny_sweep", scope="module")
-def fixture_tiny_sweep(tmp_path_factory):
-  """A real sweep: 3 algorithms on ColoredDigits, a few steps each."""
-  output_dir = tmp_path_factory.mktemp("sweep")
-  flags = ["--datasets", "ColoredDigits", "--algorithms", *TINY_ALGORITHMS,
-           "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
-           "--steps", "6", "--checkpoint_freq", "2", "--trajectory_freq", "2",
-           "--hparams", '{"batch_size": 4, "cnn_width": 8}',
-           "--output_dir", str(output_dir), "--jobs", "2",
-           "--train_command",
-           f"{sys.executable} -m experiments.train --eval_examples 16"
-           " --eval_batch_size 16 --loss_examples 8"]
-  result = subprocess.run([sys.executable, "-m", "experiments.sweep", *flags],
-                          cwd=REPO, capture_output=True, text=True,
-                          check=False, env=os.environ)
-  assert result.returncode == 0, result.stdout + result.stderr
-  return output_dir
-
-
 def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
   runs = sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
                          algorithms=["ERM", "Fish"], n_hparams=2, n_trials=1,
@@ -129,63 +97,3 @@ def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
   saved = {(r.args["algorithm"], r.args["hparams_seed"])
            for r in runs if "trajectory_freq" in r.args}
   assert saved == {("ERM", 0)}
-
-
-@pytest.mark.slow
-def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
-                                               monkeypatch):
-  figures = {}
-  original_savefig = Figure.savefig
-
-  def savefig(self, path, **kwargs):
-    figures[Path(path).name] = self
-    original_savefig(self, path, **kwargs)
-
-  monkeypatch.setattr(Figure, "savefig", savefig)
-  assert report.main(["--input_dir", str(tiny_sweep),
-                      "--output_dir", str(tmp_path)]) == 0
-
-  measured = json.loads((tmp_path / "claims" / "claims.json").read_text())
-  found = measured["ColoredDigits"]
-  assert set(found) == {"smoothness", "bottom", "trajectory_length",
-                        "trajectories"}
-  assert set(found["smoothness"]) == {"ERM", "PGrad"}
-  assert set(found["bottom"]) == {"PGrad", "PGrad-Bottom"}
-  assert set(found["trajectories"]) == {"ERM", "PGrad"}
-  for numbers in found["trajectories"].values():
-    assert numbers["length"] >= numbers["displacement"] > 0
-  text = (tmp_path / "results.md").read_text()
-  assert "## The paper's claims" in text
-
-  # Every figure the report links exists, and shows its series and axes.
-  for name in ("ColoredDigits_env0_smoothness.png",
-               "ColoredDigits_roughness.png",
-               "ColoredDigits_bottom_loss.png",
-               "ColoredDigits_trajectory_length.png",
-               "ColoredDigits_env0_trial0_trajectory.png"):
-    assert (tmp_path / "claims" / name).is_file()
-    assert f"claims/{name}" in text
-  smooth = figures["ColoredDigits_env0_smoothness.png"].axes
-  assert {line.get_label() for line in smooth[0].get_lines()} >= {
-      "ERM", "PGrad"}
-  assert smooth[0].get_ylabel() == "training loss"
-  rough = figures["ColoredDigits_roughness.png"].axes
-  assert [[t.get_text() for t in a.get_xticklabels()] for a in rough] == [
-      ["ERM", "PGrad"]] * 2
-  assert all(a.get_ylabel() for a in rough)
-  bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
-  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
-      "PGrad", "PGrad-Bottom"}
-  assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
-  bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
-  assert [t.get_text() for t in bars.get_xticklabels()] == ["PGrad"]
-  assert "accuracy" in bars.get_ylabel()
-  trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
-  assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
-  for axes in trajectory:
-    labels = [t.get_text() for t in axes.get_legend().get_texts()]
-    assert sorted(labels) == ["ERM", "PGrad"]
-    # Snapshots at steps 0, 2, 4, 6 per path.
-    assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
-               if line.get_label() in labels)
-    assert axes.get_xlabel() and axes.get_ylabel()

@@ -1,8 +1,8 @@
 """Tests for experiments/config.py: flags, hparams checks, run directories.
 
 The command-line tests run ``python -m experiments.train`` in subprocesses
-from a fresh working directory, as a user would, sharing the JAX compilation
-cache of `test_train.py`'s ``env`` fixture.
+from a fresh working directory, as a user would, sharing the test run's JAX
+compilation cache (conftest.py).
 """
 
 import dataclasses
@@ -22,7 +22,7 @@ from experiments import hparams_registry
 from experiments import sweep
 from experiments import train
 from experiments import training
-from test_train import REPO, fixture_env, read_records  # pylint: disable=unused-import
+from test_train import REPO, read_records
 
 
 def test_every_config_field_is_a_flag():
@@ -69,10 +69,10 @@ SHORT = ["--steps", "2", "--checkpoint_freq", "2", "--eval_examples", "16",
 TINY = [*SHORT, "--hparams", '{"batch_size": 3, "B": 1}']
 
 
-def _train_in(cwd, env, *flags, python_flags=()):
+def _train_in(cwd, *flags, python_flags=()):
   """Runs the train command in ``cwd``, as a user would from a checkout."""
-  env = {**env, "PYTHONPATH": os.pathsep.join(
-      [str(REPO), *filter(None, [env.get("PYTHONPATH")])])}
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
   return subprocess.run([sys.executable, *python_flags, "-m",
                          "experiments.train", *flags],
                         cwd=cwd, env=env, capture_output=True, text=True,
@@ -98,22 +98,22 @@ def _only_run_dir(runs, pattern):
 
 
 @pytest.mark.slow
-def test_commands_in_one_directory_never_print_an_old_result(tmp_path, env):
+def test_commands_in_one_directory_never_print_an_old_result(tmp_path):
   # The README's commands one after the other in one working directory: each
   # gets its own run directory and prints its own result.
-  first = _train_in(tmp_path, env, *TINY)
+  first = _train_in(tmp_path, *TINY)
   run0 = _only_run_dir(tmp_path / "runs", "RotatedDigits-PGrad-B-test0-*")
   assert _printed_accuracy(first, "0°", 0) == round(
       _final_record(run0)["env0_in_acc"], 4)
 
-  second = _train_in(tmp_path, env, *TINY, "--test_envs", "1")
+  second = _train_in(tmp_path, *TINY, "--test_envs", "1")
   assert "Resuming" not in second.stderr
   run1 = _only_run_dir(tmp_path / "runs", "RotatedDigits-PGrad-B-test1-*")
   record = _final_record(run1)
   assert record["args"]["test_envs"] == [1]
   assert _printed_accuracy(second, "15°", 1) == round(record["env1_in_acc"], 4)
 
-  fish = _train_in(tmp_path, env, "--dataset", "ColoredDigits", "--algorithm",
+  fish = _train_in(tmp_path, "--dataset", "ColoredDigits", "--algorithm",
                    "Fish", "--test_envs", "2", *SHORT,
                    "--hparams", '{"batch_size": 3}')
   assert "Resuming" not in fish.stderr
@@ -125,14 +125,14 @@ def test_commands_in_one_directory_never_print_an_old_result(tmp_path, env):
   assert len(list((tmp_path / "runs").iterdir())) == 3
 
   # The same command again resumes its own finished run.
-  again = _train_in(tmp_path, env, *TINY, "--test_envs", "1")
+  again = _train_in(tmp_path, *TINY, "--test_envs", "1")
   assert "Resuming from step 2" in again.stderr
   assert again.stdout == second.stdout
 
   # Another configuration in an existing run's directory is refused before
   # any work, naming the differing key and the ways out; nothing changes.
   before = {p: p.read_bytes() for p in run0.rglob("*") if p.is_file()}
-  refused = _train_in(tmp_path, env, *TINY, "--test_envs", "1",
+  refused = _train_in(tmp_path, *TINY, "--test_envs", "1",
                       "--output_dir", str(run0))
   assert refused.returncode == 2
   assert "test_envs: [1] here, [0] there" in refused.stderr
@@ -162,9 +162,9 @@ def test_bad_hparams_are_usage_errors_and_write_nothing(
   assert list(tmp_path.iterdir()) == []
 
 
-def test_an_unknown_algorithm_is_a_usage_error(tmp_path, env):
+def test_an_unknown_algorithm_is_a_usage_error(tmp_path):
   start = time.monotonic()
-  result = _train_in(tmp_path, env, "--algorithm", "Nope")
+  result = _train_in(tmp_path, "--algorithm", "Nope")
   elapsed = time.monotonic() - start
   assert result.returncode == 2
   assert "argument --algorithm: invalid choice: 'Nope'" in result.stderr
@@ -184,10 +184,10 @@ HEAVY_MODULES = {"jax", "flax", "optax", "grain", "orbax", "pgrad_jax"}
     (["--list_hparams", "--algorithm", "Fish", "--dataset", "PACS"], 0),
 ])
 def test_the_command_line_is_checked_before_jax_is_imported(
-    flags, status, tmp_path, env):
+    flags, status, tmp_path):
   # -X importtime writes a line per module imported, so an import of JAX,
   # however quick, shows.
-  result = _train_in(tmp_path, env, *flags, python_flags=("-X", "importtime"))
+  result = _train_in(tmp_path, *flags, python_flags=("-X", "importtime"))
   assert result.returncode == status, result.stderr[-2000:]
   imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
               for line in result.stderr.splitlines()

@@ -101,6 +101,14 @@ def test_rotation_is_counter_clockwise_about_the_centre(angle_index):
   np.testing.assert_allclose(centroid, expected, atol=0.3)
 
 
+def test_digits_are_scikit_learns_bundled_digits():
+  images, labels = datasets._load_digits()  # pylint: disable=protected-access
+  digits = load_digits()
+  np.testing.assert_array_equal(labels, digits.target)
+  np.testing.assert_array_equal(images, digits.images / np.float32(16))
+  assert images.dtype == np.float32 and images.shape == (NUM_DIGITS, 8, 8)
+
+
 def test_digits_are_upsampled_bilinearly():
   digits = load_digits()
   images = digits.images.astype(np.float32) / 16

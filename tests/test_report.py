@@ -1,11 +1,14 @@
-"""The Markdown report and the plots, on hand-made records and a tiny sweep."""
+"""The Markdown report, its plots and its claims section, on hand-made records
+and a tiny real sweep."""
 
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.figure import Figure
 
 from experiments import model_selection
 from experiments import plots
@@ -193,24 +196,37 @@ def test_report_says_why_a_plot_is_missing(tmp_path, capsys):
   assert reason in (tmp_path / "out" / "results.md").read_text()
 
 
+# A real sweep, shared by the end-to-end tests below: the default algorithm,
+# ERM, and the runs the paper's claims need, a few steps each, params saved
+# every 2 steps.
+TINY_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "PGrad-Bottom")
+
+
+@pytest.fixture(name="tiny_sweep", scope="module")
+def fixture_tiny_sweep(tmp_path_factory):
+  output_dir = tmp_path_factory.mktemp("sweep")
+  train = f"{shlex.quote(sys.executable)} -m experiments.train " \
+          "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
+  assert sweep.main([
+      "--datasets", "ColoredDigits", "--algorithms", *TINY_ALGORITHMS,
+      "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
+      "--steps", "6", "--checkpoint_freq", "2", "--trajectory_freq", "2",
+      "--hparams", json.dumps({"batch_size": 3, "cnn_width": 8}),
+      "--jobs", "2", "--train_command", train,
+      "--output_dir", str(output_dir)]) == 0
+  return output_dir
+
+
 @pytest.mark.slow
 def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
-    tmp_path):
-  train = f"{shlex.quote(sys.executable)} -m experiments.train " \
-          "--eval_examples 16 --loss_examples 8"
-  assert sweep.main([
-      "--datasets", "ColoredDigits", "--algorithms", "ERM", "PGrad-B",
-      "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
-      "--steps", "2", "--checkpoint_freq", "1",
-      "--hparams", json.dumps({"batch_size": 3}), "--jobs", "2",
-      "--train_command", train, "--output_dir", str(tmp_path / "sweep")]) == 0
-  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+    tiny_sweep, tmp_path):
+  assert report.main(["--input_dir", str(tiny_sweep),
                       "--output_dir", str(tmp_path / "out")]) == 0
   text = (tmp_path / "out" / "results.md").read_text()
   assert "(plots/ColoredDigits_env0_PGrad-B_eigenvalues.png)" in text
   assert "(plots/ColoredDigits_env0_loss.png)" in text
 
-  records = model_selection.load_records(tmp_path / "sweep")
+  records = model_selection.load_records(tiny_sweep)
   written, skipped = report.write_plots(records, "ColoredDigits", 0,
                                         tmp_path / "out" / "plots")
   assert skipped == []
@@ -218,8 +234,8 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   loss = figures["training loss per domain"].axes
   assert [a.get_title() for a in loss] == ["training domain 1",
                                            "training domain 2"]
-  assert [t.get_text() for t in loss[0].get_legend().get_texts()] == [
-      "ERM", "PGrad-B"]
+  assert sorted(t.get_text() for t in loss[0].get_legend().get_texts()) == (
+      sorted(TINY_ALGORITHMS))
   spectrum = figures["PGrad-B eigenvalue spectrum"].axes[0]
   assert spectrum.get_xlabel() == "step (interval centre)"
   # 2 training domains x B = 3 chunks + the start: 7 trajectory points.
@@ -232,3 +248,64 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
     np.testing.assert_allclose(
         line.get_ydata(),
         [np.float64(r["eigenvalues"][k]) for r in pgrad_b])
+
+
+@pytest.mark.slow
+def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
+                                               monkeypatch):
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  assert report.main(["--input_dir", str(tiny_sweep),
+                      "--output_dir", str(tmp_path)]) == 0
+
+  measured = json.loads((tmp_path / "claims" / "claims.json").read_text())
+  found = measured["ColoredDigits"]
+  assert set(found) == {"smoothness", "bottom", "trajectory_length",
+                        "trajectories"}
+  assert set(found["smoothness"]) == {"ERM", "PGrad", "PGrad-B"}
+  assert set(found["bottom"]) == {"PGrad", "PGrad-Bottom"}
+  assert set(found["trajectories"]) == {"ERM", "PGrad"}
+  for numbers in found["trajectories"].values():
+    assert numbers["length"] >= numbers["displacement"] > 0
+  text = (tmp_path / "results.md").read_text()
+  assert "## The paper's claims" in text
+
+  # Every figure the report links exists, and shows its series and axes.
+  for name in ("ColoredDigits_env0_smoothness.png",
+               "ColoredDigits_roughness.png",
+               "ColoredDigits_bottom_loss.png",
+               "ColoredDigits_trajectory_length.png",
+               "ColoredDigits_env0_trial0_trajectory.png"):
+    assert (tmp_path / "claims" / name).is_file()
+    assert f"claims/{name}" in text
+  smooth = figures["ColoredDigits_env0_smoothness.png"].axes
+  assert {line.get_label() for line in smooth[0].get_lines()} >= {
+      "ERM", "PGrad", "PGrad-B"}
+  assert smooth[0].get_ylabel() == "training loss"
+  rough = figures["ColoredDigits_roughness.png"].axes
+  assert [[t.get_text() for t in a.get_xticklabels()] for a in rough] == [
+      ["ERM", "PGrad", "PGrad-B"]] * 2
+  assert all(a.get_ylabel() for a in rough)
+  bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
+  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
+      "PGrad", "PGrad-Bottom"}
+  assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
+  bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
+  assert [t.get_text() for t in bars.get_xticklabels()] == ["PGrad",
+                                                           "PGrad-B"]
+  assert "accuracy" in bars.get_ylabel()
+  trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
+  assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
+  for axes in trajectory:
+    labels = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert sorted(labels) == ["ERM", "PGrad"]
+    # Snapshots at steps 0, 2, 4, 6 per path.
+    assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
+               if line.get_label() in labels)
+    assert axes.get_xlabel() and axes.get_ylabel()

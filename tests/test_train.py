@@ -32,19 +32,11 @@ def _command(output_dir):
           "--output_dir", str(output_dir)]
 
 
-@pytest.fixture(name="env", scope="session")
-def fixture_env(tmp_path_factory):
-  cache = tmp_path_factory.mktemp("jax_cache")
-  return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
-          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-
-
 @pytest.fixture(name="reference", scope="module")
-def fixture_reference(tmp_path_factory, env):
+def fixture_reference(tmp_path_factory):
   """The output directory of an uninterrupted run."""
   output_dir = tmp_path_factory.mktemp("reference")
-  result = subprocess.run(_command(output_dir), cwd=REPO, env=env,
+  result = subprocess.run(_command(output_dir), cwd=REPO,
                           capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
   assert "Held-out accuracy" in result.stdout
@@ -86,13 +78,13 @@ def test_run_writes_domainbed_results_and_done(reference):
   assert all(np.all(np.isfinite(v)) for v in params.values())
 
 
-def kill_at_first_checkpoint(command, output_dir, step, env):
+def kill_at_first_checkpoint(command, output_dir, step):
   """Runs ``command`` and SIGKILLs it once checkpoint ``step`` exists.
 
   Polls for the checkpoint's folder (a deadline, not a speed check), so the
   kill lands between that checkpoint and the end of the run.
   """
-  process = subprocess.Popen(command, cwd=REPO, env=env,
+  process = subprocess.Popen(command, cwd=REPO,
                              stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
   first_checkpoint = output_dir / "checkpoints" / str(step)
@@ -107,14 +99,14 @@ def kill_at_first_checkpoint(command, output_dir, step, env):
 
 @pytest.mark.slow
 def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
-    reference, env, tmp_path):
+    reference, tmp_path):
   output_dir = tmp_path / "run"
-  kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ, env)
+  kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ)
   # A record newer than any checkpoint, and one cut short: both are dropped.
   with (output_dir / "results.jsonl").open("a") as f:
     f.write(json.dumps({"step": STEPS + 1}) + '\n{"step": 4, "env0_in')
 
-  resumed = subprocess.run(_command(output_dir), cwd=REPO, env=env,
+  resumed = subprocess.run(_command(output_dir), cwd=REPO,
                            capture_output=True, text=True, check=False)
   assert resumed.returncode == 0, resumed.stderr
   assert "Resuming from step" in resumed.stderr
@@ -134,11 +126,11 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
 
 @pytest.mark.slow
-def test_runs_data_parallel_on_several_devices(reference, env, tmp_path):
+def test_runs_data_parallel_on_several_devices(reference, tmp_path):
   # Same command on two (simulated) devices: the batches are split over a
   # data axis and the run agrees with the one-device run up to the order of
   # floating-point sums.
-  env = {**env, "XLA_FLAGS": f"{env.get('XLA_FLAGS', '')} "
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
                              "--xla_force_host_platform_device_count=2"}
   result = subprocess.run(_command(tmp_path), cwd=REPO, env=env,
                           capture_output=True, text=True, check=False)
@@ -152,12 +144,12 @@ def test_runs_data_parallel_on_several_devices(reference, env, tmp_path):
 
 
 def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
-    env, tmp_path):
+    tmp_path):
   flags = [f if f != str(STEPS) else "6" for f in FLAGS]
   result = subprocess.run(
       [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
        "3", "--output_dir", str(tmp_path)],
-      cwd=REPO, env=env, capture_output=True, text=True, check=False)
+      cwd=REPO, capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
   trajectory = tmp_path / "trajectory"
   assert sorted(p.name for p in trajectory.iterdir()) == [

@@ -5,7 +5,6 @@ tiny folder has 69 rows, so the runs set 6 aside instead.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,17 +119,14 @@ def _params(output_dir):
 def test_poverty_map_run_resumes_after_a_kill(tmp_path):
   data = tmp_path / "data"
   wilds_data.write_poverty(data)
-  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         "PYTHONPATH": str(REPO)}
   reference = tmp_path / "reference"
-  result = subprocess.run(_command(data, reference), cwd=REPO, env=env,
+  result = subprocess.run(_command(data, reference), cwd=REPO,
                           capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
 
   output_dir = tmp_path / "run"
-  kill_at_first_checkpoint(_command(data, output_dir), output_dir, 2, env)
-  resumed = subprocess.run(_command(data, output_dir), cwd=REPO, env=env,
+  kill_at_first_checkpoint(_command(data, output_dir), output_dir, 2)
+  resumed = subprocess.run(_command(data, output_dir), cwd=REPO,
                            capture_output=True, text=True, check=False)
   assert resumed.returncode == 0, resumed.stderr
   assert "Resuming from step" in resumed.stderr
