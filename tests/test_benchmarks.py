@@ -64,21 +64,27 @@ def test_step_time_compare_unroll(tmp_path):
   assert record["split"] == {}
 
 
-def test_memory(tmp_path):
-  record = run_json(memory.main, TINY, tmp_path)
-  assert [(r["hidden"], r["m"]) for r in record["rows"]] == [(8, 5)]
-  sizes = [x.size for x in jax.tree.leaves(common.mlp(8).params)]
-  for row in record["rows"]:
-    # On one CPU device the leaves whose size the block divides are stored
-    # interleaved, theta_0 included; the others stack the m - 1 steps.
-    points = [row["m"] if size % layout.CPU_INTERLEAVE_BLOCK == 0 else row["m"] - 1
-              for size in sizes]
-    assert row["trajectory_bytes"] == 4 * sum(
-        p * size for p, size in zip(points, sizes))
-    assert points.count(row["m"]) >= 1
-    assert row["compiled"]["peak"] > 0
-    assert row["bound_bytes"] > row["trajectory_bytes"]
-  bf16 = record["bfloat16_trajectory"]
+@pytest.fixture(name="memory_record", scope="module")
+def fixture_memory_record(tmp_path_factory):
+  """One run of the memory benchmark: a 0.3M-parameter MLP with m = 16."""
+  return run_json(memory.main, ["--hidden", "256", "--domains", "5"],
+                  tmp_path_factory.mktemp("memory"))
+
+
+def test_memory(memory_record):
+  (row,) = memory_record["rows"]
+  assert (row["hidden"], row["m"]) == (256, 16)
+  sizes = [x.size for x in jax.tree.leaves(common.mlp(256).params)]
+  # On one CPU device the leaves whose size the block divides are stored
+  # interleaved, theta_0 included; the others stack the m - 1 steps.
+  points = [row["m"] if size % layout.CPU_INTERLEAVE_BLOCK == 0 else row["m"] - 1
+            for size in sizes]
+  assert row["trajectory_bytes"] == 4 * sum(
+      p * size for p, size in zip(points, sizes))
+  assert points.count(row["m"]) >= 1
+  assert row["compiled"]["peak"] > 0
+  assert row["bound_bytes"] > row["trajectory_bytes"]
+  bf16 = memory_record["bfloat16_trajectory"]
   assert 0 <= bf16["relative_error"] < 1
   assert -1 <= bf16["cosine_similarity"] <= 1 + 1e-9
 
@@ -117,16 +123,12 @@ def test_fsdp_spec(shape, size, spec):
   assert tuple(common.fsdp_spec(shape, size)) == spec
 
 
-def test_memory_peak_stays_near_the_bound(tmp_path):
-  # A 0.3M-parameter MLP with m = 16 (XLA:CPU's compiled memory analysis is
-  # deterministic). The trajectory is written in place and the Gram product
-  # does not copy it, so the peak is the trajectory plus 5 d plus small
-  # buffers, and the default nonfinite="skip" adds the previous Adam state it
-  # may restore.
-  record = run_json(memory.main, ["--hidden", "256", "--domains", "5"],
-                    tmp_path)
-  (row,) = record["rows"]
-  assert row["m"] == 16
+def test_memory_peak_stays_near_the_bound(memory_record):
+  # XLA:CPU's compiled memory analysis is deterministic. The trajectory is
+  # written in place and the Gram product does not copy it, so the peak is
+  # the trajectory plus 5 d plus small buffers, and the default
+  # nonfinite="skip" adds the previous Adam state it may restore.
+  (row,) = memory_record["rows"]
   adam_state = 2 * row["param_bytes"]
   assert row["compiled_propagate"]["peak"] <= 1.1 * row["bound_bytes"]
   assert row["compiled"]["peak"] <= 1.1 * (row["bound_bytes"] + adam_state)
