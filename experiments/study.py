@@ -13,8 +13,8 @@ measured): RotatedDigits and ColoredDigits, every domain held out in turn,
 trials, training-domain validation and oracle selection in the report. It
 trains `ALGORITHMS` over every draw and held-out domain, and the claims'
 ablations (`experiments.claims`) at their defaults with domain 0 held out.
-Every run trains `STEPS` steps at `FIXED_HPARAMS` (14x14 inputs, a CNN of
-width 8), evaluating every `CHECKPOINT_FREQ` steps.
+Every run trains `STEPS` steps at `FIXED_HPARAMS` (the digits' native 8x8
+inputs, a CNN of width 8), evaluating every `CHECKPOINT_FREQ` steps.
 
 Runs live in ``results/study/<md5 of their args>``. The JSON-lines records,
 the ``done`` markers and the trajectories are committed; checkpoints, final
@@ -47,7 +47,9 @@ STEPS = 2000
 CHECKPOINT_FREQ = 100
 CLAIM_TEST_ENVS = (0,)
 # Fishr's penalty switches on at 30% of training, DomainBed's 1,500 of 5,000.
-FIXED_HPARAMS = {"image_size": 14, "cnn_width": 8,
+# The digits' native 8x8 scans: a step costs a fifth of 14x14's, which puts
+# the whole study within about 3 hours on 2 cores (docs/study.md).
+FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
                  "penalty_anneal_iters": 3 * STEPS // 10}
 TRAJECTORY_FREQ = 100
 OUTPUT_DIR = "results/study"

@@ -20,7 +20,7 @@ def test_study_runs_follow_the_protocol(tmp_path):
     assert args["steps"] == study.STEPS
     assert args["checkpoint_freq"] == study.CHECKPOINT_FREQ
     hparams = json.loads(args["hparams"])
-    assert hparams["image_size"] == 14 and hparams["cnn_width"] == 8
+    assert hparams["image_size"] == 8 and hparams["cnn_width"] == 8
     # The anneal step reaches Fishr alone, which has it.
     assert ("penalty_anneal_iters" in hparams) == (args["algorithm"] == "Fishr")
     if args["algorithm"] in study.CLAIM_ALGORITHMS:
