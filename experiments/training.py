@@ -166,7 +166,8 @@ def evaluate(
   The metrics are `tasks.split_metrics`'s, as ``env{i}_{split}_{metric}``:
   ``acc`` of classes, ``mse`` and ``r`` of regression values, and the
   worst-group ``worst_acc`` or ``worst_r`` where the examples carry a
-  ``"group"`` (WILDS). Empty splits are skipped.
+  ``"group"`` (WILDS), and ``env{i}_{split}_examples``, the number of
+  examples evaluated. Empty splits are skipped.
   """
   results = {}
   # Batches no larger than the largest split, so small datasets are not
@@ -198,6 +199,8 @@ def evaluate(
           None if groups[0] is None else np.concatenate(groups))
       results.update({f"env{i}_{name}_{metric}": value
                       for metric, value in metrics.items()})
+      # How many examples the metrics are over, for their standard errors.
+      results[f"env{i}_{name}_examples"] = len(indices)
       if name == "in":
         results[f"env{i}_in_loss"] = float(
             np.concatenate(losses)[:config.loss_examples].mean())

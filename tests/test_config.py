@@ -329,6 +329,8 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
   assert results["env0_in_acc"] == 5 / 9  # 0, 2, 4, 6, 8 of 0..8.
   assert results["env0_out_acc"] == 1 / 3  # 10 of 9, 10, 11.
   assert results["env1_out_acc"] == 1 / 2  # 4 of 3, 4.
+  assert [results[f"env{i}_{name}_examples"] for i in (0, 1)
+          for name in ("in", "out")] == [9, 3, 3, 2]
   assert results["env0_in_loss"] == np.mean([0.0, 1.0, 2.0, 3.0])
 
 
