@@ -30,7 +30,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import plots
-from experiments.model_selection import Record, group_by, held_out_env, num_envs
+from experiments.model_selection import Record, by_run, group_by, held_out_env
+from experiments.model_selection import num_envs
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")
@@ -71,14 +72,6 @@ def _train_envs(record: Record) -> list[int]:
   return [i for i in range(num_envs(record)) if i != held_out]
 
 
-def _by_run(records: Sequence[Record]) -> list[list[Record]]:
-  """The records of every run (same args but the output), sorted by step."""
-  runs = group_by(records, lambda r: json.dumps(
-      {k: v for k, v in r["args"].items() if k != "output_dir"},
-      sort_keys=True))
-  return [sorted(run, key=lambda r: r["step"]) for run in runs.values()]
-
-
 def loss_curves(run: Sequence[Record]) -> np.ndarray:
   """``(training domains, evaluations)``: every training domain's loss."""
   return np.array([[r[f"env{i}_in_loss"] for r in run]
@@ -114,7 +107,7 @@ def smoothness(records: Sequence[Record]) -> dict[str, dict[str, float]]:
   for algorithm, recs in group_by(
       records, lambda r: r["args"]["algorithm"]).items():
     per_curve, rising = [], []
-    for run in _by_run(recs):
+    for run in by_run(recs):
       curves = loss_curves(run)
       per_curve += [curve_roughness(c) for c in curves]
       rising.append(rising_rate(curves))
@@ -219,7 +212,7 @@ def plot_mean_training_loss(
   fig = Figure(figsize=(5, 3.5), layout="constrained")
   axes = fig.subplots()
   colours = {}
-  for run in _by_run(records):
+  for run in by_run(records):
     algorithm = run[0]["args"]["algorithm"]
     label = None if algorithm in colours else algorithm
     (line,) = axes.plot(*mean_training_loss(run), label=label,
@@ -270,7 +263,8 @@ def plot_accuracy_bars(
   return fig
 
 
-def _mean_se(values: Sequence[float]) -> tuple[float, float]:
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and standard error (sample standard deviation / sqrt(n))."""
   values = np.asarray(values, np.float64)
   se = values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
   return float(values.mean()), float(se)
@@ -331,7 +325,7 @@ def measure(
     if any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
       changes = group_by(
           ((run[0]["args"]["algorithm"], mean_training_loss(run)[1])
-           for run in _by_run(bottom)), lambda pair: pair[0])
+           for run in by_run(bottom)), lambda pair: pair[0])
       found["bottom"] = {
           algorithm: {"relative_loss_change": float(np.mean(
               [(loss[-1] - loss[0]) / loss[0] for _, loss in pairs])),
@@ -344,11 +338,11 @@ def measure(
     lengths = _select(recs, LENGTH_ALGORITHMS)
     if lengths:
       accuracy = group_by(((run[0]["args"]["algorithm"], held_out_accuracy(run))
-                           for run in _by_run(lengths)), lambda p: p[0])
+                           for run in by_run(lengths)), lambda p: p[0])
       summary = {}
       for algorithm in LENGTH_ALGORITHMS:
         if algorithm in accuracy:
-          mean, se = _mean_se([acc for _, acc in accuracy[algorithm]])
+          mean, se = mean_se([acc for _, acc in accuracy[algorithm]])
           summary[algorithm] = {"accuracy": mean, "accuracy_se": se,
                                 "runs": len(accuracy[algorithm])}
       found["trajectory_length"] = summary

@@ -71,6 +71,14 @@ def group_by(
   return dict(groups)
 
 
+def by_run(records: Sequence[Record]) -> list[list[Record]]:
+  """The records of every run (same args but the output), sorted by step."""
+  runs = group_by(records, lambda r: json.dumps(
+      {k: v for k, v in r["args"].items() if k != "output_dir"},
+      sort_keys=True))
+  return [sorted(run, key=lambda r: r["step"]) for run in runs.values()]
+
+
 def held_out_env(record: Record) -> int:
   """The single held-out domain of a record's run."""
   (env,) = record["args"]["test_envs"]

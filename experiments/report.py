@@ -4,7 +4,9 @@ For every model selection method there is one table per dataset, with a row
 per algorithm and a column per held-out domain plus their average, and a
 summary table with a column per dataset. A cell is the selected test accuracy
 as mean ± standard error over trials, in percent; ``X`` marks a missing
-result. Training curves of the runs with default hparams
+result. A training table per dataset says where the runs ended
+(`experiments.convergence`): final training loss and accuracy, whether the
+validation accuracy had plateaued, and the training time. Training curves of the runs with default hparams
 (``hparams_seed`` 0) are plotted next to the tables: held-out accuracy and
 per-domain training loss of every algorithm, and the eigenvalue spectrum of
 every algorithm that records one (the PGrad variants). A plot that cannot be
@@ -34,6 +36,7 @@ from matplotlib.figure import Figure
 
 from experiments import catalog
 from experiments import claims as claims_lib
+from experiments import convergence
 from experiments import model_selection
 from experiments import plots
 from experiments import wilds_report
@@ -183,6 +186,46 @@ def summary_table(
   return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
 
 
+def _mean_se_text(values: Sequence[float], number: str) -> str:
+  mean, se = claims_lib.mean_se(values)
+  return f"{number.format(mean)} ± {number.format(se)}"
+
+
+def training_table(records: Sequence[Record],
+                   algorithms: Sequence[str]) -> str:
+  """Where one dataset's runs ended: a row per algorithm, over all its runs.
+
+  Args:
+    records: the dataset's records, with ``env{i}_in_loss``.
+    algorithms: the rows, in order; those without runs are left out.
+
+  Returns:
+    The Markdown table: mean ± standard error over runs of the final
+    training-domain loss and accuracy and of the validation accuracy's change
+    over the last steps, how many runs plateaued, and the median training
+    time per run.
+  """
+  ends = model_selection.group_by(
+      ((run[0]["args"]["algorithm"], convergence.run_end(run))
+       for run in model_selection.by_run(records)), lambda pair: pair[0])
+  rows = []
+  for algorithm in (a for a in algorithms if a in ends):
+    found = [end for _, end in ends[algorithm]]
+    rows.append([
+        algorithm, str(len(found)),
+        f"{sum(end.plateaued for end in found)}/{len(found)}",
+        _mean_se_text([end.loss for end in found], "{:.4f}"),
+        _mean_se_text([100 * end.accuracy for end in found], "{:.1f}"),
+        _mean_se_text([100 * end.validation_change for end in found],
+                      "{:.1f}"),
+        f"{np.median([end.seconds for end in found]):.0f}"])
+  return markdown_table(
+      ["Algorithm", "runs", "plateaued", "final training loss",
+       "training acc. (%)",
+       f"validation change, last {convergence.WINDOW:.0%} of steps (pts)",
+       "training time per run (s, median)"], rows)
+
+
 def _has_loss_curves(record: Record) -> bool:
   return any(key.endswith("_in_loss") for key in record)
 
@@ -275,6 +318,18 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
                               num_domains[dataset], domain_names[dataset])]
     lines += ["", "### Averages", "",
               summary_table(selected, algorithms, num_domains)]
+
+  lines += ["", "## Training", "",
+            "Where the runs ended (`experiments.convergence`): a run has "
+            "plateaued when its training-domain validation accuracy moved by "
+            "at most one standard error over the last "
+            f"{convergence.WINDOW:.0%} of its steps. Training time excludes "
+            "evaluation and includes compilation."]
+  for dataset in datasets:
+    with_loss = [r for r in by_dataset[dataset] if _has_loss_curves(r)]
+    if with_loss:
+      lines += ["", f"### {dataset}", "", training_table(with_loss,
+                                                        algorithms)]
 
   if wilds_table:
     lines += ["", "## WILDS", "",

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
+from experiments import catalog
+from experiments import convergence
 from experiments import model_selection
 from experiments import plots
 from experiments import report
@@ -226,7 +228,21 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   assert "(plots/ColoredDigits_env0_PGrad-B_eigenvalues.png)" in text
   assert "(plots/ColoredDigits_env0_loss.png)" in text
 
+  # The training table: a row per algorithm, each over its one run.
   records = model_selection.load_records(tiny_sweep)
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  table = [line for line in training.splitlines() if line.startswith("|")]
+  rows = [line.split("|")[1:-1] for line in table[2:]]  # Header, alignment.
+  assert [row[0].strip() for row in rows] == [
+      a for a in catalog.ALGORITHMS if a in TINY_ALGORITHMS]
+  for row in rows:
+    (run,) = [r for r in model_selection.by_run(records)
+              if r[0]["args"]["algorithm"] == row[0].strip()]
+    end = convergence.run_end(run)
+    assert row[1].strip() == "1"
+    assert row[2].strip() == f"{int(end.plateaued)}/1"
+    assert row[3].strip() == f"{end.loss:.4f} ± 0.0000"
+
   written, skipped = report.write_plots(records, "ColoredDigits", 0,
                                         tmp_path / "out" / "plots")
   assert skipped == []
