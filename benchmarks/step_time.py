@@ -30,7 +30,6 @@ from jax.sharding import PartitionSpec as P
 import pgrad_jax
 from benchmarks import common
 from pgrad_jax._src import principal
-from pgrad_jax._src import rollout as rollout_lib
 
 INNER_LR = 1e-3
 
@@ -86,9 +85,12 @@ class Methods:
     """One Adam step on all ``domains x batch`` examples."""
     def step(params, opt_state, batches):
       flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
-      # Each device's own gradient, averaged below (see vary_over).
-      loss, grads = jax.value_and_grad(self.model.loss_fn)(
-          rollout_lib.vary_over(params, common.DATA), flat)
+      # Each device's own gradient (of a varying copy of the params; the
+      # gradient of the replicated ones would come back summed), averaged
+      # below.
+      varying = jax.tree.map(
+          lambda x: jax.lax.pcast(x, common.DATA, to="varying"), params)
+      loss, grads = jax.value_and_grad(self.model.loss_fn)(varying, flat)
       loss, grads = jax.lax.pmean((loss, grads), common.DATA)
       updates, opt_state = self.inner.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss
@@ -140,11 +142,11 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   inner_state = common.place(inner_state, methods.mesh)
   displacements = step(params, inner_state, batches).displacements
   gram = jax.jit(pgrad_jax.gram)
-  centring = principal.centre(displacements).centring
+  centring = principal.centre(displacements)
 
   def eigh_to_weights(steps_gram):
     """Steps 3 (after the Gram matrix) to 5: all on ``m x m`` matrices."""
-    eigenvalues, eigenvectors, kernel = principal.eigh_of_centred_gram(
+    eigenvalues, eigenvectors, kernel = principal.gram_and_eigh(
         steps_gram, centring)
     signs, ref_norm = principal.orient(eigenvectors, kernel, centring, "end")
     weights = principal.weight_and_calibrate(
@@ -156,7 +158,7 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   steps_gram = gram(displacements)
   small = eigh_to_weights(steps_gram)
   project_back = jax.jit(lambda small, d: principal.project_back(
-      *small, principal.CentredTrajectory(d, centring)))
+      *small, centring, d))
   return {
       "rollout (with trajectory)": lambda: step(params, inner_state, batches),
       "gram": lambda: gram(displacements),

@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.extend
 
 from pgrad_jax._src import validation
 
@@ -52,14 +53,9 @@ class TrajectoryLayout:
 def has_convolution(jaxpr: Any) -> bool:
   """Whether a (closed) jaxpr holds a convolution, at any nesting depth."""
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "conv_general_dilated":
-      return True
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(getattr(sub, "jaxpr", sub), "eqns") and has_convolution(sub):
-          return True
-  return False
+  return (any(eqn.primitive.name == "conv_general_dilated"
+              for eqn in jaxpr.eqns)
+          or any(map(has_convolution, jax.extend.core.subjaxprs(jaxpr))))
 
 
 def default_layout(loss_jaxpr: Any,

@@ -2,21 +2,12 @@
 
 The ``m`` points are stored as displacements ``D_i = theta_i - theta_0``
 (``trajectory.py``); ``D_0 = 0`` is not stored. Everything PGrad needs comes
-from ``K = D D^T``: the ``s x s`` Gram matrix of the ``s = m - 1`` stored
-steps, padded with a zero row and column for ``D_0``. With the centring
-``H = I - 11^T / m``, the centred trajectory is ``C = H D`` (centring the
-points or their displacements is the same), and:
-
-* ``G = C C^T = H K H``, whose eigenpairs ``(lambda_z, e_z)`` give the
-  principal axes ``v_z = C^T e_z / sqrt(lambda_z)`` (eq. 7; the ``d x d``
-  covariance is never formed);
-* for a reference ``r = D^T rho``, ``<C^T e_z, r> = e_z^T H K rho`` fixes each
-  axis's sign and ``||r||^2 = rho^T K rho``;
-* the principal gradient ``sum_z w_z v_z = C^T a = D^T (H a)`` is one weighted
-  sum of the stored displacements, ``a = E (w / sqrt(lambda))``.
-
-So the trajectory is read twice, for ``K`` and for the weighted sum, and only
-``K`` is reduced across devices. Equation numbers are the paper's.
+from their ``m x m`` Gram matrix ``K = D D^T`` and the centring
+``H = I - 11^T / m``: neither the centred trajectory ``C = H D`` (centring the
+points or their displacements is the same) nor the ``d x d`` covariance is
+formed, so the trajectory is read twice, for ``K`` and for step 6's weighted
+sum, and only ``K`` is reduced across devices. Each step's docstring gives the
+identity it computes; equation numbers are the paper's.
 """
 
 from typing import Any, Literal, NamedTuple
@@ -48,53 +39,38 @@ class PrincipalGradient(NamedTuple):
   ref_norm: jax.Array
 
 
-class CentredTrajectory(NamedTuple):
-  """``C = H D``, kept as its two factors so nothing of size ``d`` is copied:
-  the stored trajectory ``D`` and the ``(m, m)`` centring ``H``."""
-
-  displacements: Any
-  centring: jax.Array
-
-
-def centre(displacements: Any, dtype=None) -> CentredTrajectory:
+def centre(displacements: Any, dtype=None) -> jax.Array:
   """Step 2: centre the ``m`` points of the trajectory (eq. 6's hat).
 
   Args:
-    displacements: the stored trajectory.
-    dtype: the dtype of the ``m x m`` matrices; see :func:`principal_gradient`.
+    displacements: the stored trajectory ``D``.
+    dtype: see :func:`principal_gradient`.
 
   Returns:
-    A :class:`CentredTrajectory`.
+    The ``(m, m)`` centring ``H``.
   """
   m = trajectory_lib.num_steps(displacements) + 1
-  # The Gram matrix's dtype: the stored dtypes, at least float32.
   dtype = jnp.promote_types(
       dtype or jnp.result_type(*jax.tree.leaves(displacements)), jnp.float32)
-  return CentredTrajectory(displacements,
-                           jnp.eye(m, dtype=dtype) - jnp.ones((), dtype) / m)
+  return jnp.eye(m, dtype=dtype) - jnp.ones((), dtype) / m
 
 
 def gram_and_eigh(
-    centred: CentredTrajectory,
+    steps_gram: jax.Array, centring: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Step 3: eigendecompose ``G = C C^T`` (eqs. 5-7).
+  """Step 3: eigendecompose ``G = C C^T = H K H`` (eqs. 5-7): its eigenpairs
+  ``(lambda_z, e_z)`` give the axes ``v_z = C^T e_z / sqrt(lambda_z)``.
+
+  Args:
+    steps_gram: ``(s, s)``, ``pgrad_jax.gram`` of the stored steps.
+    centring: ``H``.
 
   Returns:
     ``(eigenvalues, eigenvectors, K)``: ``(m,)``, descending and clamped at
     zero; the ``(m, m)`` ``e_z`` as columns; ``K = D D^T``, ``(m, m)``.
   """
-  return eigh_of_centred_gram(trajectory_lib.gram(centred.displacements),
-                              centred.centring)
-
-
-def eigh_of_centred_gram(
-    steps_gram: jax.Array, centring: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The ``m x m`` half of :func:`gram_and_eigh`, from the ``(s, s)`` Gram
-  matrix of the stored steps (``pgrad_jax.gram``)."""
-  steps_gram = steps_gram.astype(centring.dtype)
-  # Row and column 0 belong to theta_0, whose displacement is zero.
-  kernel = jnp.pad(steps_gram, ((1, 0), (1, 0)))
+  # Row and column 0 of K belong to theta_0, whose displacement is zero.
+  kernel = jnp.pad(steps_gram.astype(centring.dtype), ((1, 0), (1, 0)))
   g = centring @ kernel @ centring
   eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (g + g.T))
   return jnp.maximum(eigenvalues[::-1], 0.0), eigenvectors[:, ::-1], kernel
@@ -106,6 +82,9 @@ def orient(
 ) -> tuple[jax.Array, jax.Array]:
   """Step 4: flip each axis to point along the reference ``r`` (eq. 8).
 
+  With ``r = D^T rho``, ``<C^T e_z, r> = e_z^T H K rho`` and
+  ``||r||^2 = rho^T K rho``.
+
   Args:
     eigenvectors: ``(m, m)``, the ``e_z`` as columns.
     kernel, centring: ``K = D D^T`` and ``H``.
@@ -116,13 +95,12 @@ def orient(
     ``(signs, ref_norm)``: ``s_z = +-1`` with ``<s_z v_z, r> >= 0``; ``||r||``.
   """
   m = kernel.shape[0]
-  # r = D^T rho.
   if reference == "end":
     rho = -jnp.zeros(m, kernel.dtype).at[-1].set(1.0)
   else:
     rho = -jnp.ones(m, kernel.dtype).at[0].set(0.0) / (m - 1)
   ref_norm = jnp.sqrt(jnp.maximum(rho @ kernel @ rho, 0.0))
-  projection = eigenvectors.T @ (centring @ kernel @ rho)  # <C^T e_z, r>
+  projection = eigenvectors.T @ (centring @ kernel @ rho)
   return jnp.where(projection >= 0, 1.0, -1.0).astype(kernel.dtype), ref_norm
 
 
@@ -161,16 +139,17 @@ def weight_and_calibrate(
 
 def project_back(
     weights: jax.Array, eigenvalues: jax.Array, eigenvectors: jax.Array,
-    centred: CentredTrajectory,
+    centring: jax.Array, displacements: Any,
 ) -> optax.Updates:
-  """Step 6: ``sum_z w_z v_z = D^T H E (w / sqrt(lambda))`` (eq. 7), one
-  weighted sum of the stored displacements in each leaf's shape and dtype."""
+  """Step 6: ``sum_z w_z v_z = C^T E (w / sqrt(lambda)) = D^T beta`` with
+  ``beta = H E (w / sqrt(lambda))`` (eq. 7): one weighted sum of the stored
+  displacements, in each leaf's shape and dtype."""
   chosen = weights != 0
   scaled = jnp.where(chosen, weights / jnp.sqrt(
       jnp.where(chosen, eigenvalues, 1.0)), 0.0)
-  beta = centred.centring @ (eigenvectors @ scaled)
+  beta = centring @ (eigenvectors @ scaled)
   # beta[0] multiplies D_0 = 0.
-  return trajectory_lib.weighted_sum(beta[1:], centred.displacements)
+  return trajectory_lib.weighted_sum(beta[1:], displacements)
 
 
 def principal_gradient(
@@ -220,11 +199,13 @@ def principal_gradient(
     Wang, Grigsby and Qi, `PGrad: Learning Principal Gradients for Domain
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
-  centred = centre(displacements, dtype)
-  eigenvalues, eigenvectors, kernel = gram_and_eigh(centred)
-  signs, ref_norm = orient(eigenvectors, kernel, centred.centring, reference)
+  centring = centre(displacements, dtype)
+  eigenvalues, eigenvectors, kernel = gram_and_eigh(
+      trajectory_lib.gram(displacements), centring)
+  signs, ref_norm = orient(eigenvectors, kernel, centring, reference)
   weights = weight_and_calibrate(
       eigenvalues, signs, ref_norm, k, weighting=weighting,
       calibrate_length=calibrate_length, components=components, rtol=rtol)
-  update = project_back(weights, eigenvalues, eigenvectors, centred)
+  update = project_back(weights, eigenvalues, eigenvectors, centring,
+                        displacements)
   return PrincipalGradient(update, eigenvalues, ref_norm)

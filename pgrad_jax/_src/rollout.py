@@ -1,13 +1,13 @@
 """Step 1 of PGrad: sequential inner-optimizer steps over the training domains.
 
 A rollout starts at ``theta_0`` and takes one inner-optimizer step per
-(domain, chunk) of a schedule (eq. 4), storing the points it reaches
-(``trajectory.py``).
+(domain, chunk) of a schedule (:func:`domain_schedule`, eq. 4), storing the
+points it reaches (``trajectory.py``).
 """
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,44 @@ import optax
 from pgrad_jax._src import layout as layout_lib
 from pgrad_jax._src import trajectory as trajectory_lib
 from pgrad_jax._src import validation
+
+Order = Literal["random", "fixed"]
+
+
+def domain_schedule(
+    key: jax.Array, num_domains: int, num_chunks: int, order: Order
+) -> tuple[jax.Array, jax.Array]:
+  """Returns the (domain, chunk) visited at every inner step of a rollout.
+
+  Round ``i`` (``0 <= i < num_chunks``) visits every domain once, on chunk
+  ``i`` of that domain's batch (the trajectory sampling of eq. 4).
+
+  Args:
+    key: a PRNG key; unused for ``order="fixed"``.
+    num_domains: ``n``, the number of training domains.
+    num_chunks: ``B``, the number of chunks each domain's batch is split into.
+    order: ``"fixed"`` (PGrad-F): every round visits domains ``0..n-1``;
+      ``"random"`` (PGrad): a fresh random permutation each round.
+
+  Returns:
+    ``(domains, chunks)``: two int32 arrays of length ``n * B``; step ``s``
+    takes an inner step on chunk ``chunks[s]`` of domain ``domains[s]``.
+
+  Example:
+    >>> import jax
+    >>> from pgrad_jax import domain_schedule
+    >>> domains, chunks = domain_schedule(jax.random.key(0), 3, 2, "fixed")
+    >>> domains.tolist(), chunks.tolist()
+    ([0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1])
+  """
+  validation.one_of("order", order, Order)
+  if order == "fixed":
+    perms = jnp.tile(jnp.arange(num_domains, dtype=jnp.int32), (num_chunks, 1))
+  else:
+    keys = jax.random.split(key, num_chunks)
+    perms = jax.vmap(lambda k: jax.random.permutation(k, num_domains))(keys)
+  chunks = jnp.repeat(jnp.arange(num_chunks, dtype=jnp.int32), num_domains)
+  return perms.reshape(-1).astype(jnp.int32), chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +105,8 @@ class Rollout(NamedTuple):
     return trajectory_lib.point(self.displacements, step)
 
 
-def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
-  """Checks ``batches`` and returns ``(num_domains, per_domain_batch)``.
+def check_batches(batches: Any, num_chunks: int) -> int:
+  """Checks ``batches`` and returns the number of domains.
 
   Raises:
     ValueError: naming the fix, unless every leaf has the same leading axes
@@ -77,8 +115,10 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
   """
   leaves = jax.tree_util.tree_leaves_with_path(batches)
   if not leaves:
-    raise ValueError("batches has no array leaves; pass the per-domain batches "
-                     "stacked on a leading axis: (n_domains, batch, ...).")
+    raise ValueError(
+        "A rollout needs batches=...: a pytree whose leaves stack one batch "
+        "per training domain, shaped (n_domains, batch, ...); got "
+        f"{batches!r}.")
   shapes = {}
   for path, leaf in leaves:
     shape = jnp.shape(leaf)
@@ -110,11 +150,11 @@ def batch_shape(batches: Any, num_chunks: int) -> tuple[int, int]:
         f"B={num_chunks} does not divide the per-domain batch size "
         f"{per_domain}. Use a per-domain batch that is a multiple of B (e.g. "
         f"{' or '.join(map(str, options))}), or a B that divides {per_domain}.")
-  return num_domains, per_domain
+  return num_domains
 
 
-def split_chunks(x: jax.Array, num_chunks: int, per_chunk: int) -> jax.Array:
-  """Reshapes ``(n, b, ...)`` to ``(n, num_chunks, per_chunk, ...)``.
+def split_chunks(x: jax.Array, num_chunks: int) -> jax.Array:
+  """Reshapes ``(n, b, ...)`` to ``(n, num_chunks, b / num_chunks, ...)``.
 
   Under a mesh with explicit axes, a per-domain batch axis sharded over devices
   hands its mesh axes to the within-chunk axis, so every chunk is spread over
@@ -123,7 +163,7 @@ def split_chunks(x: jax.Array, num_chunks: int, per_chunk: int) -> jax.Array:
   fraction of the devices, and JAX rejects that reshape as ambiguous).
   """
   x = jnp.asarray(x)  # A NumPy batch could not be indexed by the scan.
-  shape = (x.shape[0], num_chunks, per_chunk) + x.shape[2:]
+  shape = (x.shape[0], num_chunks, x.shape[1] // num_chunks) + x.shape[2:]
   sharding = jax.typeof(x).sharding
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   if spec[1] is None:
@@ -157,7 +197,7 @@ def check_loss_fn(
   if not callable(loss_fn):
     raise TypeError(
         "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
-        f"{type(loss_fn).__name__}. Pass it as a keyword: "
+        f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
         "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
   stateful = model_state is not None
   if stateful and has_aux:
@@ -232,9 +272,8 @@ def rollout(
     A :class:`Rollout`.
   """
   num_chunks = options.num_chunks
-  _, per_domain = batch_shape(batches, num_chunks)
-  chunked = jax.tree.map(
-      lambda x: split_chunks(x, num_chunks, per_domain // num_chunks), batches)
+  check_batches(batches, num_chunks)
+  chunked = jax.tree.map(lambda x: split_chunks(x, num_chunks), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
   loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, options.has_aux,
                              model_state)

@@ -2,17 +2,10 @@
 
 A rollout stores each point ``theta_i`` as its displacement
 ``D_i = theta_i - theta_0``: small numbers, whose Gram matrix is free of the
-float32 cancellation the raw points would suffer. Each leaf is stored in one
-of two layouts (``layout.py`` chooses):
-
-* **stacked**, ``(s, *leaf_shape)`` for the ``s = m - 1`` steps: the leaf
-  keeps its own axes, so a sharded leaf stays sharded;
-* **interleaved**, ``(n / c, m, c)`` for a leaf of ``n`` elements: block
-  ``j`` of every point sits together, so the Gram matrix is a batched
-  product of small ``(m, c)`` tiles that stay in cache (the strided writes
-  cost about 1 ms per step more). The ``m`` rows include ``theta_0`` as a
-  zero row: one point of memory, for tiles 16 rows tall when ``s = 15``,
-  which matrix kernels handle better (15-row tiles took a fifth longer).
+float32 cancellation the raw points would suffer. ``layout.py`` chooses how
+each leaf is stored: **stacked**, ``(s, *leaf_shape)`` for the ``s = m - 1``
+steps, keeping the leaf's own axes so that a sharded leaf stays sharded, or
+**interleaved** (:class:`InterleavedLeaf`).
 """
 
 import dataclasses
@@ -29,7 +22,13 @@ from pgrad_jax._src import layout as layout_lib
                    meta_fields=["shape"])
 @dataclasses.dataclass(frozen=True)
 class InterleavedLeaf:
-  """One trajectory leaf stored interleaved.
+  """One trajectory leaf of ``n`` elements, interleaved in blocks of ``c``.
+
+  Block ``j`` of every point sits together, so the Gram matrix is a batched
+  product of small ``(m, c)`` tiles that stay in cache (the strided writes
+  cost about 1 ms per step more). The ``m`` rows include ``theta_0`` as a
+  zero row: one point of memory, for tiles 16 rows tall when ``s = 15``,
+  which matrix kernels handle better (15-row tiles took a fifth longer).
 
   Attributes:
     blocks: ``(n / c, m, c)``: ``blocks[j, i]`` holds elements
@@ -185,9 +184,7 @@ def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
     weights = beta.astype(acc)
     # One term per step: XLA:CPU fuses the sum into a single pass over the
     # blocks, where a product or reduction over the middle axis runs slower.
-    total = functools.reduce(
-        lambda total, i: total + weights[i] * b[:, i + 1].astype(acc),
-        range(1, b.shape[1] - 1), weights[0] * b[:, 1].astype(acc))
+    total = sum(weights[i] * b[:, i + 1].astype(acc) for i in range(len(beta)))
     return total.reshape(leaf.shape).astype(b.dtype)
 
   return _map(stacked_sum, interleaved_sum, trajectory)

@@ -14,7 +14,6 @@ import optax
 
 from pgrad_jax._src import principal as principal_lib
 from pgrad_jax._src import rollout as rollout_lib
-from pgrad_jax._src import schedule as schedule_lib
 from pgrad_jax._src import validation
 
 NonFinite = Literal["skip", "propagate"]
@@ -71,7 +70,7 @@ def _rollout_transform(
     from_rollout: Callable[[rollout_lib.Rollout],
                            principal_lib.PrincipalGradient],
     *,
-    order: schedule_lib.Order,
+    order: rollout_lib.Order,
     reset_inner_state: bool,
     nonfinite: NonFinite,
     num_domains: int | None,
@@ -82,20 +81,19 @@ def _rollout_transform(
   ``from_rollout`` turns the rollout into the update and its diagnostics
   (``eigenvalues`` None for fish).
   """
-  validation.one_of("order", order, schedule_lib.Order)
+  validation.one_of("order", order, rollout_lib.Order)
   validation.one_of("nonfinite", nonfinite, NonFinite)
   if num_domains is not None:
     num_domains = validation.positive_int("num_domains", num_domains)
   num_chunks = options.num_chunks
   num_steps = 0 if num_domains is None else num_domains * num_chunks
-  spectrum = options.store_trajectory
 
   def make_state(eigenvalues, losses, **fields):
     # Absent diagnostics are None, not empty arrays, which checkpointers
     # such as Orbax refuse to save.
     if not num_steps:
       eigenvalues = losses = None
-    if not spectrum:
+    if not options.store_trajectory:  # No trajectory, no spectrum.
       return FishState(losses=losses, **fields)
     return PGradState(eigenvalues=eigenvalues, losses=losses, **fields)
 
@@ -128,14 +126,7 @@ def _rollout_transform(
       raise ValueError(
           f"{name}.update needs params: "
           "tx.update(grads, state, params, loss_fn=..., batches=...).")
-    if batches is None:
-      raise ValueError(
-          f"{name}.update needs batches=...: a pytree whose leaves stack one "
-          "batch per training domain, shaped (n_domains, batch, ...).")
-    if loss_fn is None:
-      raise TypeError(f"{name}.update needs loss_fn=...: a callable "
-                      "loss_fn(params, batch) -> scalar loss.")
-    n, _ = rollout_lib.batch_shape(batches, num_chunks)
+    n = rollout_lib.check_batches(batches, num_chunks)
     if num_domains is not None and n != num_domains:
       raise ValueError(
           f"batches hold {n} domains but {name} was built with "
@@ -143,8 +134,8 @@ def _rollout_transform(
 
     # Step 1: roll out.
     key, order_key = jax.random.split(state.key)
-    domains, chunks = schedule_lib.domain_schedule(order_key, n, num_chunks,
-                                                   order)
+    domains, chunks = rollout_lib.domain_schedule(order_key, n, num_chunks,
+                                                  order)
     inner_state = inner_opt.init(params) if reset_inner_state else (
         state.inner_state)
     rolled = rollout_lib.rollout(
@@ -164,15 +155,12 @@ def _rollout_transform(
       skipped = ~finite
       update = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype),
                             update)
-      # A skipped update keeps the inner state and returns the model state
-      # it was given.
       inner_state, new_model_state = jax.tree.map(
           lambda new, old: jnp.where(finite, new, old),
           (inner_state, new_model_state), (state.inner_state, model_state))
 
     return update, make_state(
-        eigenvalues=None if step.eigenvalues is None
-        else step.eigenvalues.astype(jnp.float32),
+        eigenvalues=optax.tree.cast(step.eigenvalues, jnp.float32),
         losses=rolled.losses,
         inner_state=inner_state,
         model_state=new_model_state,
@@ -189,7 +177,7 @@ def pgrad(
     k: int = 4,
     B: int = 1,
     *,
-    order: schedule_lib.Order = "random",
+    order: rollout_lib.Order = "random",
     weighting: principal_lib.Weighting = "l2",
     calibrate_length: bool = True,
     components: principal_lib.Components = "top",
@@ -216,12 +204,11 @@ def pgrad(
 
   Args:
     inner_opt: the Optax transform of the inner steps (the paper: Adam).
-    k: how many principal components; more than available uses them all.
+    k, weighting, calibrate_length, components, rtol: as in
+      :func:`principal_gradient`.
     B: chunks per domain batch (PGrad-B uses 3); must divide the batch size.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F): see
       :func:`domain_schedule`.
-    weighting, calibrate_length, components, rtol: as in
-      :func:`principal_gradient`.
     parallel: every inner step starts from ``theta_0`` (PGradParallel), the
       inner state still threading through; the reference becomes ``theta_0``
       minus the mean of the rollout's points.
@@ -237,16 +224,15 @@ def pgrad(
     gram_dtype: the ``dtype`` of :func:`principal_gradient`.
     axis_name: inside ``shard_map``/``pmap`` with the batch split over this
       axis, average gradients, losses and a floating model state over it.
-    num_domains: the number of training domains; sizes the state's
-      ``eigenvalues`` and ``losses`` and is checked against ``batches``.
+    num_domains: the number of training domains, checked against
+      ``batches``; it sizes the state (see :class:`PGradState`).
     seed: seeds the random domain order.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`PGradState`.
     Its ``update(updates, state, params, *, loss_fn, batches,
-    model_state=None)`` takes ``loss_fn`` and ``batches`` (leaves
-    ``(n_domains, batch, ...)``) as :func:`rollout` does, and an optional
-    ``model_state`` (e.g. BatchNorm statistics) that follows the inner steps.
+    model_state=None)`` takes ``loss_fn``, ``batches`` (leaves
+    ``(n_domains, batch, ...)``) and ``model_state`` as :func:`rollout` does.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -292,7 +278,7 @@ def fish(
     inner_opt: optax.GradientTransformation,
     B: int = 1,
     *,
-    order: schedule_lib.Order = "random",
+    order: rollout_lib.Order = "random",
     reset_inner_state: bool = False,
     has_aux: bool = False,
     nonfinite: NonFinite = "skip",
@@ -338,8 +324,7 @@ def fish(
 
   def end_point(rolled):
     update = jax.tree.map(lambda d: -d, rolled.point(-1))
-    ref_norm = jnp.sqrt(sum(jnp.sum(jnp.square(u.astype(jnp.float32)))
-                            for u in jax.tree.leaves(update)))
+    ref_norm = optax.tree.norm(optax.tree.cast(update, jnp.float32))
     return principal_lib.PrincipalGradient(update, None, ref_norm)
 
   return _rollout_transform(
