@@ -16,7 +16,8 @@ ablations (`experiments.claims`) at their defaults with domain 0 held out.
 Every run trains `STEPS` steps at `FIXED_HPARAMS` (the digits' native 8x8
 inputs, a CNN of width 8), evaluating every `CHECKPOINT_FREQ` steps.
 
-Runs live in ``results/study/<md5 of their args>``. The JSON-lines records,
+Runs are launched default hparams first, trial by trial, then the random
+draws. They live in ``results/study/<md5 of their args>``. The JSON-lines records,
 the ``done`` markers and the trajectories are committed; checkpoints, final
 params and logs are not (see .gitignore). So the same command continues a
 study stopped half-way, on this machine from the runs' checkpoints and on a
@@ -82,7 +83,11 @@ def study_runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
       args = {k: v for k, v in run.args.items() if k != "trajectory_freq"}
       run = sweep.Run.create(args, output_dir)
     kept.append(run)
-  return kept
+  # The default-hparams runs of every trial first: they are the cheapest (a
+  # random draw's batch is up to 8x the default's), and a study stopped
+  # part-way then holds complete default-hparams comparisons over trials.
+  return sorted(kept, key=lambda run: (run.args["hparams_seed"],
+                                       run.args["trial_seed"]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

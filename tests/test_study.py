@@ -31,6 +31,9 @@ def test_study_runs_follow_the_protocol(tmp_path):
   assert trajectories == {(d, a, 0, 0) for d in study.DATASETS
                           for a in ("ERM", "PGrad")}
   assert sum("trajectory_freq" in r.args for r in runs) == 2 * envs
+  # Launched defaults first, trial by trial.
+  order = [(r.args["hparams_seed"], r.args["trial_seed"]) for r in runs]
+  assert order == sorted(order)
 
 
 def test_study_skips_runs_marked_done(tmp_path, capsys):
