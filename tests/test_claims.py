@@ -97,3 +97,16 @@ def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
   saved = {(r.args["algorithm"], r.args["hparams_seed"])
            for r in runs if "trajectory_freq" in r.args}
   assert saved == {("ERM", 0)}
+
+
+def test_comparisons_keep_the_held_out_domains_every_algorithm_has():
+  records = [make_record("ColoredDigits", algorithm, env, 0, 0, 10,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3)
+             for algorithm, envs in (("PGrad", (0, 1, 2)), ("PGrad-k1", (0,)),
+                                     ("PGrad-B", (0, 2)))
+             for env in envs]
+  kept = claims.same_held_out(records)
+  assert sorted((r["args"]["algorithm"], r["args"]["test_envs"][0])
+                for r in kept) == [("PGrad", 0), ("PGrad-B", 0),
+                                   ("PGrad-k1", 0)]
+  assert claims.same_held_out(records[:3]) == records[:3]  # PGrad alone.
