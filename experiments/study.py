@@ -48,8 +48,8 @@ STEPS = 2000
 CHECKPOINT_FREQ = 100
 CLAIM_TEST_ENVS = (0,)
 # Fishr's penalty switches on at 30% of training, DomainBed's 1,500 of 5,000.
-# The digits' native 8x8 scans: a step costs a fifth of 14x14's, which puts
-# the whole study within about 3 hours on 2 cores (docs/study.md).
+# The digits' native 8x8 scans: a step costs a fifth of 14x14's
+# (docs/study.md).
 FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
                  "penalty_anneal_iters": 3 * STEPS // 10}
 TRAJECTORY_FREQ = 100
