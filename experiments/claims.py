@@ -282,6 +282,8 @@ def same_held_out(records: Sequence[Record]) -> list[Record]:
   The ablations hold out fewer domains than the main runs; comparing them on
   different held-out domains would compare the domains, not the algorithms.
   """
+  if not records:
+    return []
   held_out = group_by(records, lambda r: r["args"]["algorithm"])
   common = set.intersection(*({held_out_env(r) for r in recs}
                               for recs in held_out.values()))

@@ -110,3 +110,4 @@ def test_comparisons_keep_the_held_out_domains_every_algorithm_has():
                 for r in kept) == [("PGrad", 0), ("PGrad-B", 0),
                                    ("PGrad-k1", 0)]
   assert claims.same_held_out(records[:3]) == records[:3]  # PGrad alone.
+  assert claims.same_held_out([]) == []
