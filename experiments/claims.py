@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 
 from experiments import plots
 from experiments.model_selection import Record, by_run, group_by, held_out_env
-from experiments.model_selection import num_envs
+from experiments.model_selection import train_envs
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")
@@ -69,15 +69,10 @@ def curve_roughness(values: Sequence[float]) -> dict[str, float]:
           "change_std": float(changes.std())}
 
 
-def _train_envs(record: Record) -> list[int]:
-  held_out = held_out_env(record)
-  return [i for i in range(num_envs(record)) if i != held_out]
-
-
 def loss_curves(run: Sequence[Record]) -> np.ndarray:
   """``(training domains, evaluations)``: every training domain's loss."""
   return np.array([[r[f"env{i}_in_loss"] for r in run]
-                   for i in _train_envs(run[0])], np.float64)
+                   for i in train_envs(run[0])], np.float64)
 
 
 def rising_rate(curves: np.ndarray) -> float:

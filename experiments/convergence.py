@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from experiments.model_selection import held_out_env
-from experiments.model_selection import num_envs
+from experiments.model_selection import train_envs
 
 Record = dict[str, Any]
 
@@ -52,7 +51,7 @@ def _pooled(record: Record, split: str, metric: str) -> tuple[float, int]:
   Returns the metric and the number of examples, 0 where the record does not
   count them (then the domains weigh equally).
   """
-  envs = [i for i in range(num_envs(record)) if i != held_out_env(record)]
+  envs = train_envs(record)
   values = [record[f"env{i}_{split}_{metric}"] for i in envs]
   counts = [record.get(f"env{i}_{split}_examples") for i in envs]
   if None in counts:

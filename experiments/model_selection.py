@@ -85,6 +85,12 @@ def held_out_env(record: Record) -> int:
   return env
 
 
+def train_envs(record: Record) -> list[int]:
+  """The training domains of a record's run: all but the held-out one."""
+  held_out = held_out_env(record)
+  return [i for i in range(num_envs(record)) if i != held_out]
+
+
 def num_envs(record: Record) -> int:
   """The number of domains a record has accuracies for."""
   return sum(bool(_OUT_ACC_KEY.fullmatch(key)) for key in record)
@@ -139,13 +145,9 @@ class TrainingDomainValidation(SelectionMethod):
   @classmethod
   def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
     def checkpoint_acc(record: Record) -> RunAccuracy:
-      held_out = held_out_env(record)
-      val = [
-          record[f"env{i}_out_acc"]
-          for i in range(num_envs(record))
-          if i != held_out
-      ]
-      return RunAccuracy(float(np.mean(val)), record[f"env{held_out}_in_acc"])
+      val = [record[f"env{i}_out_acc"] for i in train_envs(record)]
+      return RunAccuracy(float(np.mean(val)),
+                         record[f"env{held_out_env(record)}_in_acc"])
 
     return max(map(checkpoint_acc, run_records), key=lambda acc: acc.val_acc)
 

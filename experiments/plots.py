@@ -16,7 +16,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from experiments.model_selection import Record, group_by, held_out_env, num_envs
+from experiments.model_selection import Record, group_by, held_out_env
+from experiments.model_selection import train_envs
 
 
 def mean_std_over_runs(
@@ -69,11 +70,10 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
   Returns:
     The figure.
   """
-  held_out = held_out_env(records[0])
-  train_envs = [i for i in range(num_envs(records[0])) if i != held_out]
-  fig = Figure(figsize=(3.2 * len(train_envs), 3), layout="constrained")
-  panels = fig.subplots(1, len(train_envs), sharey=True, squeeze=False)[0]
-  for env, axes in zip(train_envs, panels):
+  envs = train_envs(records[0])
+  fig = Figure(figsize=(3.2 * len(envs), 3), layout="constrained")
+  panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
+  for env, axes in zip(envs, panels):
     for algorithm, runs in _by_algorithm(records).items():
       _plot_band(axes, runs, f"env{env}_in_loss", algorithm)
     axes.set_title(f"training domain {env}")

@@ -1,16 +1,17 @@
 """Markdown tables and plots of a sweep, in DomainBed's layout.
 
-For every model selection method there is one table per dataset, with a row
-per algorithm and a column per held-out domain plus their average, and a
-summary table with a column per dataset. A cell is the selected test accuracy
-as mean ± standard error over trials, in percent; ``X`` marks a missing
-result. A training table per dataset says where the runs ended
+For every model selection method there is one table per dataset, with a row per
+algorithm and a column per held-out domain plus their average, and a summary
+table with a column per dataset. A cell is the selected test accuracy as mean ±
+standard error over trials, in percent; ``X`` marks a missing result. A
+training table per dataset says where the runs ended
 (`experiments.convergence`): final training loss and accuracy, whether the
-validation accuracy had plateaued, and the training time. Training curves of the runs with default hparams
-(``hparams_seed`` 0) are plotted next to the tables: held-out accuracy and
-per-domain training loss of every algorithm, and the eigenvalue spectrum of
-every algorithm that records one (the PGrad variants). A plot that cannot be
-drawn is named, with the reason, in the report and on stderr.
+validation accuracy had plateaued, and the training time. Training curves of
+the runs with default hparams (``hparams_seed`` 0) are plotted next to the
+tables: held-out accuracy and per-domain training loss of every algorithm, and
+the eigenvalue spectrum of every algorithm that records one (the PGrad
+variants). A plot that cannot be drawn is named, with the reason, in the report
+and on stderr.
 
 Usage::
 

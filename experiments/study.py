@@ -16,13 +16,13 @@ ablations (`experiments.claims`) at their defaults with domain 0 held out.
 Every run trains `STEPS` steps at `FIXED_HPARAMS` (the digits' native 8x8
 inputs, a CNN of width 8), evaluating every `CHECKPOINT_FREQ` steps.
 
-Runs are launched default hparams first, trial by trial, then the random
-draws. They live in ``results/study/<md5 of their args>``. The JSON-lines records,
-the ``done`` markers and the trajectories are committed; checkpoints, final
-params and logs are not (see .gitignore). So the same command continues a
-study stopped half-way, on this machine from the runs' checkpoints and on a
-fresh clone from what was committed: finished runs are skipped, unfinished
-ones train again.
+Runs are launched default hparams first, trial by trial, then the random draws.
+They live in ``results/study/<md5 of their args>``. The JSON-lines records, the
+``done`` markers and the trajectories are committed; checkpoints, final params
+and logs are not (see .gitignore). So the same command continues a study
+stopped half-way, on this machine from the runs' checkpoints and on a fresh
+clone from what was committed: finished runs are skipped, unfinished ones train
+again.
 """
 
 from __future__ import annotations
