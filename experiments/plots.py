@@ -16,6 +16,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from experiments import catalog
 from experiments.model_selection import Record, group_by, held_out_env
 from experiments.model_selection import train_envs
 
@@ -52,7 +53,9 @@ def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str):
 
 
 def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
-  return group_by(records, lambda r: r["args"]["algorithm"])
+  """The records of each algorithm, in the registry's order (the legends')."""
+  runs = group_by(records, lambda r: r["args"]["algorithm"])
+  return {name: runs[name] for name in catalog.ALGORITHMS.in_order(runs)}
 
 
 def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 
@@ -84,6 +84,17 @@ class Registry(dict[str, E], Generic[E]):
                        "registered.")
     self[name] = self.entry_type(name=name, builder=builder, **facts)
     return self[name]
+
+  def in_order(self, names: Iterable[str]) -> list[str]:
+    """The distinct ``names`` in registration order, unregistered ones last.
+
+    Reports list algorithms and datasets in this order, so that tables and
+    plot legends agree whatever order the records came in. Unregistered
+    names (runs of an algorithm since removed) follow alphabetically.
+    """
+    names = set(names)
+    known = [name for name in self if name in names]
+    return known + sorted(names - set(known))
 
   def __missing__(self, name: str) -> E:
     raise UnknownNameError(f"Unknown {self.kind} {name!r}; known: "

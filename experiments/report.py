@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,13 +60,6 @@ class Plot(NamedTuple):
   caption: str
   path: Path
   figure: Figure
-
-
-def _ordered(names: Iterable[str], registry: Iterable[str]) -> list[str]:
-  """Names in registry order, then unregistered ones alphabetically."""
-  names = set(names)
-  known = [n for n in registry if n in names]
-  return known + sorted(names - set(known))
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -251,7 +244,7 @@ def write_plots(
     return [], [f"no plots: no run has hparams_seed {PLOTTED_HPARAMS_SEED}"]
   by_algorithm = model_selection.group_by(runs,
                                           lambda r: r["args"]["algorithm"])
-  algorithms = _ordered(by_algorithm, catalog.ALGORITHMS)
+  algorithms = catalog.ALGORITHMS.in_order(by_algorithm)
   loss_runs = [r for r in runs if _has_loss_curves(r)]
   # (caption, file suffix, plot function, records or [] with the reason).
   figures = [
@@ -296,9 +289,9 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
   wilds_table = wilds_report.wilds_table(records)
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
-  datasets = _ordered(by_dataset, catalog.DATASETS)
-  algorithms = _ordered((r["args"]["algorithm"] for r in records),
-                        catalog.ALGORITHMS)
+  datasets = catalog.DATASETS.in_order(by_dataset)
+  algorithms = catalog.ALGORITHMS.in_order(
+      r["args"]["algorithm"] for r in records)
   num_domains = {d: model_selection.num_envs(by_dataset[d][0])
                  for d in datasets}
   domain_names = {d: next((r["domains"] for r in by_dataset[d]

@@ -28,6 +28,14 @@ def test_entries_keep_their_facts_and_order():
   assert shapes["square"].name == "square"
 
 
+def test_in_order_follows_registration_then_the_alphabet():
+  shapes = _registry()
+  assert shapes.in_order(["triangle", "hexagon", "square", "circle",
+                          "triangle"]) == ["square", "triangle", "circle",
+                                           "hexagon"]
+  assert shapes.in_order([]) == []
+
+
 def test_build_imports_a_named_builder_and_binds_the_options():
   shapes = _registry()
   assert shapes["square"].build(size=2) == {"kind": "square", "size": 2}

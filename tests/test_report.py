@@ -168,8 +168,10 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
                                              "training domain 2"]
   assert [a.get_xlabel() for a in panels] == ["step", "step"]
   assert panels[0].get_ylabel() == "training loss"
+  # The records came as ERM, PGrad-B, PGrad-F; the legend follows the
+  # registry, as the tables do.
   assert [t.get_text() for t in panels[0].get_legend().get_texts()] == [
-      "ERM", "PGrad-B", "PGrad-F"]
+      "ERM", "PGrad-F", "PGrad-B"]
   for axes, env in zip(panels, (1, 2)):
     for line in axes.get_lines():
       # Mean over the two trials of step * (1 + trial) + env.
