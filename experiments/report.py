@@ -276,12 +276,15 @@ def write_plots(
   return written, skipped
 
 
-def render(records: Sequence[Record], output_dir: Path) -> str:
+def render(records: Sequence[Record], output_dir: Path,
+           scope: str = "") -> str:
   """Builds the Markdown report and writes its plots.
 
   Args:
     records: all records of a sweep.
     output_dir: the report's directory; plots go to its ``plots/``.
+    scope: which runs the records were chosen from, said after their count,
+      e.g. ``" (runs with hparams_seed 0)"``.
 
   Returns:
     The Markdown text; plots are linked relative to ``output_dir``.
@@ -300,8 +303,8 @@ def render(records: Sequence[Record], output_dir: Path) -> str:
   lines = [
       "# Results",
       "",
-      f"{len(records)} records. Cells: the selected model's held-out domain"
-      " accuracy (%), mean ± standard error over trials; X: missing.",
+      f"{len(records)} records{scope}. Cells: the selected model's held-out"
+      " domain accuracy (%), mean ± standard error over trials; X: missing.",
   ]
   for method in model_selection.SELECTION_METHODS:
     selected = model_selection.selected_accuracies(records, method)
@@ -390,16 +393,28 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--input_dir", required=True,
                       help="Searched recursively for results.jsonl files.")
   parser.add_argument("--output_dir", required=True)
+  parser.add_argument(
+      "--hparams_seeds", type=int, nargs="+", metavar="SEED",
+      help="Report only the runs with these hparams_seed, e.g. 0 for the "
+      "default hparams alone (a sweep whose random draws are unfinished); "
+      "default: every run.")
   args = parser.parse_args(argv)
 
   records = model_selection.load_records(args.input_dir)
+  scope = ""
+  if args.hparams_seeds is not None:
+    records = [r for r in records
+               if r["args"]["hparams_seed"] in args.hparams_seeds]
+    scope = (" (runs with hparams_seed "
+             f"{', '.join(map(str, sorted(set(args.hparams_seeds))))})")
   if not records:
-    print(f"No results.jsonl records under {args.input_dir}.", file=sys.stderr)
+    print(f"No results.jsonl records under {args.input_dir}{scope}.",
+          file=sys.stderr)
     return 1
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"
-  report.write_text(render(records, output_dir)
+  report.write_text(render(records, output_dir, scope)
                     + claims_section(records, args.input_dir, output_dir))
   print(f"Wrote {report}")
   return 0

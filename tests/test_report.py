@@ -109,6 +109,32 @@ def test_report_tables_and_plots(tmp_path):
   assert reason in text
 
 
+def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys):
+  # A second draw of ColoredDigits' ERM, best on validation and worse on
+  # the held-out domains: selected when reported, absent when filtered out.
+  draw = [make_record("ColoredDigits", "ERM", env, 1, trial, STEPS[-1],
+                      in_accs=[0.1] * 3, out_accs=[0.9] * 3)
+          for env in range(3) for trial in (0, 1)]
+  write_runs(tmp_path / "sweep", sweep_records() + draw)
+
+  def reported(*flags):
+    assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                        "--output_dir", str(tmp_path / "out"), *flags]) == 0
+    return (tmp_path / "out" / "results.md").read_text()
+
+  everything = reported()
+  assert "| ERM | 10.0 ± 0.0 | 10.0 ± 0.0 | 10.0 ± 0.0 | 10.0 |" in everything
+  assert COLORED_TABLE not in everything
+  defaults = reported("--hparams_seeds", "0")
+  assert f"{len(sweep_records())} records (runs with hparams_seed 0)." in (
+      defaults)
+  assert COLORED_TABLE in defaults
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "none"),
+                      "--hparams_seeds", "7"]) == 1
+  assert "(runs with hparams_seed 7)" in capsys.readouterr().err
+
+
 def test_missing_input_fails(tmp_path):
   assert report.main(["--input_dir", str(tmp_path),
                       "--output_dir", str(tmp_path / "out")]) == 1
