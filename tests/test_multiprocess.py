@@ -11,13 +11,13 @@ steps. Each writes the gathered params; the test compares them with the same
 two steps on one device with the full batch.
 """
 
+import concurrent.futures
 import contextlib
 import os
 import pathlib
 import socket
 import subprocess
 import sys
-import time
 import traceback
 
 import jax
@@ -143,13 +143,19 @@ def _run_processes(tmp_path):
                               stderr=subprocess.STDOUT)
              for i, log in enumerate(logs)]
     # A process that fails leaves the other waiting in a collective, so stop
-    # at the first failure rather than at the timeout.
-    deadline = time.monotonic() + TIMEOUT_S
+    # at the first failure rather than at the timeout (a hang guard).
+    def wait_ok(proc):
+      if proc.wait():
+        raise ChildProcessError(proc.returncode)
+
     try:
-      while (any(p.poll() is None for p in procs)
-             and not any(p.poll() for p in procs)
-             and time.monotonic() < deadline):
-        time.sleep(0.1)
+      with concurrent.futures.ThreadPoolExecutor(NUM_PROCESSES) as pool:
+        concurrent.futures.wait(
+            [pool.submit(wait_ok, p) for p in procs], timeout=TIMEOUT_S,
+            return_when=concurrent.futures.FIRST_EXCEPTION)
+        for p in procs:
+          if p.poll() is None:
+            p.kill()
     finally:
       for p in procs:
         if p.poll() is None:

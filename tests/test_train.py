@@ -8,9 +8,9 @@ that only the first one compiles.
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -78,22 +78,34 @@ def test_run_writes_domainbed_results_and_done(reference):
   assert all(np.all(np.isfinite(v)) for v in params.values())
 
 
-def kill_at_first_checkpoint(command, output_dir, step):
-  """Runs ``command`` and SIGKILLs it once checkpoint ``step`` exists.
+# Prepended to a train command: once checkpoint STEP is on disk, the run
+# SIGKILLs itself, so the kill lands between that checkpoint and the end of
+# the run without the test watching the disk.
+_DIE_AFTER_CHECKPOINT = """\
+import os, signal
+import orbax.checkpoint as ocp
+save = ocp.CheckpointManager.save
+def save_then_die(self, step, *args, **kwargs):
+  saved = save(self, step, *args, **kwargs)
+  if step == {step}:
+    self.wait_until_finished()
+    os.kill(os.getpid(), signal.SIGKILL)  # No clean-up at all.
+  return saved
+ocp.CheckpointManager.save = save_then_die
+"""
 
-  Polls for the checkpoint's folder (a deadline, not a speed check), so the
-  kill lands between that checkpoint and the end of the run.
-  """
-  process = subprocess.Popen(command, cwd=REPO,
-                             stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-  first_checkpoint = output_dir / "checkpoints" / str(step)
-  deadline = time.monotonic() + 600
-  while not first_checkpoint.exists() and process.poll() is None:
-    assert time.monotonic() < deadline, "no checkpoint was written"
-    time.sleep(0.01)
-  process.kill()  # SIGKILL: no clean-up at all.
-  process.wait()
+
+def kill_at_first_checkpoint(command, output_dir, step):
+  """Runs ``command`` (``python -m module ...`` or ``python -c script ...``)
+  until it has written checkpoint ``step``, then SIGKILLs it."""
+  python, flag, target, *args = command
+  main = (f"import runpy; runpy.run_module({target!r}, run_name='__main__', "
+          "alter_sys=True)" if flag == "-m" else target)
+  killed = subprocess.run(
+      [python, "-c", _DIE_AFTER_CHECKPOINT.format(step=step) + main, *args],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  assert (output_dir / "checkpoints" / str(step)).is_dir()
   assert not (output_dir / "done").exists(), "the run ended before the kill"
 
 
