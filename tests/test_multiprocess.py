@@ -131,9 +131,11 @@ def _run_processes(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(
                  [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-  # A device count forced by the caller's XLA_FLAGS would override
-  # jax_num_cpu_devices.
-  env.pop("XLA_FLAGS", None)
+  # A device count forced by XLA_FLAGS would override jax_num_cpu_devices;
+  # the other flags stay.
+  env["XLA_FLAGS"] = " ".join(
+      flag for flag in env.get("XLA_FLAGS", "").split()
+      if not flag.startswith("--xla_force_host_platform_device_count"))
   outs = [tmp_path / f"process{i}.npz" for i in range(NUM_PROCESSES)]
   with contextlib.ExitStack() as stack:
     logs = [stack.enter_context(open(tmp_path / f"process{i}.log", "w+"))
