@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 import subprocess
@@ -78,13 +79,19 @@ def pytest_collection_modifyitems(items):
   pytest-xdist (``--dist loadscope``) gives each worker whole modules, so a
   module-scoped fixture (a reference run, a subprocess on simulated devices)
   is built once. The modules with such fixtures go first, then those with
-  ``slow`` tests, so that no long module is left for the end while the other
-  worker idles.
+  ``slow`` tests, then the others by their number of tests, most first, so
+  that no long module is left for the end while the other worker idles (a
+  75-test module run last kept one of two workers idle for 37 s).
   """
+  def module(item):
+    return item.nodeid.split("::")[0]
+
   def modules(has):
-    return {item.nodeid.split("::")[0] for item in items if has(item)}
+    return {module(item) for item in items if has(item)}
 
   with_fixtures = modules(_uses_module_fixture)
   with_slow = modules(lambda item: item.get_closest_marker("slow"))
-  items.sort(key=lambda item: (item.nodeid.split("::")[0] not in with_fixtures,
-                               item.nodeid.split("::")[0] not in with_slow))
+  sizes = collections.Counter(map(module, items))
+  items.sort(key=lambda item: (module(item) not in with_fixtures,
+                               module(item) not in with_slow,
+                               -sizes[module(item)]))
