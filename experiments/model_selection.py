@@ -118,19 +118,24 @@ class SelectionMethod(abc.ABC):
     """
 
   @classmethod
-  def sweep_acc(cls, records: Sequence[Record]) -> float:
-    """The test accuracy of the hparam draw with the best validation accuracy.
+  def selected_run(cls, records: Sequence[Record]) -> list[Record]:
+    """The hparam draw with the best validation accuracy.
 
     Args:
       records: the (non-empty) records of one
         ``(dataset, algorithm, test env, trial_seed)``, over hparam draws.
 
     Returns:
-      The selected run's test accuracy. Ties go to the lowest hparams_seed.
+      The selected run's records. Ties go to the lowest hparams_seed.
     """
     runs = group_by(records, lambda r: r["args"]["hparams_seed"])
-    accs = [cls.run_acc(runs[seed]) for seed in sorted(runs)]
-    return max(accs, key=lambda acc: acc.val_acc).test_acc
+    return max((runs[seed] for seed in sorted(runs)),
+               key=lambda run: cls.run_acc(run).val_acc)
+
+  @classmethod
+  def sweep_acc(cls, records: Sequence[Record]) -> float:
+    """The test accuracy of `selected_run`."""
+    return cls.run_acc(cls.selected_run(records)).test_acc
 
 
 class TrainingDomainValidation(SelectionMethod):
@@ -195,8 +200,19 @@ def selected_accuracies(
     For every ``(dataset, algorithm, test env)``, the selected test accuracy
     of each trial.
   """
+  result: SelectedAccuracies = collections.defaultdict(dict)
+  for (dataset, algorithm, env, trial), group in trial_groups(records).items():
+    result[dataset, algorithm, env][trial] = method.sweep_acc(group)
+  return dict(result)
+
+
+def trial_groups(
+    records: Iterable[Record]) -> dict[tuple[str, str, int, int], list[Record]]:
+  """The records of every ``(dataset, algorithm, test env, trial_seed)``, among
+  which a selection method picks one hparam draw. Runs with more than one test
+  env are left out."""
   single = [r for r in records if len(r["args"]["test_envs"]) == 1]
-  groups = group_by(
+  return group_by(
       single,
       lambda r: (
           r["args"]["dataset"],
@@ -205,10 +221,6 @@ def selected_accuracies(
           r["args"]["trial_seed"],
       ),
   )
-  result: SelectedAccuracies = collections.defaultdict(dict)
-  for (dataset, algorithm, env, trial), group in groups.items():
-    result[dataset, algorithm, env][trial] = method.sweep_acc(group)
-  return dict(result)
 
 
 def mean_and_error(accs: Sequence[float]) -> tuple[float, float]:

@@ -196,25 +196,35 @@ def training_table(records: Sequence[Record],
   Returns:
     The Markdown table: mean ± standard error over runs of the final
     training-domain loss and accuracy and of the validation accuracy's change
-    over the last steps, how many runs plateaued, and the median training
-    time per run.
+    over the last steps, how many runs plateaued, of all and of those that
+    training-domain validation selects (the runs behind the results table),
+    and the median training time per run.
   """
   ends = model_selection.group_by(
       ((run[0]["args"]["algorithm"], convergence.run_end(run))
        for run in model_selection.by_run(records)), lambda pair: pair[0])
+  selected = model_selection.group_by(
+      ((algorithm, convergence.run_end(
+          model_selection.TrainingDomainValidation.selected_run(group)))
+       for (_, algorithm, _, _), group
+       in model_selection.trial_groups(records).items()),
+      lambda pair: pair[0])
   rows = []
   for algorithm in (a for a in algorithms if a in ends):
     found = [end for _, end in ends[algorithm]]
+    chosen = [end for _, end in selected.get(algorithm, [])]
     rows.append([
         algorithm, str(len(found)),
         f"{sum(end.plateaued for end in found)}/{len(found)}",
+        f"{sum(end.plateaued for end in chosen)}/{len(chosen)}",
         _mean_se_text([end.loss for end in found], "{:.4f}"),
         _mean_se_text([100 * end.accuracy for end in found], "{:.1f}"),
         _mean_se_text([100 * end.validation_change for end in found],
                       "{:.1f}"),
         f"{np.median([end.seconds for end in found]):.0f}"])
   return markdown_table(
-      ["Algorithm", "runs", "plateaued", "final training loss",
+      ["Algorithm", "runs", "plateaued", "selected runs plateaued",
+       "final training loss",
        "training acc. (%)",
        f"validation change, last {convergence.WINDOW:.0%} of steps (pts)",
        "training time per run (s, median)"], rows)
@@ -320,8 +330,10 @@ def render(records: Sequence[Record], output_dir: Path,
             "Where the runs ended (`experiments.convergence`): a run has "
             "plateaued when its training-domain validation accuracy moved by "
             "at most one standard error over the last "
-            f"{convergence.WINDOW:.0%} of its steps. Training time excludes "
-            "evaluation and includes compilation."]
+            f"{convergence.WINDOW:.0%} of its steps. The selected runs are "
+            "those that training-domain validation picks, one per trial and "
+            "held-out domain: the runs behind the accuracy tables. Training "
+            "time excludes evaluation and includes compilation."]
   for dataset in datasets:
     with_loss = [r for r in by_dataset[dataset] if _has_loss_curves(r)]
     if with_loss:

@@ -214,8 +214,13 @@ def make_runs(
   return runs
 
 
-def _train(run: Run, train_command: str, data_dir: str | None) -> int:
-  """Trains one run in a subprocess, logging to its directory."""
+def train_run(run: Run, train_command: str = DEFAULT_TRAIN_COMMAND,
+              data_dir: str | None = None) -> int:
+  """Trains one run in a subprocess, logging to its directory.
+
+  Returns:
+    The training command's exit status.
+  """
   run.output_dir.mkdir(parents=True, exist_ok=True)
   # Runs that differ only in seeds or held-out domain compile the same
   # programs: a persistent compilation cache shared by the sweep compiles
@@ -258,7 +263,7 @@ def launch(
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
   try:
     futures = {
-        pool.submit(_train, run, train_command, data_dir): run for run in todo
+        pool.submit(train_run, run, train_command, data_dir): run for run in todo
     }
     with tqdm.tqdm(
         total=len(runs), initial=len(runs) - len(todo), unit="run"

@@ -16,6 +16,7 @@ from experiments import model_selection
 from experiments import plots
 from experiments import report
 from experiments import sweep
+from test_convergence import _run as converging_run
 from test_model_selection import make_record, write_runs
 
 # {(dataset, algorithm): {held-out env: {trial: test accuracy}}}, one hparam
@@ -133,6 +134,22 @@ def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys):
                       "--output_dir", str(tmp_path / "none"),
                       "--hparams_seeds", "7"]) == 1
   assert "(runs with hparams_seed 7)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("other_final_validation, selected_plateaued", [
+    (0.80, "0/1"),  # Validates best and is still moving: selected.
+    (0.40, "1/1"),  # Still moving and validates worse: not selected.
+])
+def test_training_table_counts_the_selected_runs_that_plateaued(
+    other_final_validation, selected_plateaued):
+  plateaued = converging_run(0.68)
+  assert convergence.run_end(plateaued).plateaued
+  other = [{**r, "args": {**r["args"], "hparams_seed": 1}}
+           for r in converging_run(other_final_validation)]
+  assert not convergence.run_end(other).plateaued
+  table = report.training_table(plateaued + other, ["ERM"])
+  row = [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
+  assert row[:4] == ["ERM", "2", "1/2", selected_plateaued]
 
 
 def test_missing_input_fails(tmp_path):
@@ -268,8 +285,8 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
               if r[0]["args"]["algorithm"] == row[0].strip()]
     end = convergence.run_end(run)
     assert row[1].strip() == "1"
-    assert row[2].strip() == f"{int(end.plateaued)}/1"
-    assert row[3].strip() == f"{end.loss:.4f} ± 0.0000"
+    assert row[2].strip() == row[3].strip() == f"{int(end.plateaued)}/1"
+    assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
 
   written, skipped = report.write_plots(records, "ColoredDigits", 0,
                                         tmp_path / "out" / "plots")

@@ -2,6 +2,7 @@
 
 import json
 
+from experiments import model_selection
 from experiments import study
 from experiments import sweep
 
@@ -43,3 +44,64 @@ def test_study_skips_runs_marked_done(tmp_path, capsys):
     (run.output_dir / sweep.DONE_FILE).touch()
   assert study.main(["--output_dir", str(tmp_path)]) == 0
   assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
+
+
+def _record(step, acc, **args):
+  return {"args": {"dataset": "RotatedDigits", "output_dir": "a", **args},
+          "step": step, "step_time": 0.1 * step, "env0_in_acc": acc}
+
+
+def test_first_difference_ignores_only_where_and_how_fast():
+  committed = [_record(1, 0.5), _record(2, 0.75)]
+  moved = [{**r, "args": {**r["args"], "output_dir": "b"}, "step_time": 9.0}
+           for r in committed]
+  assert study.first_difference(committed, moved) is None
+  changed = [moved[0], {**moved[1], "env0_in_acc": 0.7500001}]
+  assert study.first_difference(committed, changed) == (
+      "step 2: env0_in_acc = 0.7500001, 0.75 committed")
+  assert study.first_difference(committed, moved[:1]) == (
+      "1 records, 2 committed")
+  other_args = [_record(1, 0.5, seed=3), _record(2, 0.75, seed=3)]
+  assert "args" in study.first_difference(committed, other_args)
+
+
+def test_sample_takes_one_run_per_group_holding_out_the_lowest_domain(
+    tmp_path):
+  runs = study.study_runs(str(tmp_path))
+  chosen = study.sample(runs, [1])
+  # 2 datasets x 5 algorithms x 3 trials of the random draw.
+  assert len(chosen) == 2 * len(study.ALGORITHMS) * study.N_TRIALS
+  assert all(run.args["hparams_seed"] == 1 and run.args["test_envs"] == [0]
+             for run in chosen)
+  assert len(study.sample(runs)) == len(chosen) * 2 + 2 * len(
+      study.CLAIM_ALGORITHMS) * study.N_TRIALS
+
+
+def test_reproduce_retrains_a_run_to_equal_records(tmp_path):
+  # A finished one-run "study", trained as the study trains its runs.
+  tiny = {"dataset": "RotatedDigits", "algorithm": "ERM", "test_envs": [1],
+          "hparams_seed": 0, "trial_seed": 0, "seed": 0, "steps": 2,
+          "checkpoint_freq": 2, "eval_examples": 16, "loss_examples": 8,
+          "hparams": json.dumps({"batch_size": 3, "cnn_width": 8,
+                                 "image_size": 8})}
+  run = sweep.Run.create(tiny, tmp_path / "study")
+  assert sweep.launch([run]) == []
+  report = study.reproduce([run], [run], tmp_path / "scratch", jobs=1)
+  [result] = report["runs"]
+  assert result["equal"] and result["difference"] is None, result
+  assert result["group"] == ["RotatedDigits", "ERM", 0, 0]
+  assert report["estimated_hours"] == round(result["seconds"] / 3600, 2)
+
+  # The retrained records stay in the scratch directory; a committed record
+  # changed afterwards is found.
+  retrained = model_selection.load_records(
+      tmp_path / "scratch" / run.output_dir.name)
+  committed = model_selection.load_records(run.output_dir)
+  committed[-1]["env1_in_acc"] += 0.25
+  assert study.first_difference(committed, retrained).startswith(
+      "step 2: env1_in_acc = ")
+
+
+def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):
+  assert study.main(["reproduce", "--output_dir", str(tmp_path)]) == 1
+  assert "no finished runs to reproduce" in capsys.readouterr().err
