@@ -231,8 +231,10 @@ def _reproduce_command(runs: Sequence[sweep.Run],
   chosen = [run for run in sample(runs, args.hparams_seeds)
             if run.status is sweep.Status.DONE]
   if not chosen:
-    print(f"error: no finished runs to reproduce in {args.output_dir}.",
-          file=sys.stderr)
+    draws = ("" if args.hparams_seeds is None else
+             f" with hparams_seed in {args.hparams_seeds}")
+    print(f"error: no finished runs{draws} to reproduce in "
+          f"{args.output_dir}.", file=sys.stderr)
     return 1
   print(f"Retraining {len(chosen)} runs, {args.jobs} at a time.")
   with tempfile.TemporaryDirectory(prefix="study_reproduce_") as scratch:
