@@ -105,7 +105,7 @@ def _command(data_dir, output_dir):
             "sys.exit(train.main(sys.argv[1:]))")
   return [sys.executable, "-c", script, "--dataset", "PovertyMap",
           "--algorithm", "PGrad-B", "--data_dir", str(data_dir),
-          "--output_dir", str(output_dir), "--steps", "6",
+          "--output_dir", str(output_dir), "--steps", "4",
           "--checkpoint_freq", "2", "--hparams",
           '{"domains_per_step": 2, "batch_size": 3}', *SMALL]
 
