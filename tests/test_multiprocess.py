@@ -150,20 +150,17 @@ def _run_processes(tmp_path):
       if proc.wait():
         raise ChildProcessError(proc.returncode)
 
-    try:
-      with concurrent.futures.ThreadPoolExecutor(NUM_PROCESSES) as pool:
+    with concurrent.futures.ThreadPoolExecutor(NUM_PROCESSES) as pool:
+      try:
         concurrent.futures.wait(
             [pool.submit(wait_ok, p) for p in procs], timeout=TIMEOUT_S,
             return_when=concurrent.futures.FIRST_EXCEPTION)
+      finally:
+        # What still runs is killed, so the pool's waits, and the pool, end.
         for p in procs:
           if p.poll() is None:
             p.kill()
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-        p.wait()
-    codes = [p.returncode for p in procs]
+    codes = [p.wait() for p in procs]
     text = []
     for i, log in enumerate(logs):
       log.seek(0)
