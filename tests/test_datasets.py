@@ -5,12 +5,20 @@ import re
 import numpy as np
 import pytest
 from PIL import Image
-from sklearn.datasets import load_digits
 
 from experiments import catalog
 from experiments import datasets
 
 NUM_DIGITS = 1797
+
+
+def _sklearn_digits():
+  """scikit-learn's own loader of its bundled digits: the independent reference
+  for `datasets._load_digits`. Imported here rather than at the top because
+  importing scikit-learn takes about 2 s, which every test worker would pay
+  while collecting."""
+  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+  return load_digits()
 
 
 def _four_sigma(p: float, n: int) -> float:
@@ -103,14 +111,14 @@ def test_rotation_is_counter_clockwise_about_the_centre(angle_index):
 
 def test_digits_are_scikit_learns_bundled_digits():
   images, labels = datasets._load_digits()  # pylint: disable=protected-access
-  digits = load_digits()
+  digits = _sklearn_digits()
   np.testing.assert_array_equal(labels, digits.target)
   np.testing.assert_array_equal(images, digits.images / np.float32(16))
   assert images.dtype == np.float32 and images.shape == (NUM_DIGITS, 8, 8)
 
 
 def test_digits_are_upsampled_bilinearly():
-  digits = load_digits()
+  digits = _sklearn_digits()
   images = digits.images.astype(np.float32) / 16
   ds = datasets.rotated_dataset("Fake", images[:1], digits.target[:1], seed=0)
   upsampled = Image.fromarray(images[0]).resize(
@@ -124,7 +132,7 @@ def test_digits_are_upsampled_bilinearly():
 def test_colored_label_noise_rate():
   # Constant images encode each example's index, to trace it through the
   # shuffle; the digit labels are the real ones.
-  digits = load_digits().target
+  digits = _sklearn_digits().target
   codes = (np.arange(NUM_DIGITS) + 1.0) / (NUM_DIGITS + 1)
   images = np.broadcast_to(codes[:, None, None], (NUM_DIGITS, 8, 8))
   ds = datasets.colored_dataset("Fake", images, digits, seed=0)

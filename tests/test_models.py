@@ -1,5 +1,6 @@
 """Tests for experiments.models and experiments.pretrained."""
 
+import functools
 import sys
 import types
 
@@ -18,7 +19,7 @@ FEATURES = {"mnist_cnn": 128, "resnet18": 512, "resnet50": 2048}
 SIZE = 32  # Small images keep the ResNets fast.
 
 
-def _build(name, channels=3, seed=0, **kwargs):
+def _new_model(name, channels=3, seed=0, **kwargs):
   return models.build_model(
       name,
       num_classes=5,
@@ -26,6 +27,24 @@ def _build(name, channels=3, seed=0, **kwargs):
       rngs=nnx.Rngs(seed),
       **kwargs,
   )
+
+
+def _build(name, channels=3, seed=0, **kwargs):
+  """A fresh concrete model: a copy of the one built once per configuration.
+
+  Initialising a ResNet-18 takes about a second of random-number generation
+  under the tests' fast-compile XLA flags (conftest.py), and a dozen tests
+  build the same one. Each gets its own copy, so what one test changes
+  (loaded weights, updated statistics) no other test sees. Abstract models
+  (`nnx.eval_shape`) come from `_new_model`, never from this cache.
+  """
+  return nnx.clone(_cached_model(name, channels, seed,
+                                 tuple(sorted(kwargs.items()))))
+
+
+@functools.cache
+def _cached_model(name, channels, seed, kwargs):
+  return _new_model(name, channels, seed, **dict(kwargs))
 
 
 def _images(channels=3, n=2, seed=0):
@@ -42,7 +61,7 @@ def _abstract_forward(name, channels=3, **kwargs):
   Abstract evaluation traces the same code as a real call without compiling
   it, which keeps shape checks on the large models fast.
   """
-  model = nnx.eval_shape(lambda: _build(name, channels, **kwargs))
+  model = nnx.eval_shape(lambda: _new_model(name, channels, **kwargs))
   graphdef, state = nnx.split(model)
 
   def forward(state, x):
@@ -191,7 +210,7 @@ def test_resnet_parameter_counts(depth, featurizer_params, torchvision_total):
   without_fc = [v for k, v in sizes.items() if not k.startswith("fc.")]
   assert sum(without_fc) == featurizer_params
 
-  model = nnx.eval_shape(lambda: _build(f"resnet{depth}"))
+  model = nnx.eval_shape(lambda: _new_model(f"resnet{depth}"))
   params = nnx.state(model.featurizer, nnx.Param)
   assert sum(p.size for p in jax.tree.leaves(params)) == featurizer_params
 
@@ -285,11 +304,11 @@ def test_functional_jit_step_with_dropout_keys_and_bn_updates():
 
 def test_registry():
   with pytest.raises(KeyError, match="resnet50"):
-    _build("no_such_model")
+    _new_model("no_such_model")
   with pytest.raises(ValueError, match="already registered"):
     catalog.MODELS.register("resnet18", models.ResNet)
   with pytest.raises(ValueError, match="bn_mode"):
-    nnx.eval_shape(lambda: _build("resnet18", bn_mode="eval"))
+    nnx.eval_shape(lambda: _new_model("resnet18", bn_mode="eval"))
 
   class Tiny(nnx.Module):
 
@@ -301,7 +320,7 @@ def test_registry():
 
   catalog.MODELS.register("tiny_test_model", Tiny)
   try:
-    assert _build("tiny_test_model", channels=4)(_images(4)).shape == (2, 5)
+    assert _new_model("tiny_test_model", channels=4)(_images(4)).shape == (2, 5)
   finally:
     del catalog.MODELS["tiny_test_model"]
 
@@ -322,7 +341,7 @@ def test_convert_torchvision_state_dict_layout(resnet18_npz):
   np.testing.assert_array_equal(
       tree["layer3"][1]["bn2"]["var"], state_dict["layer3.1.bn2.running_var"]
   )
-  abstract = nnx.eval_shape(lambda: _build("resnet18"))
+  abstract = nnx.eval_shape(lambda: _new_model("resnet18"))
   expected = nnx.to_pure_dict(
       nnx.state(abstract.featurizer, (nnx.Param, nnx.BatchStat))
   )
@@ -414,7 +433,8 @@ def test_mismatched_weights_raise_clear_errors(resnet18_npz, tmp_path):
   state_dict, path = resnet18_npz
   with pytest.raises(ValueError, match=r"missing[\s\S]*layer1/0/conv3/kernel"):
     # Shapes suffice to detect the mismatch, so the model can stay abstract.
-    pretrained.load_pretrained(nnx.eval_shape(lambda: _build("resnet50")), path)
+    pretrained.load_pretrained(
+        nnx.eval_shape(lambda: _new_model("resnet50")), path)
 
   tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
   tree["layer1"][0]["conv2"]["kernel"] = np.zeros((3, 3, 64, 32), np.float32)
