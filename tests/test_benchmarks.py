@@ -170,3 +170,34 @@ def test_accumulated_erm_gradient_is_the_full_batch_gradient():
     for got, want in zip(jax.tree.leaves(grads[micro]),
                          jax.tree.leaves(grads[None])):
       np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
+
+
+def test_vmap_trials_checks_every_trial_and_times_both_variants(tmp_path):
+  from benchmarks import vmap_trials
+  out = tmp_path / "vmap.json"
+  assert vmap_trials.main(
+      ["--algorithms", "ERM", "--trials", "2", "--domains", "2", "--batch",
+       "3", "--repeats", "1", "--out", str(out)]) == 0
+  (result,) = json.loads(out.read_text())["results"]
+  assert result["algorithm"] == "ERM"
+  for timing in ("compile_seconds", "median_seconds"):
+    assert result[timing].keys() == {"separate", "vmapped"}
+    assert all(t > 0 for t in result[timing].values())
+
+
+def test_vmap_trials_check_catches_another_trials_step():
+  import numpy as np
+  from benchmarks import vmap_trials
+  params = {"w": np.zeros(3, np.float32)}
+  step = ({"w": np.array([1e-3, 0, 0], np.float32)}, None, None,
+          {"loss": np.float32(2.3)})
+  vmap_trials.check_same_step(params, step, step)
+  other_params = ({"w": np.array([0, 1e-3, 0], np.float32)}, *step[1:])
+  with pytest.raises(AssertionError, match="vmapped params differ"):
+    vmap_trials.check_same_step(params, step, other_params)
+  other_loss = (step[0], None, None, {"loss": np.float32(2.2)})
+  with pytest.raises(AssertionError, match="loss"):
+    vmap_trials.check_same_step(params, step, other_loss)
+  for flags in (["--trials", "0"], ["--width", "12"]):
+    with pytest.raises(SystemExit):
+      vmap_trials.parse_args(flags)

@@ -1,0 +1,165 @@
+"""Does training a run's trials in one vmapped program pay on XLA:CPU?
+
+DomainBed's protocol trains every configuration three times (trial seeds 0,
+1, 2). With the default hparams the trials share every shape and differ only
+in their initial params, batches and keys, so one program can step them all:
+``jax.vmap`` of the algorithm's update over the trials' stacked state. This
+times, side by side (the variants alternate within every repeat), one step
+of ``--trials`` trials of DomainBed's MNIST CNN:
+
+* ``separate``: one jitted update called once per trial, as the study's one
+  process per trial does;
+* ``vmapped``: one call of the jitted ``jax.vmap`` of the same update over
+  the trials.
+
+It also reports how long each variant took to compile (its first call). The
+vmapped step is checked first: every trial's metrics (loss, and PGrad's
+eigenvalues) equal those of its own separate step.
+
+Run ``python -m benchmarks.vmap_trials --help`` for the flags; results go to
+stdout and, with ``--out``, to a JSON file.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments import algorithms
+from experiments import catalog
+from experiments import hparams_registry
+from experiments import models
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--algorithms", nargs="+", default=["ERM", "PGrad-B"],
+                      choices=list(catalog.ALGORITHMS), metavar="ALGORITHM")
+  parser.add_argument("--trials", type=int, default=3)
+  parser.add_argument("--image-size", type=int, default=8)
+  parser.add_argument("--width", type=int, default=8,
+                      help="The CNN's first width, a multiple of 8 (the others are "
+                      "twice it).")
+  parser.add_argument("--domains", type=int, default=5)
+  parser.add_argument("--batch", type=int, default=63,
+                      help="Images per domain.")
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--out", default=None, help="JSON file for results.")
+  args = parser.parse_args(argv)
+  for name in ("trials", "image_size", "width", "domains", "batch",
+               "repeats"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+  if args.width % 8:
+    parser.error(f"--width must be a multiple of 8 (the CNN's GroupNorm has 8 "
+                 f"groups), got {args.width}.")
+  return args
+
+
+def _stack(trees):
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def check_same_step(params, separate, vmapped) -> None:
+  """Raises unless one trial's vmapped step is its separate step.
+
+  Both run the same float32 operations batched differently, so they agree
+  to rounding, which a PGrad rollout of several inner steps amplifies and
+  Adam's first step turns into a flipped sign wherever a gradient is near 0:
+  the metrics are compared to 1e-3, and the params' update as a whole (its
+  norm, against the update's own) to 1e-2. Mixing up two trials would miss
+  both by far.
+  """
+  for key, value in separate[3].items():
+    np.testing.assert_allclose(vmapped[3][key], value, rtol=1e-3, atol=1e-6,
+                               err_msg=key)
+  flat = lambda tree: np.concatenate(
+      [np.ravel(x) for x in jax.tree.leaves(tree)])
+  update = flat(separate[0]) - flat(params)
+  error = np.linalg.norm(flat(vmapped[0]) - flat(separate[0]))
+  if not error <= 1e-2 * np.linalg.norm(update):
+    raise AssertionError(f"vmapped params differ by {error:.3g}, against an "
+                         f"update of norm {np.linalg.norm(update):.3g}.")
+
+
+def time_algorithm(name: str, args: argparse.Namespace) -> dict:
+  """Compile seconds and median seconds per step of both variants."""
+  size, width = args.image_size, args.width
+  trials = []
+  for seed in range(args.trials):
+    model = models.build_model(
+        "mnist_cnn", num_classes=10, input_shape=(size, size, 1),
+        rngs=nnx.Rngs(seed), widths=(width, 2 * width, 2 * width, 2 * width))
+    trials.append(algorithms.Network.split(model))
+  network = trials[0][0]
+  hparams = hparams_registry.default_hparams(name, "RotatedDigits")
+  algorithm = algorithms.build_algorithm(name, network, hparams,
+                                         num_domains=args.domains)
+  rng = np.random.default_rng(0)
+  inputs = [
+      (params, stats, algorithm.init(params),
+       {"image": rng.random((args.domains, args.batch, size, size, 1),
+                            np.float32),
+        "label": rng.integers(0, 10, (args.domains, args.batch)).astype(
+            np.int32)},
+       jax.random.key(seed))
+      for seed, (_, params, stats) in enumerate(trials)]
+  stacked = [_stack(column) for column in zip(*inputs)]
+
+  update = jax.jit(algorithm.update)
+  vmapped = jax.jit(jax.vmap(algorithm.update))
+  compile_seconds = {}
+  start = time.perf_counter()
+  separate_out = jax.block_until_ready([update(*x) for x in inputs])
+  compile_seconds["separate"] = time.perf_counter() - start
+  start = time.perf_counter()
+  vmapped_out = jax.block_until_ready(vmapped(*stacked))
+  compile_seconds["vmapped"] = time.perf_counter() - start
+  for trial, out in enumerate(separate_out):
+    check_same_step(inputs[trial][0], out,
+                    jax.tree.map(lambda x, t=trial: x[t], vmapped_out))
+
+  steps = {"separate": lambda: [update(*x) for x in inputs],
+           "vmapped": lambda: vmapped(*stacked)}
+  times = {variant: [] for variant in steps}
+  for _ in range(args.repeats):
+    for variant, run in steps.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[variant].append(time.perf_counter() - start)
+  return {"compile_seconds": compile_seconds,
+          "median_seconds": {v: statistics.median(t)
+                             for v, t in times.items()}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  results = []
+  print(f"{args.trials} trials of {args.domains} x {args.batch} "
+        f"{args.image_size}x{args.image_size} images, CNN width {args.width}")
+  print(f"{'algorithm':>9} {'variant':>9} {'compile s':>9} {'step s':>8} "
+        f"{'/ sep.':>6}")
+  for name in args.algorithms:
+    result = time_algorithm(name, args)
+    medians = result["median_seconds"]
+    for variant, seconds in medians.items():
+      print(f"{name:>9} {variant:>9} "
+            f"{result['compile_seconds'][variant]:>9.2f} {seconds:>8.4f} "
+            f"{seconds / medians['separate']:>6.2f}")
+    results.append({"algorithm": name, **result})
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"args": vars(args), "backend": jax.default_backend(),
+                 "devices": jax.device_count(), "jax": jax.__version__,
+                 "results": results}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
