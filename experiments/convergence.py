@@ -83,3 +83,28 @@ def run_end(run: Sequence[Record]) -> RunEnd:
       plateaued=bool(change <= se),
       seconds=float(sum(r.get("step_time", np.nan) * s
                         for r, s in zip(run, steps))))
+
+
+def run_ends(run: Sequence[Record]) -> list[tuple[int, RunEnd]]:
+  """Where the run would have ended at each of its evaluations.
+
+  The i-th entry is ``(step, run_end(run[:i + 1]))``: what the criterion
+  says of the same run stopped at that step. It tells how long a run still
+  learning at its end needs (`experiments.study`'s ``longer`` command).
+  """
+  return [(record["step"], run_end(run[:i + 1]))
+          for i, record in enumerate(run)]
+
+
+def settled_step(ends: Sequence[tuple[int, RunEnd]]) -> int | None:
+  """The first step from which the run has plateaued at every evaluation,
+  or None if it had not at its last. The criterion alone can hold by chance
+  at one evaluation while the run is still learning; from this step on it
+  always holds."""
+  settled = None
+  for step, end in ends:
+    if not end.plateaued:
+      settled = None
+    elif settled is None:
+      settled = step
+  return settled

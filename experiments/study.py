@@ -8,6 +8,9 @@ Usage::
         --output results/study_reproduction/draw1.json  # retrain a sample
     python -m experiments.report --input_dir results/study \\
         --output_dir results/study_report
+    python -m experiments.study longer --dataset RotatedDigits \\
+        --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
+        --steps 16000     # one run trained on, to see when it plateaus
 
 The protocol is DomainBed's (see docs/study.md for how it was chosen and
 measured): RotatedDigits and ColoredDigits, every domain held out in turn,
@@ -34,6 +37,12 @@ excepted. It times each run whole (start-up, compilation, training and
 evaluation) and estimates from them what the sampled draws of the study cost
 on this machine: each sampled run's time stands for the other held-out
 domains of its group.
+``longer`` trains one run of the study for more steps than `STEPS`, in its
+own directory (default `LONGER_DIR`), and prints where the convergence
+criterion says the run would have ended at each evaluation. Its first
+`STEPS` steps are the study run's own (the same arguments but ``steps``,
+hence equal records up to there), so it shows how long a run that was still
+learning at step `STEPS` needs.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import catalog
+from experiments import convergence
 from experiments import hparams_registry
 from experiments import model_selection
 from experiments import sweep
@@ -72,6 +82,7 @@ FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
                  "penalty_anneal_iters": 3 * STEPS // 10}
 TRAJECTORY_FREQ = 100
 OUTPUT_DIR = "results/study"
+LONGER_DIR = "results/study_longer"
 
 
 def study_runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
@@ -188,13 +199,68 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
           "estimated_hours": round(total / jobs / 3600, 2)}
 
 
+def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
+               hparams_seed: int, trial_seed: int, test_env: int, steps: int,
+               output_dir: str | Path) -> sweep.Run:
+  """The study's run of one configuration, made ``steps`` long.
+
+  Args:
+    runs: the study's runs.
+    dataset, algorithm, hparams_seed, trial_seed, test_env: which run.
+    steps: how long the copy trains; at least `STEPS`.
+    output_dir: the directory its run directory goes under.
+
+  Returns:
+    A run with the study run's arguments but ``steps`` (and no trajectory
+    snapshots), under ``output_dir``.
+
+  Raises:
+    ValueError: ``steps`` is below `STEPS`, or the study has no such run.
+  """
+  if steps < STEPS:
+    raise ValueError(f"--steps must be at least the study's {STEPS}, got "
+                     f"{steps}.")
+  wanted = (dataset, algorithm, hparams_seed, trial_seed, [test_env])
+  for run in runs:
+    if (*_group(run), run.args["test_envs"]) == wanted:
+      args = {k: v for k, v in run.args.items() if k != "trajectory_freq"}
+      return sweep.Run.create({**args, "steps": steps}, output_dir)
+  raise ValueError(
+      f"The study has no run of {algorithm} on {dataset} with hparams_seed "
+      f"{hparams_seed}, trial_seed {trial_seed} and test_env {test_env}; "
+      "`python -m experiments.study list` lists its runs.")
+
+
+def describe_ends(records: Sequence[dict[str, Any]], every: int) -> str:
+  """A table of where a run would have ended every ``every`` steps, and the
+  step from which its criterion always held."""
+  ends = convergence.run_ends(records)
+  held_out = model_selection.held_out_env(records[0])
+  lines = [f"{'step':>6} {'train loss':>10} {'train acc':>9} "
+           f"{'val. move':>9} {'1 SE':>6} {'plateaued':>9} {'held-out':>8}"]
+  for (step, end), record in zip(ends, records):
+    if step % every == 0 or step == ends[-1][0]:
+      lines.append(
+          f"{step:>6} {end.loss:>10.4f} {end.accuracy:>9.3f} "
+          f"{end.validation_change:>9.3f} {end.validation_se:>6.3f} "
+          f"{'yes' if end.plateaued else 'no':>9} "
+          f"{record[f'env{held_out}_in_acc']:>8.3f}")
+  settled = convergence.settled_step(ends)
+  lines.append("Plateaued at every evaluation from step "
+               f"{settled} on." if settled is not None else
+               "Not plateaued at the last evaluation.")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("command", nargs="?", default="launch",
-                      choices=["launch", "list", "reproduce"],
+                      choices=["launch", "list", "reproduce", "longer"],
                       help="launch (default): train every run not done; "
                       "list: the status of every run; reproduce: retrain a "
-                      "sample of the done runs and compare their records.")
+                      "sample of the done runs and compare their records; "
+                      "longer: train one run for more steps and say when it "
+                      "plateaus.")
   parser.add_argument("--output_dir", default=OUTPUT_DIR,
                       help=f"Default: {OUTPUT_DIR}.")
   parser.add_argument("--jobs", type=int, default=2,
@@ -203,12 +269,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="reproduce: the draws to sample; default: all.")
   parser.add_argument("--output", default=None,
                       help="reproduce: also write the report there (JSON).")
+  longer = parser.add_argument_group(
+      "longer", "Which run of the study to train on, and for how long.")
+  longer.add_argument("--dataset", choices=DATASETS)
+  longer.add_argument("--algorithm",
+                      choices=ALGORITHMS + CLAIM_ALGORITHMS)
+  longer.add_argument("--hparams_seed", type=int)
+  longer.add_argument("--trial_seed", type=int)
+  longer.add_argument("--test_env", type=int)
+  longer.add_argument("--steps", type=int)
+  longer.add_argument("--every", type=int, default=1000,
+                      help="Print every this many steps; default: 1000.")
+  longer.add_argument("--longer_dir", default=LONGER_DIR,
+                      help=f"Where the longer run goes; default: {LONGER_DIR}.")
   args = parser.parse_args(argv)
   if args.jobs < 1:
     parser.error(f"--jobs must be at least 1, got {args.jobs}.")
   runs = study_runs(args.output_dir)
   if args.command == "reproduce":
     return _reproduce_command(runs, args)
+  if args.command == "longer":
+    return _longer_command(parser, runs, args)
   if args.command == "list":
     for run in runs:
       print(run)
@@ -249,6 +330,31 @@ def _reproduce_command(runs: Sequence[sweep.Run],
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
   return 0 if all(r["equal"] for r in report["runs"]) else 1
+
+
+def _longer_command(parser: argparse.ArgumentParser,
+                    runs: Sequence[sweep.Run], args: argparse.Namespace) -> int:
+  names = ("dataset", "algorithm", "hparams_seed", "trial_seed", "test_env",
+           "steps")
+  missing = [f"--{name}" for name in names if getattr(args, name) is None]
+  if missing:
+    parser.error(f"longer needs {' '.join(missing)}.")
+  if args.every < 1:
+    parser.error(f"--every must be at least 1, got {args.every}.")
+  try:
+    run = longer_run(runs, output_dir=args.longer_dir,
+                     **{name: getattr(args, name) for name in names})
+  except ValueError as e:
+    parser.error(str(e))
+  if run.status is not sweep.Status.DONE:
+    print(f"Training {run}.")
+    if returncode := sweep.train_run(run):
+      print(f"Failed (see {run.output_dir / sweep.LOG_FILE}).",
+            file=sys.stderr)
+      return returncode
+  print(describe_ends(model_selection.load_records(run.output_dir),
+                      args.every))
+  return 0
 
 
 if __name__ == "__main__":

@@ -62,3 +62,40 @@ def test_uncounted_records_weigh_domains_equally_and_never_plateau():
   end = convergence.run_end(_run(0.68, counted=False))
   assert end.accuracy == pytest.approx((0.9 + 0.7) / 2)
   assert math.isnan(end.validation_se) and not end.plateaued
+
+
+def _climbing_run(validations):
+  """Evaluations every 10 steps with these validation accuracies on the
+  training domains (300 validation examples: one SE is 2-3 points)."""
+  records = []
+  for j, validation in enumerate(validations):
+    record = make_record("ColoredDigits", "ERM", 0, 0, 0, 10 * (j + 1),
+                         in_accs=[0.3, 0.9, 0.7],
+                         out_accs=[0.1, validation, validation],
+                         step_time=0.5)
+    for i in range(3):
+      record[f"env{i}_in_loss"] = 1.0
+      record[f"env{i}_out_examples"] = 150
+    records.append(record)
+  return records
+
+
+def test_run_ends_stop_the_run_at_every_evaluation_and_settled_step():
+  # Climbs 10 points per evaluation up to step 50, then holds, except for a
+  # dip at step 80.
+  validations = [0.3, 0.4, 0.5, 0.6, 0.7, 0.7, 0.7, 0.6, 0.7, 0.7, 0.7]
+  run = _climbing_run(validations)
+  ends = convergence.run_ends(run)
+  assert [step for step, _ in ends] == [10 * (j + 1) for j in range(11)]
+  for i, (_, end) in enumerate(ends):
+    assert end == convergence.run_end(run[:i + 1])
+  plateaued = [end.plateaued for _, end in ends]
+  # The window is the last 20% of the steps so far: up to step 40 it holds
+  # the last evaluation alone (no move); from 50 it starts one evaluation
+  # earlier (50: 0.6 -> 0.7; 80: the dip; 90 and 100: from or to it), and at
+  # 110 it starts at 90.
+  assert plateaued == [True, True, True, True, False, True, True, False,
+                       False, False, True]
+  assert convergence.settled_step(ends) == 110
+  assert convergence.settled_step(ends[:8]) is None
+  assert convergence.settled_step(ends[:1]) == 10

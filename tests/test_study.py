@@ -105,3 +105,75 @@ def test_reproduce_retrains_a_run_to_equal_records(tmp_path):
 def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):
   assert study.main(["reproduce", "--output_dir", str(tmp_path)]) == 1
   assert "no finished runs to reproduce" in capsys.readouterr().err
+
+
+LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
+          "--hparams_seed", "1", "--trial_seed", "2", "--test_env", "0"]
+
+
+def test_longer_run_is_the_study_run_made_longer(tmp_path):
+  runs = study.study_runs(str(tmp_path / "study"))
+  run = study.longer_run(
+      runs, dataset="ColoredDigits", algorithm="ERM", hparams_seed=0,
+      trial_seed=0, test_env=2, steps=5000, output_dir=tmp_path / "longer")
+  (original,) = [r for r in runs if r.args["dataset"] == "ColoredDigits"
+                 and r.args["algorithm"] == "ERM" and r.args["trial_seed"] == 0
+                 and r.args["hparams_seed"] == 0 and r.args["test_envs"] == [2]]
+  # Trial 0's default ERM run saves trajectories; the longer one does not.
+  assert "trajectory_freq" in original.args
+  assert run.args == {**{k: v for k, v in original.args.items()
+                         if k != "trajectory_freq"}, "steps": 5000}
+  assert run.output_dir.parent == tmp_path / "longer"
+
+
+def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
+  for flags, message in [
+      (["--steps", "3000", "--test_env", "6"], "no run of Fish on "
+       "RotatedDigits with hparams_seed 1, trial_seed 2 and test_env 6"),
+      (["--steps", "1000"], f"at least the study's {study.STEPS}"),
+      ([], "longer needs --steps"),
+      (["--steps", "3000", "--every", "0"], "--every must be at least 1")]:
+    try:
+      study.main([*LONGER, *flags, "--output_dir", str(tmp_path),
+                  "--longer_dir", str(tmp_path / "longer")])
+    except SystemExit as e:
+      assert e.code == 2
+    else:
+      raise AssertionError(f"{flags} was not refused")
+    assert message in capsys.readouterr().err
+  assert not (tmp_path / "longer").exists()
+
+
+def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
+                                                             capsys):
+  run = study.longer_run(
+      study.study_runs(str(tmp_path)), dataset="RotatedDigits",
+      algorithm="Fish", hparams_seed=1, trial_seed=2, test_env=0,
+      steps=3000, output_dir=tmp_path / "longer")
+  run.output_dir.mkdir(parents=True)
+  # Training-domain validation climbs to step 2000, then holds.
+  records = []
+  for step in range(100, 3100, 100):
+    record = {"args": {**run.args, "test_envs": [0]}, "step": step,
+              "step_time": 0.01, "env0_in_acc": step / 6000,
+              "env0_out_acc": step / 6000}
+    for i in range(1, 6):
+      record.update({f"env{i}_out_acc": min(step, 2000) / 2500,
+                     f"env{i}_out_examples": 60, f"env{i}_in_acc": 0.9,
+                     f"env{i}_in_loss": 1000 / step})
+    records.append(record)
+  (run.output_dir / "results.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in records))
+  (run.output_dir / sweep.DONE_FILE).touch()
+  assert study.main([*LONGER, "--steps", "3000", "--output_dir",
+                     str(tmp_path), "--longer_dir",
+                     str(tmp_path / "longer")]) == 0
+  out = capsys.readouterr().out
+  assert "Training" not in out
+  rows = [line.split() for line in out.splitlines()[1:-1]]
+  assert [row[0] for row in rows] == ["1000", "2000", "3000"]
+  # One SE of 80% over 5 x 60 validation examples: 0.023.
+  assert rows[-1][1:] == ["0.3333", "0.900", "0.000", "0.023", "yes", "0.500"]
+  # The window of step 2400 starts at 2000; from there on nothing moves.
+  assert out.splitlines()[-1] == (
+      "Plateaued at every evaluation from step 2400 on.")
