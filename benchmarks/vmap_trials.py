@@ -13,17 +13,14 @@ of ``--trials`` trials of DomainBed's MNIST CNN:
   the trials.
 
 It also reports how long each variant took to compile (its first call). The
-vmapped step is checked first: every trial's metrics (loss, and PGrad's
-eigenvalues) equal those of its own separate step.
+vmapped step is checked: every trial's metrics (loss, and PGrad's
+eigenvalues) and update equal those of its own separate step.
 
 Run ``python -m benchmarks.vmap_trials --help`` for the flags; results go to
 stdout and, with ``--out``, to a JSON file.
 """
 
 import argparse
-import json
-import statistics
-import time
 from collections.abc import Sequence
 
 import jax
@@ -31,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import common
 from experiments import algorithms
 from experiments import catalog
 from experiments import hparams_registry
@@ -89,7 +87,7 @@ def check_same_step(params, separate, vmapped) -> None:
 
 
 def time_algorithm(name: str, args: argparse.Namespace) -> dict:
-  """Compile seconds and median seconds per step of both variants."""
+  """Both variants' `common.Timing`s as dicts, their steps checked equal."""
   size, width = args.image_size, args.width
   trials = []
   for seed in range(args.trials):
@@ -114,52 +112,33 @@ def time_algorithm(name: str, args: argparse.Namespace) -> dict:
 
   update = jax.jit(algorithm.update)
   vmapped = jax.jit(jax.vmap(algorithm.update))
-  compile_seconds = {}
-  start = time.perf_counter()
-  separate_out = jax.block_until_ready([update(*x) for x in inputs])
-  compile_seconds["separate"] = time.perf_counter() - start
-  start = time.perf_counter()
-  vmapped_out = jax.block_until_ready(vmapped(*stacked))
-  compile_seconds["vmapped"] = time.perf_counter() - start
-  for trial, out in enumerate(separate_out):
-    check_same_step(inputs[trial][0], out,
-                    jax.tree.map(lambda x, t=trial: x[t], vmapped_out))
-
-  steps = {"separate": lambda: [update(*x) for x in inputs],
-           "vmapped": lambda: vmapped(*stacked)}
-  times = {variant: [] for variant in steps}
-  for _ in range(args.repeats):
-    for variant, run in steps.items():
-      start = time.perf_counter()
-      jax.block_until_ready(run())
-      times[variant].append(time.perf_counter() - start)
-  return {"compile_seconds": compile_seconds,
-          "median_seconds": {v: statistics.median(t)
-                             for v, t in times.items()}}
+  timings = common.time_interleaved(
+      {"separate": lambda: [update(*x) for x in inputs],
+       "vmapped": lambda: vmapped(*stacked)}, args.repeats, warmup=0)
+  vmapped_out = vmapped(*stacked)
+  for trial, x in enumerate(inputs):
+    check_same_step(x[0], update(*x),
+                    jax.tree.map(lambda v, t=trial: v[t], vmapped_out))
+  return {variant: timing.as_dict() for variant, timing in timings.items()}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
-  results = []
-  print(f"{args.trials} trials of {args.domains} x {args.batch} "
-        f"{args.image_size}x{args.image_size} images, CNN width {args.width}")
-  print(f"{'algorithm':>9} {'variant':>9} {'compile s':>9} {'step s':>8} "
-        f"{'/ sep.':>6}")
+  results, rows = [], []
   for name in args.algorithms:
-    result = time_algorithm(name, args)
-    medians = result["median_seconds"]
-    for variant, seconds in medians.items():
-      print(f"{name:>9} {variant:>9} "
-            f"{result['compile_seconds'][variant]:>9.2f} {seconds:>8.4f} "
-            f"{seconds / medians['separate']:>6.2f}")
-    results.append({"algorithm": name, **result})
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"args": vars(args), "backend": jax.default_backend(),
-                 "devices": jax.device_count(), "jax": jax.__version__,
-                 "results": results}, f, indent=1)
-  return 0
+    timings = time_algorithm(name, args)
+    separate = timings["separate"]["median_ms"]
+    for variant, timing in timings.items():
+      rows.append([name, variant, timing["compile_ms"] / 1e3,
+                   timing["median_ms"], timing["median_ms"] / separate])
+    results.append({"algorithm": name, "timings": timings})
+  record = {"benchmark": "vmap_trials", "args": vars(args),
+            "environment": common.environment(), "results": results}
+  common.publish(record, common.format_table(
+      ["algorithm", "variant", "compile s", f"median ms ({args.trials} "
+       "trials)", "/ separate"], rows), args.out)
+  return record
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+  main()
