@@ -39,10 +39,11 @@ on this machine: each sampled run's time stands for the other held-out
 domains of its group.
 ``longer`` trains one run of the study for more steps than `STEPS`, in its
 own directory (default `LONGER_DIR`), and prints where the convergence
-criterion says the run would have ended at each evaluation. Its first
-`STEPS` steps are the study run's own (the same arguments but ``steps``,
-hence equal records up to there), so it shows how long a run that was still
-learning at step `STEPS` needs.
+criterion says the run would have ended at each evaluation. It has the study
+run's arguments but ``steps``, and nothing in training depends on the total
+(the learning rates are constant, Fishr's anneal step is fixed), so its
+first `STEPS` steps are the study run's own; it shows how long a run that
+was still learning at step `STEPS` needs.
 """
 
 from __future__ import annotations
@@ -285,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   if args.jobs < 1:
     parser.error(f"--jobs must be at least 1, got {args.jobs}.")
+  stray = [f"--{name}" for name in _LONGER_FLAGS
+           if getattr(args, name) is not None]
+  if stray and args.command != "longer":
+    parser.error(f"{' '.join(stray)}: only for the longer command.")
   runs = study_runs(args.output_dir)
   if args.command == "reproduce":
     return _reproduce_command(runs, args)
@@ -332,18 +337,22 @@ def _reproduce_command(runs: Sequence[sweep.Run],
   return 0 if all(r["equal"] for r in report["runs"]) else 1
 
 
+# The flags that pick the longer command's run, and its length.
+_LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
+                 "test_env", "steps")
+
+
 def _longer_command(parser: argparse.ArgumentParser,
                     runs: Sequence[sweep.Run], args: argparse.Namespace) -> int:
-  names = ("dataset", "algorithm", "hparams_seed", "trial_seed", "test_env",
-           "steps")
-  missing = [f"--{name}" for name in names if getattr(args, name) is None]
+  missing = [f"--{name}" for name in _LONGER_FLAGS
+             if getattr(args, name) is None]
   if missing:
     parser.error(f"longer needs {' '.join(missing)}.")
   if args.every < 1:
     parser.error(f"--every must be at least 1, got {args.every}.")
   try:
     run = longer_run(runs, output_dir=args.longer_dir,
-                     **{name: getattr(args, name) for name in names})
+                     **{name: getattr(args, name) for name in _LONGER_FLAGS})
   except ValueError as e:
     parser.error(str(e))
   if run.status is not sweep.Status.DONE:

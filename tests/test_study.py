@@ -132,9 +132,13 @@ def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
        "RotatedDigits with hparams_seed 1, trial_seed 2 and test_env 6"),
       (["--steps", "1000"], f"at least the study's {study.STEPS}"),
       ([], "longer needs --steps"),
-      (["--steps", "3000", "--every", "0"], "--every must be at least 1")]:
+      (["--steps", "3000", "--every", "0"], "--every must be at least 1"),
+      (["--steps", "3000", "list"], "only for the longer command")]:
+    command = [*LONGER, *flags]
+    if "list" in flags:  # The run's flags without the longer command.
+      command = command[1:]
     try:
-      study.main([*LONGER, *flags, "--output_dir", str(tmp_path),
+      study.main([*command, "--output_dir", str(tmp_path),
                   "--longer_dir", str(tmp_path / "longer")])
     except SystemExit as e:
       assert e.code == 2
