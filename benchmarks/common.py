@@ -106,6 +106,33 @@ def flax_model(name: str, image_size: int, dtype=jnp.float32,
   return Model(params, loss_fn, input_shape)
 
 
+def digits_cnn(image_size: int, width: int, seed: int = 0):
+  """The study's MNIST CNN on one-channel ``image_size`` digits, as the
+  experiments' algorithms take it: ``(network, params, stats)``.
+
+  ``width`` is its first layer's width; the others are twice it.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from experiments import algorithms  # pylint: disable=g-import-not-at-top
+  from experiments import models  # pylint: disable=g-import-not-at-top
+
+  model = models.build_model(
+      "mnist_cnn", num_classes=NUM_CLASSES,
+      input_shape=(image_size, image_size, 1), rngs=nnx.Rngs(seed),
+      widths=(width, 2 * width, 2 * width, 2 * width))
+  return algorithms.Network.split(model)
+
+
+def digit_batches(rng: np.random.Generator, num_domains: int, batch: int,
+                  image_size: int) -> dict[str, np.ndarray]:
+  """Random ``{"image", "label"}`` batches of ``num_domains x batch`` digits
+  for the experiments' algorithms, drawn from ``rng`` (images first)."""
+  images = rng.random((num_domains, batch, image_size, image_size, 1),
+                      np.float32)
+  labels = rng.integers(0, NUM_CLASSES, (num_domains, batch)).astype(np.int32)
+  return {"image": images, "label": labels}
+
+
 def build_model(name: str, *, dtype=jnp.float32, image_size: int | None = None,
                 hidden: int = 2048) -> Model:
   """Builds one of :data:`MODELS`; ``image_size`` defaults to 28 / 224."""

@@ -29,11 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
+from benchmarks import common
 from experiments import algorithms
 from experiments import hparams_registry
-from experiments import models
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -85,15 +84,9 @@ def erm_step(network: algorithms.Network, micro_batch: int | None,
 
 def time_variants(image_size, width, args):
   """Median seconds per step of every variant at one size and width."""
-  model = models.build_model(
-      "mnist_cnn", num_classes=10, input_shape=(image_size, image_size, 1),
-      rngs=nnx.Rngs(0), widths=(width, 2 * width, 2 * width, 2 * width))
-  network, params, stats = algorithms.Network.split(model)
-  rng = np.random.default_rng(0)
-  images = rng.random((args.domains, args.batch, image_size, image_size, 1),
-                      np.float32)
-  labels = rng.integers(0, 10, (args.domains, args.batch)).astype(np.int32)
-  batches = {"image": images, "label": labels}
+  network, params, stats = common.digits_cnn(image_size, width)
+  batches = common.digit_batches(np.random.default_rng(0), args.domains,
+                                 args.batch, image_size)
   pooled = algorithms.with_example_keys(batches, jax.random.key(0))
   pooled = algorithms.merge_domains(pooled)
 

@@ -26,13 +26,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from benchmarks import common
 from experiments import algorithms
 from experiments import catalog
 from experiments import hparams_registry
-from experiments import models
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,8 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--trials", type=int, default=3)
   parser.add_argument("--image-size", type=int, default=8)
   parser.add_argument("--width", type=int, default=8,
-                      help="The CNN's first width, a multiple of 8 (the others are "
-                      "twice it).")
+                      help="The CNN's first width, a multiple of 8 (the "
+                      "others are twice it).")
   parser.add_argument("--domains", type=int, default=5)
   parser.add_argument("--batch", type=int, default=63,
                       help="Images per domain.")
@@ -88,13 +86,8 @@ def check_same_step(params, separate, vmapped) -> None:
 
 def time_algorithm(name: str, args: argparse.Namespace) -> dict:
   """Both variants' `common.Timing`s as dicts, their steps checked equal."""
-  size, width = args.image_size, args.width
-  trials = []
-  for seed in range(args.trials):
-    model = models.build_model(
-        "mnist_cnn", num_classes=10, input_shape=(size, size, 1),
-        rngs=nnx.Rngs(seed), widths=(width, 2 * width, 2 * width, 2 * width))
-    trials.append(algorithms.Network.split(model))
+  trials = [common.digits_cnn(args.image_size, args.width, seed)
+            for seed in range(args.trials)]
   network = trials[0][0]
   hparams = hparams_registry.default_hparams(name, "RotatedDigits")
   algorithm = algorithms.build_algorithm(name, network, hparams,
@@ -102,10 +95,7 @@ def time_algorithm(name: str, args: argparse.Namespace) -> dict:
   rng = np.random.default_rng(0)
   inputs = [
       (params, stats, algorithm.init(params),
-       {"image": rng.random((args.domains, args.batch, size, size, 1),
-                            np.float32),
-        "label": rng.integers(0, 10, (args.domains, args.batch)).astype(
-            np.int32)},
+       common.digit_batches(rng, args.domains, args.batch, args.image_size),
        jax.random.key(seed))
       for seed, (_, params, stats) in enumerate(trials)]
   stacked = [_stack(column) for column in zip(*inputs)]

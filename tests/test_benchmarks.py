@@ -159,9 +159,7 @@ def test_accumulated_erm_gradient_is_the_full_batch_gradient():
   network, params, stats = algorithms.Network.split(model)
   rng = np.random.default_rng(0)
   batch = algorithms.merge_domains(algorithms.with_example_keys(
-      {"image": rng.random((2, 6, 8, 8, 1), np.float32),
-       "label": rng.integers(0, 10, (2, 6)).astype(np.int32)},
-      jax.random.key(0)))
+      common.digit_batches(rng, 2, 6, 8), jax.random.key(0)))
   grads = {}
   for micro, unroll in ((None, True), (4, True), (3, False)):
     step, init = grad_accumulation.erm_step(network, micro, unroll)
