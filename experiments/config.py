@@ -35,6 +35,10 @@ CONFIG_FILE = "config.json"
 # Fields that say where files are or how to treat an existing run, not what
 # is trained: runs that differ only in them are the same run.
 LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
+# Fields added after runs had been named by their identity, with the value
+# that trains as those runs did: at it they stay out of the identity, so the
+# earlier runs keep their directories and their config.json still matches.
+LATER_FIELDS = {"plateau_check_freq": 0}
 # The files a run writes; a directory holding any of them but no CONFIG_FILE
 # holds a run of unknown configuration. (A sweep puts its log there first.)
 RUN_FILES = ("results.jsonl", "checkpoints", "final_params.npz", "done")
@@ -83,6 +87,10 @@ class Config:
       "experiments/catalog.py).")
   checkpoint_freq: int | None = _field(
       None, "Steps between evaluations and checkpoints. Default: per dataset.")
+  plateau_check_freq: int = _field(
+      0, "Every this many steps, stop if the run has plateaued (the "
+      "criterion of experiments/convergence.py); --steps is then the most it "
+      "trains. A multiple of --checkpoint_freq. 0: train --steps steps.")
   seed: int = _field(0, "Seeds model init, data sampling and the algorithm.")
   hparams_seed: int = _field(0, "Hyperparameter draw; 0 means the defaults.")
   trial_seed: int = _field(
@@ -134,9 +142,15 @@ class Config:
       value = getattr(config, name)
       if value is not None and value < 1:
         raise UsageError(f"--{name} must be a positive integer, got {value}.")
-    for name in ("seed", "hparams_seed", "trial_seed", "trajectory_freq"):
+    for name in ("seed", "hparams_seed", "trial_seed", "trajectory_freq",
+                 "plateau_check_freq"):
       if getattr(config, name) < 0:
         raise UsageError(f"--{name} must be >= 0, got {getattr(config, name)}.")
+    if config.plateau_check_freq % config.checkpoint_freq:
+      raise UsageError(
+          "--plateau_check_freq must be a multiple of --checkpoint_freq "
+          f"({config.checkpoint_freq}): the criterion reads the evaluations; "
+          f"got {config.plateau_check_freq}.")
     if not 0 < config.holdout_fraction < 1:
       raise UsageError("--holdout_fraction must be in (0, 1), got "
                        f"{config.holdout_fraction}.")
@@ -151,9 +165,11 @@ class Config:
     return config
 
   def identity(self) -> dict[str, Any]:
-    """The fields that determine the run's results (all but LOCATION_FIELDS)."""
+    """The fields that determine the run's results: all but LOCATION_FIELDS,
+    and LATER_FIELDS at their earlier value."""
     return {name: value for name, value in dataclasses.asdict(self).items()
-            if name not in LOCATION_FIELDS}
+            if name not in LOCATION_FIELDS
+            and not (name in LATER_FIELDS and LATER_FIELDS[name] == value)}
 
   def hyperparameters(self) -> dict[str, Any]:
     """The drawn hyperparameters with the ``hparams`` overrides applied.

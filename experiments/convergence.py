@@ -30,7 +30,8 @@ class RunEnd(NamedTuple):
     loss: the final training-domain loss, averaged over training domains.
     accuracy: the final training-domain accuracy on their ``in`` splits.
     validation_change: |change| of the training-domain validation accuracy
-      over the last `WINDOW` of the steps.
+      over the last `WINDOW` of the steps (from the evaluation before the
+      last where the window holds no other); NaN for a single evaluation.
     validation_se: the standard error of the final validation accuracy;
       NaN where the records do not count their examples.
     plateaued: ``validation_change <= validation_se``.
@@ -70,10 +71,16 @@ def run_end(run: Sequence[Record]) -> RunEnd:
     The run's `RunEnd`.
   """
   last = run[-1]
-  start = next(r for r in run if r["step"] >= (1 - WINDOW) * last["step"])
+  start = next(i for i, r in enumerate(run)
+               if r["step"] >= (1 - WINDOW) * last["step"])
+  # A window that holds the last evaluation alone shows no move: it reaches
+  # back to the evaluation before instead. With none before, the run
+  # cannot have plateaued.
+  start = min(start, len(run) - 2)
   validation, n = _pooled(last, "out", "acc")
   se = np.sqrt(validation * (1 - validation) / n) if n else float("nan")
-  change = abs(validation - _pooled(start, "out", "acc")[0])
+  change = (abs(validation - _pooled(run[start], "out", "acc")[0])
+            if start >= 0 else float("nan"))
   steps = np.diff([0] + [r["step"] for r in run])
   return RunEnd(
       loss=_pooled(last, "in", "loss")[0],

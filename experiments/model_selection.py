@@ -86,9 +86,9 @@ def held_out_env(record: Record) -> int:
 
 
 def train_envs(record: Record) -> list[int]:
-  """The training domains of a record's run: all but the held-out one."""
-  held_out = held_out_env(record)
-  return [i for i in range(num_envs(record)) if i != held_out]
+  """The training domains of a record's run: all but the held-out ones."""
+  held_out = record["args"]["test_envs"]
+  return [i for i in range(num_envs(record)) if i not in held_out]
 
 
 def num_envs(record: Record) -> int:

@@ -18,8 +18,10 @@ measured): RotatedDigits and ColoredDigits, every domain held out in turn,
 trials, training-domain validation and oracle selection in the report. It
 trains `ALGORITHMS` over every draw and held-out domain, and the claims'
 ablations (`experiments.claims`) at their defaults with domain 0 held out.
-Every run trains `STEPS` steps at `FIXED_HPARAMS` (the digits' native 8x8
-inputs, a CNN of width 8), evaluating every `CHECKPOINT_FREQ` steps.
+Every run trains at `FIXED_HPARAMS` (the digits' native 8x8 inputs, a CNN of
+width 8), evaluating every `CHECKPOINT_FREQ` steps, until it has plateaued
+(`experiments.convergence`): it checks every `STEPS` steps and stops at the
+first check at which it has, training at most `MAX_STEPS` steps.
 
 Runs are launched default hparams first, trial by trial, then the random draws.
 They live in ``results/study/<md5 of their args>``. The JSON-lines records, the
@@ -37,13 +39,13 @@ excepted. It times each run whole (start-up, compilation, training and
 evaluation) and estimates from them what the sampled draws of the study cost
 on this machine: each sampled run's time stands for the other held-out
 domains of its group.
-``longer`` trains one run of the study for more steps than `STEPS`, in its
-own directory (default `LONGER_DIR`), and prints where the convergence
-criterion says the run would have ended at each evaluation. It has the study
-run's arguments but ``steps``, and nothing in training depends on the total
-(the learning rates are constant, Fishr's anneal step is fixed), so its
-first `STEPS` steps are the study run's own; it shows how long a run that
-was still learning at step `STEPS` needs.
+``longer`` trains one run of the study for a given number of steps without
+stopping at its plateau, in its own directory (default `LONGER_DIR`), and
+prints where the convergence criterion says the run would have ended at each
+evaluation. It has the study run's arguments but ``steps`` and the plateau
+checks, and nothing in training depends on the total (the learning rates
+are constant, Fishr's anneal step is fixed), so its steps are the study
+run's own up to where that one stopped; it shows what happens after.
 """
 
 from __future__ import annotations
@@ -71,9 +73,11 @@ CLAIM_ALGORITHMS = tuple(name for name, entry in catalog.ALGORITHMS.items()
                          if entry.variant_of)
 N_HPARAMS = 2
 N_TRIALS = 3
-# PGrad (B = 1) is the slowest to converge: its training loss is still 0.15
-# and falling at step 1,000 (docs/study.md).
+# PGrad (B = 1), the slowest of the default hparams to converge, needs 2,000
+# steps (its training loss is still 0.15 and falling at step 1,000); random
+# draws with small learning rates need up to about 10,000 (docs/study.md).
 STEPS = 2000
+MAX_STEPS = 6 * STEPS
 CHECKPOINT_FREQ = 100
 CLAIM_TEST_ENVS = (0,)
 # Fishr's penalty switches on at 30% of training, DomainBed's 1,500 of 5,000.
@@ -100,8 +104,9 @@ def study_runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
     return sweep.make_runs(
         output_dir=output_dir, datasets=DATASETS, algorithms=algorithms,
         n_hparams=n_hparams, n_trials=N_TRIALS, test_envs=test_envs,
-        steps=STEPS,
+        steps=MAX_STEPS,
         checkpoint_freq=CHECKPOINT_FREQ,
+        plateau_check_freq=STEPS,
         hparams=json.dumps(fixed, sort_keys=True),
         trajectory_freq=TRAJECTORY_FREQ)
 
@@ -203,7 +208,8 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
 def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
                hparams_seed: int, trial_seed: int, test_env: int, steps: int,
                output_dir: str | Path) -> sweep.Run:
-  """The study's run of one configuration, made ``steps`` long.
+  """The study's run of one configuration, made ``steps`` long without
+  stopping at its plateau.
 
   Args:
     runs: the study's runs.
@@ -212,8 +218,8 @@ def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
     output_dir: the directory its run directory goes under.
 
   Returns:
-    A run with the study run's arguments but ``steps`` (and no trajectory
-    snapshots), under ``output_dir``.
+    A run with the study run's arguments but ``steps`` (and no plateau
+    checks or trajectory snapshots), under ``output_dir``.
 
   Raises:
     ValueError: ``steps`` is below `STEPS`, or the study has no such run.
@@ -224,7 +230,8 @@ def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
   wanted = (dataset, algorithm, hparams_seed, trial_seed, [test_env])
   for run in runs:
     if (*_group(run), run.args["test_envs"]) == wanted:
-      args = {k: v for k, v in run.args.items() if k != "trajectory_freq"}
+      args = {k: v for k, v in run.args.items()
+              if k not in ("trajectory_freq", "plateau_check_freq")}
       return sweep.Run.create({**args, "steps": steps}, output_dir)
   raise ValueError(
       f"The study has no run of {algorithm} on {dataset} with hparams_seed "

@@ -145,6 +145,7 @@ def make_runs(
     test_envs: Sequence[int] | None = None,
     steps: int | None = None,
     checkpoint_freq: int | None = None,
+    plateau_check_freq: int | None = None,
     hparams: str | None = None,
     data_dir: str | None = None,
     trajectory_freq: int | None = None,
@@ -161,6 +162,9 @@ def make_runs(
       domain of each dataset in turn.
     steps: passed on to training unless ``None``.
     checkpoint_freq: passed on to training unless ``None``.
+    plateau_check_freq: passed on to training unless ``None``: every run
+      stops at the first of these checks at which it has plateaued, and
+      ``steps`` is the most it trains.
     hparams: a JSON object of fixed hparams. Each run gets the ones its
       algorithm has (so ``penalty_anneal_iters`` reaches only Fishr's runs);
       a name that no swept algorithm has is an error.
@@ -173,7 +177,8 @@ def make_runs(
   Returns:
     The runs.
   """
-  optional = {"steps": steps, "checkpoint_freq": checkpoint_freq}
+  optional = {"steps": steps, "checkpoint_freq": checkpoint_freq,
+              "plateau_check_freq": plateau_check_freq}
   optional = {k: v for k, v in optional.items() if v is not None}
   try:
     fixed = json.loads(hparams) if hparams else {}
@@ -324,6 +329,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
       "--checkpoint_freq", type=int, default=None,
       help="Steps between evaluations; default: training's default.")
+  parser.add_argument(
+      "--plateau_check_freq", type=int, default=None,
+      help="Every run stops at the first multiple of this many steps at "
+      "which it has plateaued (--steps is then the most it trains); "
+      "default: none.")
   parser.add_argument("--hparams", default=None,
                       help="JSON object of hparams fixed for every run.")
   parser.add_argument(
@@ -355,6 +365,7 @@ def runs_for(args: argparse.Namespace) -> list[Run]:
       test_envs=args.test_envs,
       steps=args.steps,
       checkpoint_freq=args.checkpoint_freq,
+      plateau_check_freq=args.plateau_check_freq,
       hparams=args.hparams,
       data_dir=args.data_dir,
       trajectory_freq=args.trajectory_freq,

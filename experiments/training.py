@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from experiments import algorithms
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import convergence
 from experiments import datasets
 from experiments import input_pipeline
 from experiments import models
@@ -252,6 +253,20 @@ def restore_results(path: Path, step: int) -> Record | None:
   return json.loads(kept[-1]) if kept else None
 
 
+def stops_at(config: config_lib.Config, results_path: Path, step: int) -> bool:
+  """Whether a run with ``plateau_check_freq`` stops at ``step``: a check
+  step at which its records so far have plateaued (`convergence.run_end`).
+
+  It reads the records from the run's results file, so a run killed after
+  stopping and resumed stops again at the same step."""
+  if not config.plateau_check_freq or not step or (
+      step % config.plateau_check_freq):
+    return False
+  records = [json.loads(line)
+             for line in results_path.read_text().splitlines()]
+  return convergence.run_end(records).plateaued
+
+
 def save_params(path: Path, state: TrainState) -> None:
   """Writes params and statistics to ``.npz``, keyed like params/head/bias."""
   tree = {"params": nnx.to_pure_dict(state.params),
@@ -387,6 +402,12 @@ def train(config: config_lib.Config) -> Record:
   if not train_domains:
     raise config_lib.UsageError(
         "Every domain is a test domain; none is left to train on.")
+  if config.plateau_check_freq and tasks.is_regression(
+      np.asarray(dataset.domains[0][0]["label"])):
+    raise config_lib.UsageError(
+        f"--plateau_check_freq: {config.dataset} is a regression, and the "
+        "convergence criterion is on validation accuracy; train a fixed "
+        "--steps instead.")
   splits = input_pipeline.split_domains(
       dataset, holdout_fraction=config.holdout_fraction,
       seed=config.trial_seed)
@@ -445,7 +466,7 @@ def train(config: config_lib.Config) -> Record:
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar:
     interval_start = time.time()
-    while step < config.steps:
+    while step < config.steps and not stops_at(config, results_path, step):
       state, metrics = train_step(state, sharder.batch(next(train_iter), 1))
       meter.add(metrics)
       step += 1
@@ -478,6 +499,9 @@ def train(config: config_lib.Config) -> Record:
   manager.close()
   save_params(output_dir / FINAL_PARAMS_FILE, state)
   (output_dir / DONE_FILE).touch()
+  if step < config.steps:
+    print(f"Stopped at step {step} of at most {config.steps}: plateaued "
+          "(--plateau_check_freq).", file=sys.stderr)
   metric = ("accuracy" if f"env{config.test_envs[0]}_in_acc" in record
             else "Pearson's r")
   print(f"Held-out {metric} after {step} steps: "

@@ -33,7 +33,7 @@ def test_every_config_field_is_a_flag():
            "model": "resnet18", "pretrained": "w.npz",
            "init_params": "p.npz", "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
-           "trajectory_freq": 11}
+           "trajectory_freq": 11, "plateau_check_freq": 12}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
   argv = []
   for name, value in flags.items():
@@ -60,6 +60,22 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
   assert override.hyperparameters()["lr"] == 0.5
   with pytest.raises(config_lib.UsageError, match="Unknown hparams"):
     config_lib.Config(hparams='{"meta_lr": 0.5}').hyperparameters()
+
+
+@pytest.mark.parametrize("freq, message", [
+    ("-100", ">= 0"), ("150", "multiple of --checkpoint_freq [(]100[)]")])
+def test_plateau_check_freq_is_checked(freq, message):
+  with pytest.raises(config_lib.UsageError, match=message):
+    config_lib.Config(checkpoint_freq=100, plateau_check_freq=int(freq)
+                      ).resolve()
+
+
+def test_plateau_check_freq_off_leaves_the_identity_of_earlier_runs():
+  off = config_lib.Config().resolve()
+  on = config_lib.Config(plateau_check_freq=100).resolve()
+  assert "plateau_check_freq" not in off.identity()
+  assert on.identity() == {**off.identity(), "plateau_check_freq": 100}
+  assert on.output_dir != off.output_dir
 
 
 # The default command made cheap: two steps, small batches in one chunk (a

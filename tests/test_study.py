@@ -16,9 +16,13 @@ def test_study_runs_follow_the_protocol(tmp_path):
   assert len(runs) == main + ablations
   assert len({run.output_dir for run in runs}) == len(runs)
   assert all(run.output_dir.parent == tmp_path for run in runs)
+  assert study.MAX_STEPS % study.STEPS == 0
+  assert study.STEPS % study.CHECKPOINT_FREQ == 0
   for run in runs:
     args = run.args
-    assert args["steps"] == study.STEPS
+    # Plateau checks every STEPS steps, at most MAX_STEPS in all.
+    assert args["steps"] == study.MAX_STEPS
+    assert args["plateau_check_freq"] == study.STEPS
     assert args["checkpoint_freq"] == study.CHECKPOINT_FREQ
     hparams = json.loads(args["hparams"])
     assert hparams["image_size"] == 8 and hparams["cnn_width"] == 8
@@ -119,10 +123,14 @@ def test_longer_run_is_the_study_run_made_longer(tmp_path):
   (original,) = [r for r in runs if r.args["dataset"] == "ColoredDigits"
                  and r.args["algorithm"] == "ERM" and r.args["trial_seed"] == 0
                  and r.args["hparams_seed"] == 0 and r.args["test_envs"] == [2]]
-  # Trial 0's default ERM run saves trajectories; the longer one does not.
+  # Trial 0's default ERM run saves trajectories and stops at its plateau;
+  # the longer one does neither.
   assert "trajectory_freq" in original.args
+  assert "plateau_check_freq" in original.args
   assert run.args == {**{k: v for k, v in original.args.items()
-                         if k != "trajectory_freq"}, "steps": 5000}
+                         if k not in ("trajectory_freq",
+                                      "plateau_check_freq")},
+                      "steps": 5000}
   assert run.output_dir.parent == tmp_path / "longer"
 
 

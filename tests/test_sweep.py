@@ -69,6 +69,12 @@ def test_make_runs_holds_out_every_domain_by_default(tmp_path):
       r.output_dir for r in runs]
   longer = sweep.make_runs(**kwargs, steps=100)
   assert not {r.output_dir for r in longer} & {r.output_dir for r in runs}
+  stopping = sweep.make_runs(**kwargs, steps=100, plateau_check_freq=50)
+  assert all(r.args["plateau_check_freq"] == 50 for r in stopping)
+  assert "plateau_check_freq" not in runs[0].args
+  command = stopping[0].command("train")
+  assert command[command.index("--plateau_check_freq") + 1] == "50"
+  assert not {r.output_dir for r in stopping} & {r.output_dir for r in longer}
 
 
 def test_command_passes_every_flag():

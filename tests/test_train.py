@@ -16,6 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments import config as config_lib
+from experiments import convergence
+from experiments import training
+from test_model_selection import make_record
+
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, FREQ = 10, 2
@@ -135,6 +140,60 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
   assert ([comparable(r) for r in read_records(output_dir)]
           == [comparable(r) for r in read_records(reference)])
+
+
+@pytest.mark.slow
+def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
+    reference, tmp_path):
+  # Checks at steps 4 and 8 of at most 10; the uninterrupted run's records
+  # say where it first plateaued (its validation moves by one SE or less).
+  check_freq = 2 * FREQ
+  ends = dict(convergence.run_ends(read_records(reference)))
+  stop = next(step for step in range(check_freq, STEPS, check_freq)
+              if ends[step].plateaued)
+  output_dir = tmp_path / "run"
+  command = [*_command(output_dir), "--plateau_check_freq", str(check_freq)]
+  # Killed once its checkpoint at the stop is saved, before it is done: the
+  # resumed run reads its records, stops there again and trains no further.
+  kill_at_first_checkpoint(command, output_dir, stop)
+  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                           check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Stopped at step {stop} of at most {STEPS}" in resumed.stderr
+  assert f"after {stop} steps" in resumed.stdout
+  assert (output_dir / "done").exists()
+
+  def comparable(record):
+    return {k: v for k, v in record.items() if k not in ("args", "step_time")}
+
+  records = read_records(output_dir)
+  assert [comparable(r) for r in records] == [
+      comparable(r) for r in read_records(reference) if r["step"] <= stop]
+  assert all(r["args"]["plateau_check_freq"] == check_freq for r in records)
+
+
+def test_stops_at_reads_the_records_at_check_steps_only(tmp_path):
+  path = tmp_path / "results.jsonl"
+  records = [make_record("RotatedDigits", "ERM", 0, 0, 0, step,
+                         in_accs=[0.5] * 6, out_accs=[0.1] + [val] * 5)
+             for step, val in ((100, 0.4), (200, 0.9), (300, 0.9),
+                               (400, 0.9))]
+  for record in records:
+    for i in range(6):
+      record[f"env{i}_out_examples"] = 60
+      record[f"env{i}_in_loss"] = 1.0
+  def stops(step, check_freq):
+    path.write_text("".join(json.dumps(r) + "\n"
+                            for r in records[:step // 100]))
+    config = config_lib.Config(steps=1000, checkpoint_freq=100,
+                               plateau_check_freq=check_freq)
+    return training.stops_at(config, path, step)
+  # 200: 0.4 -> 0.9 over the window (it reaches back to step 100); 300 and
+  # 400: no move.
+  assert [stops(s, 100) for s in (100, 200, 300, 400)] == [
+      False, False, True, True]
+  assert not stops(300, 200) and stops(400, 200)
+  assert not stops(400, 0) and not stops(0, 100)
 
 
 @pytest.mark.slow

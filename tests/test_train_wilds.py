@@ -59,6 +59,18 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
   np.testing.assert_allclose(record["epoch"], 4 * 12 / 33)
 
 
+def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
+                                                           small_id_eval):
+  del small_id_eval
+  wilds_data.write_poverty(tmp_path / "data")
+  with pytest.raises(config_lib.UsageError, match="regression"):
+    training.train(config_lib.parse_args([
+        "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
+        "--output_dir", str(tmp_path / "run"), "--steps", "4",
+        "--checkpoint_freq", "2", "--plateau_check_freq", "2", *SMALL]))
+  assert not (tmp_path / "run").exists()
+
+
 def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
   del small_id_eval
   wilds_data.write_poverty(tmp_path)
