@@ -18,7 +18,10 @@ written by ``python -m experiments.report`` next to the tables:
 Only runs with the default hparams (``hparams_seed`` 0) and one held-out
 domain are measured, so that every algorithm is compared at its defaults; the
 bottom-eigenvector and trajectory-length comparisons keep the held-out
-domains every algorithm in them has (`same_held_out`).
+domains every algorithm in them has (`same_held_out`). Runs that stop where
+they plateau differ in length, so the smoothness and bottom-eigenvector
+comparisons read every run up to the last step all of them reached
+(`common_steps`); the trajectory-length comparison reads each run's end.
 """
 
 from __future__ import annotations
@@ -285,6 +288,19 @@ def same_held_out(records: Sequence[Record]) -> list[Record]:
   return [r for r in records if held_out_env(r) in common]
 
 
+def common_steps(records: Sequence[Record]) -> list[Record]:
+  """The records up to the last step that every run among them reached.
+
+  A loss curve's roughness and change grow with its length, so curves are
+  compared over the same steps.
+  """
+  runs = by_run(records)
+  if not runs:
+    return []
+  end = min(run[-1]["step"] for run in runs)
+  return [r for run in runs for r in run if r["step"] <= end]
+
+
 def measure(
     records: Sequence[Record], input_dir: str | Path, plots_dir: Path
 ) -> tuple[dict[str, Any], list[tuple[str, Path]]]:
@@ -318,7 +334,7 @@ def measure(
   for dataset, recs in group_by(records,
                                 lambda r: r["args"]["dataset"]).items():
     found = {}
-    smooth = _select(recs, SMOOTHNESS_ALGORITHMS)
+    smooth = common_steps(_select(recs, SMOOTHNESS_ALGORITHMS))
     if smooth:
       measured = smoothness(smooth)
       found["smoothness"] = {a: measured[a] for a in SMOOTHNESS_ALGORITHMS
@@ -332,7 +348,7 @@ def measure(
         plots.plot_loss_curves(env_recs, path)
         figures.append((f"{dataset}, held-out env{env}: training loss per "
                         "domain (smoothness)", path))
-    bottom = same_held_out(_select(recs, BOTTOM_ALGORITHMS))
+    bottom = common_steps(same_held_out(_select(recs, BOTTOM_ALGORITHMS)))
     if any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
       changes = group_by(
           ((run[0]["args"]["algorithm"], mean_training_loss(run)[1])

@@ -198,11 +198,16 @@ def training_table(records: Sequence[Record],
     training-domain loss and accuracy and of the validation accuracy's change
     over the last steps, how many runs plateaued, of all and of those that
     training-domain validation selects (the runs behind the results table),
-    and the median training time per run.
+    the median and largest number of steps the runs trained (runs that stop
+    at their plateau differ), and the median training time per run.
   """
+  runs = model_selection.by_run(records)
   ends = model_selection.group_by(
       ((run[0]["args"]["algorithm"], convergence.run_end(run))
-       for run in model_selection.by_run(records)), lambda pair: pair[0])
+       for run in runs), lambda pair: pair[0])
+  steps = model_selection.group_by(
+      ((run[0]["args"]["algorithm"], run[-1]["step"]) for run in runs),
+      lambda pair: pair[0])
   selected = model_selection.group_by(
       ((algorithm, convergence.run_end(
           model_selection.TrainingDomainValidation.selected_run(group)))
@@ -221,13 +226,16 @@ def training_table(records: Sequence[Record],
         _mean_se_text([100 * end.accuracy for end in found], "{:.1f}"),
         _mean_se_text([100 * end.validation_change for end in found],
                       "{:.1f}"),
+        "{:,.0f}; {:,}".format(
+            np.median([s for _, s in steps[algorithm]]),
+            max(s for _, s in steps[algorithm])),
         f"{np.median([end.seconds for end in found]):.0f}"])
   return markdown_table(
       ["Algorithm", "runs", "plateaued", "selected runs plateaued",
        "final training loss",
        "training acc. (%)",
        f"validation change, last {convergence.WINDOW:.0%} of steps (pts)",
-       "training time per run (s, median)"], rows)
+       "steps (median; most)", "training time per run (s, median)"], rows)
 
 
 def _has_loss_curves(record: Record) -> bool:

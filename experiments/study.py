@@ -155,12 +155,15 @@ def _group(run: sweep.Run) -> tuple[Any, ...]:
 
 
 def sample(runs: Sequence[sweep.Run],
-           hparams_seeds: Sequence[int] | None = None) -> list[sweep.Run]:
+           hparams_seeds: Sequence[int] | None = None,
+           algorithms: Sequence[str] | None = None) -> list[sweep.Run]:
   """One run per (dataset, algorithm, hparams_seed, trial_seed) group, the one
-  holding out the lowest domain, from the given draws (default: all)."""
+  holding out the lowest domain, from the given draws and algorithms
+  (default: all)."""
   chosen = {}
   for run in sorted(runs, key=lambda run: run.args["test_envs"]):
-    if hparams_seeds is None or run.args["hparams_seed"] in hparams_seeds:
+    if ((hparams_seeds is None or run.args["hparams_seed"] in hparams_seeds)
+        and (algorithms is None or run.args["algorithm"] in algorithms)):
       chosen.setdefault(_group(run), run)
   return list(chosen.values())
 
@@ -275,6 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="Runs trained at once; default: 2.")
   parser.add_argument("--hparams_seeds", type=int, nargs="+", default=None,
                       help="reproduce: the draws to sample; default: all.")
+  parser.add_argument("--algorithms", nargs="+", default=None,
+                      choices=ALGORITHMS + CLAIM_ALGORITHMS,
+                      metavar="ALGORITHM",
+                      help="reproduce: the algorithms to sample; default: "
+                      "all.")
   parser.add_argument("--output", default=None,
                       help="reproduce: also write the report there (JSON).")
   longer = parser.add_argument_group(
@@ -321,11 +329,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _reproduce_command(runs: Sequence[sweep.Run],
                        args: argparse.Namespace) -> int:
-  chosen = [run for run in sample(runs, args.hparams_seeds)
+  chosen = [run for run in sample(runs, args.hparams_seeds, args.algorithms)
             if run.status is sweep.Status.DONE]
   if not chosen:
     draws = ("" if args.hparams_seeds is None else
              f" with hparams_seed in {args.hparams_seeds}")
+    draws += ("" if args.algorithms is None else
+              f" of {' '.join(args.algorithms)}")
     print(f"error: no finished runs{draws} to reproduce in "
           f"{args.output_dir}.", file=sys.stderr)
     return 1

@@ -111,3 +111,16 @@ def test_comparisons_keep_the_held_out_domains_every_algorithm_has():
                                    ("PGrad-k1", 0)]
   assert claims.same_held_out(records[:3]) == records[:3]  # PGrad alone.
   assert claims.same_held_out([]) == []
+
+
+def test_common_steps_cut_every_run_at_the_shortest_runs_end():
+  # ERM stopped at step 20, PGrad-Bottom trained on to 40.
+  records = [make_record("RotatedDigits", algorithm, 0, 0, 0, step,
+                         in_accs=[0.5] * 6, out_accs=[0.5] * 6)
+             for algorithm, end in (("ERM", 20), ("PGrad-Bottom", 40))
+             for step in range(10, end + 1, 10)]
+  kept = claims.common_steps(records)
+  assert sorted((r["args"]["algorithm"], r["step"]) for r in kept) == [
+      ("ERM", 10), ("ERM", 20), ("PGrad-Bottom", 10), ("PGrad-Bottom", 20)]
+  assert claims.common_steps(records[2:]) == records[2:]  # One run: whole.
+  assert claims.common_steps([]) == []

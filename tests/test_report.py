@@ -155,6 +155,17 @@ def test_training_table_counts_the_selected_runs_that_plateaued(
   assert row[:4] == ["ERM", "2", "1/2", selected_plateaued]
 
 
+def test_training_table_gives_the_steps_the_runs_trained():
+  # Three draws of one run, stopped at steps 50, 20 and 30.
+  runs = [[{**r, "args": {**r["args"], "hparams_seed": seed}}
+           for r in converging_run(0.68)[:evaluations]]
+          for seed, evaluations in ((0, 5), (1, 2), (2, 3))]
+  table = report.training_table([r for run in runs for r in run], ["ERM"])
+  header = [cell.strip() for cell in table.splitlines()[0].split("|")[1:-1]]
+  row = [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
+  assert row[header.index("steps (median; most)")] == "30; 50"
+
+
 def test_missing_input_fails(tmp_path):
   assert report.main(["--input_dir", str(tmp_path),
                       "--output_dir", str(tmp_path / "out")]) == 1

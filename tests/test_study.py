@@ -79,6 +79,11 @@ def test_sample_takes_one_run_per_group_holding_out_the_lowest_domain(
              for run in chosen)
   assert len(study.sample(runs)) == len(chosen) * 2 + 2 * len(
       study.CLAIM_ALGORITHMS) * study.N_TRIALS
+  erm = study.sample(runs, [0], ["ERM"])
+  assert sorted((r.args["dataset"], r.args["trial_seed"]) for r in erm) == [
+      (d, t) for d in sorted(study.DATASETS) for t in range(study.N_TRIALS)]
+  assert all(r.args["algorithm"] == "ERM" and r.args["hparams_seed"] == 0
+             and r.args["test_envs"] == [0] for r in erm)
 
 
 def test_reproduce_retrains_a_run_to_equal_records(tmp_path):
@@ -109,6 +114,10 @@ def test_reproduce_retrains_a_run_to_equal_records(tmp_path):
 def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):
   assert study.main(["reproduce", "--output_dir", str(tmp_path)]) == 1
   assert "no finished runs to reproduce" in capsys.readouterr().err
+  assert study.main(["reproduce", "--output_dir", str(tmp_path),
+                     "--hparams_seeds", "0", "--algorithms", "ERM"]) == 1
+  assert ("no finished runs with hparams_seed in [0] of ERM to reproduce"
+          in capsys.readouterr().err)
 
 
 LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
