@@ -11,7 +11,8 @@ written by ``python -m experiments.report`` next to the tables:
   ``--trajectory_freq``, projected to 2-D by PCA and by t-SNE, and the length
   and straightness of each path (`path_lengths`).
 * Bottom eigenvectors (its Q5, appendix A.7): the mean training loss of
-  ``PGrad-Bottom`` against ``PGrad`` over training, and its relative change.
+  ``PGrad-Bottom`` against ``PGrad`` over training, and its relative change
+  (`loss_changes`).
 * Trajectory length (its Table 4 ablation): held-out accuracy of PGrad with
   ``k`` = 1, 2, 4 and all components, and of PGrad-B (``B`` = 3).
 
@@ -19,9 +20,10 @@ Only runs with the default hparams (``hparams_seed`` 0) and one held-out
 domain are measured, so that every algorithm is compared at its defaults; the
 bottom-eigenvector and trajectory-length comparisons keep the held-out
 domains every algorithm in them has (`same_held_out`). Runs that stop where
-they plateau differ in length, so the smoothness and bottom-eigenvector
-comparisons read every run up to the last step all of them reached
-(`common_steps`); the trajectory-length comparison reads each run's end.
+they plateau differ in length, so the smoothness comparison reads every run
+up to the last step all of them reached (`common_steps`), the
+bottom-eigenvector comparison gives its loss change both there and at each
+run's end, and the trajectory-length comparison reads each run's end.
 """
 
 from __future__ import annotations
@@ -205,10 +207,39 @@ def mean_training_loss(run: Sequence[Record]) -> tuple[np.ndarray, np.ndarray]:
   return (np.array([r["step"] for r in run]), loss_curves(run).mean(axis=0))
 
 
+def loss_changes(records: Sequence[Record]) -> dict[str, dict[str, float]]:
+  """Per algorithm, how its mean training-domain loss changed over training.
+
+  Args:
+    records: records of one dataset.
+
+  Returns:
+    ``{algorithm: {measure: mean over its runs, "runs": count}}``:
+    ``relative_loss_change``, ``(L[end] - L[first]) / L[first]`` of
+    `mean_training_loss` up to the last step every run reached
+    (`common_steps`); ``relative_loss_change_at_end``, the same up to each
+    run's own end; and ``steps``, where the runs ended.
+  """
+  def change(run):
+    loss = mean_training_loss(run)[1]
+    return float((loss[-1] - loss[0]) / loss[0])
+
+  common = group_by(common_steps(records), lambda r: r["args"]["algorithm"])
+  whole = group_by(records, lambda r: r["args"]["algorithm"])
+  return {algorithm: {
+      "relative_loss_change": float(np.mean(
+          [change(run) for run in by_run(common[algorithm])])),
+      "relative_loss_change_at_end": float(np.mean(
+          [change(run) for run in by_run(recs)])),
+      "steps": float(np.mean([run[-1]["step"] for run in by_run(recs)])),
+      "runs": len(by_run(recs))} for algorithm, recs in whole.items()}
+
+
 def plot_mean_training_loss(
     records: Sequence[Record], path: str | Path
 ) -> Figure:
-  """The mean training-domain loss of every run, one colour per algorithm."""
+  """The mean training-domain loss of every run, one colour per algorithm,
+  on a log scale (it spans several decades)."""
   fig = Figure(figsize=(5, 3.5), layout="constrained")
   axes = fig.subplots()
   colours = {}
@@ -218,6 +249,7 @@ def plot_mean_training_loss(
     (line,) = axes.plot(*mean_training_loss(run), label=label,
                         color=colours.get(algorithm))
     colours.setdefault(algorithm, line.get_color())
+  axes.set_yscale("log")
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
   axes.legend()
@@ -348,16 +380,9 @@ def measure(
         plots.plot_loss_curves(env_recs, path)
         figures.append((f"{dataset}, held-out env{env}: training loss per "
                         "domain (smoothness)", path))
-    bottom = common_steps(same_held_out(_select(recs, BOTTOM_ALGORITHMS)))
+    bottom = same_held_out(_select(recs, BOTTOM_ALGORITHMS))
     if any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
-      changes = group_by(
-          ((run[0]["args"]["algorithm"], mean_training_loss(run)[1])
-           for run in by_run(bottom)), lambda pair: pair[0])
-      found["bottom"] = {
-          algorithm: {"relative_loss_change": float(np.mean(
-              [(loss[-1] - loss[0]) / loss[0] for _, loss in pairs])),
-                      "runs": len(pairs)}
-          for algorithm, pairs in changes.items()}
+      found["bottom"] = loss_changes(bottom)
       path = plots_dir / f"{dataset}_bottom_loss.png"
       plot_mean_training_loss(bottom, path)
       figures.append((f"{dataset}: mean training loss, bottom against top "

@@ -124,3 +124,39 @@ def test_common_steps_cut_every_run_at_the_shortest_runs_end():
       ("ERM", 10), ("ERM", 20), ("PGrad-Bottom", 10), ("PGrad-Bottom", 20)]
   assert claims.common_steps(records[2:]) == records[2:]  # One run: whole.
   assert claims.common_steps([]) == []
+
+
+def test_loss_changes_over_the_common_steps_and_to_each_end():
+  # PGrad stops at step 20; PGrad-Bottom's two trials train to 40 and 30.
+  rng = np.random.default_rng(1)
+  records = []
+  for algorithm, trial, end in (("PGrad", 0, 20), ("PGrad-Bottom", 0, 40),
+                                ("PGrad-Bottom", 1, 30)):
+    for step in range(10, end + 1, 10):
+      record = make_record("RotatedDigits", algorithm, 0, 0, trial, step,
+                           in_accs=[0.5] * 6, out_accs=[0.5] * 6)
+      for i in range(6):
+        record[f"env{i}_in_loss"] = float(rng.uniform(0.5, 3.0))
+      records.append(record)
+
+  def change_by_loop(algorithm, trial, last_step):
+    means = []
+    for record in records:
+      a = record["args"]
+      if (a["algorithm"], a["trial_seed"]) == (algorithm, trial) and (
+          record["step"] in (10, last_step)):
+        means.append(sum(record[f"env{i}_in_loss"] for i in range(1, 6)) / 5)
+    return (means[1] - means[0]) / means[0]
+
+  got = claims.loss_changes(records)
+  assert got["PGrad"] == pytest.approx({
+      "relative_loss_change": change_by_loop("PGrad", 0, 20),
+      "relative_loss_change_at_end": change_by_loop("PGrad", 0, 20),
+      "steps": 20, "runs": 1})
+  assert got["PGrad-Bottom"] == pytest.approx({
+      "relative_loss_change": np.mean(
+          [change_by_loop("PGrad-Bottom", t, 20) for t in (0, 1)]),
+      "relative_loss_change_at_end": np.mean(
+          [change_by_loop("PGrad-Bottom", 0, 40),
+           change_by_loop("PGrad-Bottom", 1, 30)]),
+      "steps": 35, "runs": 2})
