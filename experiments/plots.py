@@ -62,8 +62,10 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
   """Per-domain training loss of each algorithm (PGrad's Figure 3).
 
   One panel per training domain ``i`` shows ``env{i}_in_loss`` against the
-  step, one curve per algorithm, with a band of +-1 standard deviation over
-  trials.
+  step on a log scale (a converged run's loss falls by decades and its tail
+  only shows so), one curve per algorithm, with a band of +-1 standard
+  deviation over trials (over those still training, where the trials
+  stopped at different steps).
 
   Args:
     records: records of one dataset and held-out domain, with
@@ -81,6 +83,7 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
       _plot_band(axes, runs, f"env{env}_in_loss", algorithm)
     axes.set_title(f"training domain {env}")
     axes.set_xlabel("step")
+    axes.set_yscale("log")
   panels[0].set_ylabel("training loss")
   panels[0].legend()
   fig.savefig(path, dpi=120)
