@@ -21,6 +21,16 @@ from experiments.model_selection import Record, group_by, held_out_env
 from experiments.model_selection import train_envs
 
 
+def _values_over_runs(
+    records: Sequence[Record], key: str
+) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The sorted steps with a ``record[key]``, and the runs' values at each."""
+  by_step = group_by((r for r in records if key in r), lambda r: r["step"])
+  steps = np.array(sorted(by_step))
+  return steps, [np.array([r[key] for r in by_step[s]], np.float64)
+                 for s in steps]
+
+
 def mean_std_over_runs(
     records: Sequence[Record], key: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -34,9 +44,7 @@ def mean_std_over_runs(
     ``(steps, mean, std)``: the sorted steps with a value, and the mean and
     (population) standard deviation over the runs at each.
   """
-  by_step = group_by((r for r in records if key in r), lambda r: r["step"])
-  steps = np.array(sorted(by_step))
-  values = [np.array([r[key] for r in by_step[s]], np.float64) for s in steps]
+  steps, values = _values_over_runs(records, key)
   return (
       steps,
       np.array([v.mean() for v in values]),
@@ -44,12 +52,21 @@ def mean_std_over_runs(
   )
 
 
-def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str):
-  """Plots a mean curve over runs with a +-1 standard deviation band."""
+def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str,
+               *, spread: str = "std"):
+  """Plots a mean curve over runs with a band: +-1 standard deviation, or
+  with ``spread="range"`` from the lowest run to the highest (on a log
+  scale, where the mean minus a standard deviation can be negative)."""
   steps, mean, std = mean_std_over_runs(records, key)
+  if spread == "range":
+    _, values = _values_over_runs(records, key)
+    low, high = (np.array([v.min() for v in values]),
+                 np.array([v.max() for v in values]))
+  else:
+    low, high = mean - std, mean + std
   (line,) = axes.plot(steps, mean, label=label)
-  axes.fill_between(steps, mean - std, mean + std, alpha=0.25,
-                    color=line.get_color(), linewidth=0)
+  axes.fill_between(steps, low, high, alpha=0.25, color=line.get_color(),
+                    linewidth=0)
 
 
 def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
@@ -63,9 +80,9 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
 
   One panel per training domain ``i`` shows ``env{i}_in_loss`` against the
   step on a log scale (a converged run's loss falls by decades and its tail
-  only shows so), one curve per algorithm, with a band of +-1 standard
-  deviation over trials (over those still training, where the trials
-  stopped at different steps).
+  only shows so), one curve per algorithm: the mean over trials, with a band
+  from the lowest trial to the highest (over those still training, where
+  the trials stopped at different steps).
 
   Args:
     records: records of one dataset and held-out domain, with
@@ -80,7 +97,7 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
   panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
   for env, axes in zip(envs, panels):
     for algorithm, runs in _by_algorithm(records).items():
-      _plot_band(axes, runs, f"env{env}_in_loss", algorithm)
+      _plot_band(axes, runs, f"env{env}_in_loss", algorithm, spread="range")
     axes.set_title(f"training domain {env}")
     axes.set_xlabel("step")
     axes.set_yscale("log")

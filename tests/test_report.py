@@ -246,6 +246,22 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
     np.testing.assert_allclose(line.get_ydata(), [value, value])
 
 
+def test_loss_bands_span_the_trials_on_a_log_scale(tmp_path):
+  # Three trials: the band is their range, not the mean +- one standard
+  # deviation (which would go below zero on a log scale).
+  records = [make_record("ColoredDigits", "ERM", 0, 0, trial, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         env1_in_loss=step * (1 + trial) * 0.1,
+                         env2_in_loss=1.0)
+             for trial in (0, 1, 2) for step in STEPS]
+  axes = plots.plot_loss_curves(records, tmp_path / "loss.png").axes[0]
+  assert axes.get_yscale() == "log"
+  (band,) = axes.collections
+  edge = band.get_paths()[0].vertices[:, 1]
+  assert {round(y, 9) for y in edge} == {
+      round(s * (1 + t) * 0.1, 9) for s in STEPS for t in (0, 2)}
+
+
 def test_report_says_why_a_plot_is_missing(tmp_path, capsys):
   records = [make_record("ColoredDigits", "ERM", 0, 1, 0, 5,
                          in_accs=[0.5] * 3, out_accs=[0.5] * 3)]
