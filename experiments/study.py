@@ -80,7 +80,8 @@ STEPS = 2000
 MAX_STEPS = 6 * STEPS
 CHECKPOINT_FREQ = 100
 CLAIM_TEST_ENVS = (0,)
-# Fishr's penalty switches on at 30% of training, DomainBed's 1,500 of 5,000.
+# Fishr's penalty switches on at 30% of the first check's steps, as
+# DomainBed's at 1,500 of 5,000.
 # The digits' native 8x8 scans: a step costs a fifth of 14x14's
 # (docs/study.md).
 FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
