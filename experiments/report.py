@@ -373,6 +373,12 @@ def render(records: Sequence[Record], output_dir: Path,
   return "\n".join(lines) + "\n"
 
 
+def claim_number(value: float) -> str:
+  """A claim's number in a table: four significant digits, and counts such
+  as steps in full (``11,333``, not ``1.133e+04``)."""
+  return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def claims_section(
     records: Sequence[Record], input_dir: str | Path, output_dir: Path
 ) -> str:
@@ -398,7 +404,7 @@ def claims_section(
   for dataset, found in claims.items():
     for claim, per_algorithm in found.items():
       measures = list(next(iter(per_algorithm.values())))
-      rows = [[algorithm, *(f"{numbers[m]:.4g}" for m in measures)]
+      rows = [[algorithm, *(claim_number(numbers[m]) for m in measures)]
               for algorithm, numbers in per_algorithm.items()]
       lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
                 markdown_table(["Algorithm", *measures], rows)]

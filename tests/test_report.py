@@ -400,3 +400,10 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
     assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
                if line.get_label() in labels)
     assert axes.get_xlabel() and axes.get_ylabel()
+
+
+@pytest.mark.parametrize("value, text", [
+    (11333.333, "11,333"), (2000.0, "2,000"), (-0.99716, "-0.9972"),
+    (0.0, "0"), (1.133e-5, "1.133e-05"), (999.96, "1000")])
+def test_claim_numbers_keep_four_digits_and_counts_whole(value, text):
+  assert report.claim_number(value) == text
