@@ -224,15 +224,18 @@ def loss_changes(records: Sequence[Record]) -> dict[str, dict[str, float]]:
     loss = mean_training_loss(run)[1]
     return float((loss[-1] - loss[0]) / loss[0])
 
-  common = group_by(common_steps(records), lambda r: r["args"]["algorithm"])
-  whole = group_by(records, lambda r: r["args"]["algorithm"])
-  return {algorithm: {
+  def algorithm(run):
+    return run[0]["args"]["algorithm"]
+
+  common = group_by(by_run(common_steps(records)), algorithm)
+  whole = group_by(by_run(records), algorithm)
+  return {name: {
       "relative_loss_change": float(np.mean(
-          [change(run) for run in by_run(common[algorithm])])),
+          [change(run) for run in common[name]])),
       "relative_loss_change_at_end": float(np.mean(
-          [change(run) for run in by_run(recs)])),
-      "steps": float(np.mean([run[-1]["step"] for run in by_run(recs)])),
-      "runs": len(by_run(recs))} for algorithm, recs in whole.items()}
+          [change(run) for run in runs])),
+      "steps": float(np.mean([run[-1]["step"] for run in runs])),
+      "runs": len(runs)} for name, runs in whole.items()}
 
 
 def plot_mean_training_loss(

@@ -201,13 +201,8 @@ def training_table(records: Sequence[Record],
     the median and largest number of steps the runs trained (runs that stop
     at their plateau differ), and the median training time per run.
   """
-  runs = model_selection.by_run(records)
-  ends = model_selection.group_by(
-      ((run[0]["args"]["algorithm"], convergence.run_end(run))
-       for run in runs), lambda pair: pair[0])
-  steps = model_selection.group_by(
-      ((run[0]["args"]["algorithm"], run[-1]["step"]) for run in runs),
-      lambda pair: pair[0])
+  runs = model_selection.group_by(model_selection.by_run(records),
+                                  lambda run: run[0]["args"]["algorithm"])
   selected = model_selection.group_by(
       ((algorithm, convergence.run_end(
           model_selection.TrainingDomainValidation.selected_run(group)))
@@ -215,8 +210,9 @@ def training_table(records: Sequence[Record],
        in model_selection.trial_groups(records).items()),
       lambda pair: pair[0])
   rows = []
-  for algorithm in (a for a in algorithms if a in ends):
-    found = [end for _, end in ends[algorithm]]
+  for algorithm in (a for a in algorithms if a in runs):
+    found = [convergence.run_end(run) for run in runs[algorithm]]
+    steps = [run[-1]["step"] for run in runs[algorithm]]
     chosen = [end for _, end in selected.get(algorithm, [])]
     rows.append([
         algorithm, str(len(found)),
@@ -226,9 +222,7 @@ def training_table(records: Sequence[Record],
         _mean_se_text([100 * end.accuracy for end in found], "{:.1f}"),
         _mean_se_text([100 * end.validation_change for end in found],
                       "{:.1f}"),
-        "{:,.0f}; {:,}".format(
-            np.median([s for _, s in steps[algorithm]]),
-            max(s for _, s in steps[algorithm])),
+        f"{np.median(steps):,.0f}; {max(steps):,}",
         f"{np.median([end.seconds for end in found]):.0f}"])
   return markdown_table(
       ["Algorithm", "runs", "plateaued", "selected runs plateaued",
