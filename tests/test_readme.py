@@ -1,4 +1,8 @@
-"""The README's library examples run as written and do what the text says."""
+"""The library examples of README.md and docs/api.md run as written.
+
+Each test executes a file's fenced Python blocks in order, in one namespace,
+and checks that they do what the text around them says.
+"""
 
 import pathlib
 import re
@@ -8,27 +12,39 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+import pgrad_jax
+
+ROOT = pathlib.Path(__file__).parent.parent
+README = ROOT / "README.md"
+API = ROOT / "docs" / "api.md"
 
 
-def library_examples():
-  """The Python blocks from "Quick start" to "Benchmarks", in order."""
-  text = README.read_text()
-  text = text[text.index("## Quick start"):text.index("## Benchmarks")]
-  return re.findall(r"```python\n(.*?)```", text, re.S)
+def python_blocks(path):
+  """The fenced Python blocks of a markdown file, in order."""
+  return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
 
 
-def test_library_examples_run_and_do_what_they_say():
-  quick_start, nnx_example, model_state, schedule = library_examples()
+def run(block, namespace, path):
+  exec(compile(block, str(path.relative_to(ROOT)), "exec"), namespace)
+
+
+def quick_start():
+  """The namespace the README's Quick start leaves, which docs/api.md uses."""
   namespace = {}
-  exec(compile(quick_start, "README.md", "exec"), namespace)
+  run(python_blocks(README)[0], namespace, README)
+  return namespace
+
+
+def test_readme_examples_run_and_do_what_they_say():
+  _, nnx_example, *later_examples = python_blocks(README)
+  namespace = quick_start()
   state = namespace["state"]
   assert bool(jnp.isfinite(state[0].ref_norm))
   assert float(state[0].ref_norm) > 0
 
   # The NNX model's own parameters move, by the transform's update.
   first_batch = jax.tree.map(lambda x: x[0], namespace["batches"])
-  exec(compile(nnx_example, "README.md", "exec"), namespace)
+  run(nnx_example, namespace, README)
   model, loss = namespace["model"], namespace["model_loss"]
   before = loss(nnx.state(model, nnx.Param), first_batch)
   for _ in range(3):
@@ -36,11 +52,44 @@ def test_library_examples_run_and_do_what_they_say():
                                 namespace["batches"])
   assert float(loss(nnx.state(model, nnx.Param), first_batch)) < float(before)
 
-  # The model state follows the 9 inner steps of one update.
-  exec(compile(model_state, "README.md", "exec"), namespace)
+  # Any further example runs as written after the ones above.
+  for example in later_examples:
+    run(example, namespace, README)
+
+
+def test_api_examples_run_and_do_what_they_say():
+  model_state, fish, schedule, inject = python_blocks(API)
+  namespace = quick_start()
+  inner_steps = 3 * 3  # The Quick start's 3 domains x B = 3 chunks.
+
+  # The model state follows the inner steps of one update.
+  run(model_state, namespace, API)
   stats = namespace["stats"]
-  assert int(stats["steps"]) == 9
+  assert int(stats["steps"]) == inner_steps
   assert np.all(np.isfinite(stats["mean"])) and np.any(stats["mean"] != 0)
 
-  exec(compile(schedule, "README.md", "exec"), namespace)
-  assert int(namespace["state"][0].inner_state[1].count) == 9
+  # Fish's state is PGrad's without the eigenvalues; its inner Adam took
+  # every inner step, and the chained SGD applied a finite, non-zero step.
+  run(fish, namespace, API)
+  fish_state = namespace["fish_state"][0]
+  assert isinstance(fish_state, pgrad_jax.FishState)
+  assert set(pgrad_jax.PGradState._fields) - set(fish_state._fields) == {
+      "eigenvalues"}
+  assert int(fish_state.inner_state[0].count) == inner_steps
+  fish_updates = jax.tree.leaves(namespace["fish_updates"])
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in fish_updates)
+  assert any(bool(jnp.any(u != 0)) for u in fish_updates)
+
+  run(schedule, namespace, API)
+  assert int(namespace["state"][0].inner_state[1].count) == inner_steps
+
+  # Static k and B stay out of the injected hyperparams, so a jitted update
+  # traces (a traced k or B is refused).
+  run(inject, namespace, API)
+  injected, injected_state = namespace["injected"], namespace["injected_state"]
+  assert not {"k", "B"} & set(injected_state.hyperparams)
+  update = jax.jit(lambda params, state: injected.update(
+      None, state, params, loss_fn=namespace["loss_fn"],
+      batches=namespace["batches"]))
+  updates, _ = update(namespace["params"], injected_state)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))

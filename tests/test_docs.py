@@ -1,0 +1,125 @@
+"""Every relative link and image in the documentation resolves.
+
+The documentation is README.md, docs/*.md and experiments/README.md. A
+relative link must name a file or folder of the repository, and a `#anchor`
+must name a heading of its target, spelled as GitHub spells heading anchors.
+"""
+
+import pathlib
+import re
+import unicodedata
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+_FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
+_CODE_SPAN = re.compile(r"(`+).+?\1", re.S)
+# [text](target) and ![alt](target), with an optional "title".
+_INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]*)>?"
+                          r"(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
+_HTML = re.compile(r"<(?:a|img)\b[^>]*?\b(?:href|src)=\"([^\"]*)\"", re.I)
+_HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", re.M)
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:|^//")
+
+
+def documentation():
+  """The markdown files whose links must resolve."""
+  return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+          ROOT / "experiments" / "README.md"]
+
+
+def without_code(text):
+  """The text with fenced blocks and code spans blanked out."""
+  return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def github_slug(heading):
+  """The anchor GitHub gives a heading (its github-slugger rule).
+
+  The rendered text, lower-cased, keeping letters, digits, marks, spaces,
+  hyphens and underscores; each space becomes a hyphen.
+  """
+  text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # link -> text
+  text = re.sub(r"<[^>]+>", "", text).replace("`", "").lower()
+  kept = "".join(
+      c for c in text
+      if c in " -_" or unicodedata.category(c)[0] in "LNM")
+  return kept.replace(" ", "-")
+
+
+def anchors(path):
+  """The heading anchors of a markdown file; repeats get -1, -2, ..."""
+  seen = {}
+  result = set()
+  for heading in _HEADING.findall(_FENCE.sub("", path.read_text())):
+    slug = github_slug(heading.strip())
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    result.add(slug if count == 0 else f"{slug}-{count}")
+  return result
+
+
+def link_targets(text):
+  """The targets of the inline, reference and HTML links of markdown text."""
+  text = without_code(text)
+  return [*_INLINE_LINK.findall(text), *_REFERENCE.findall(text),
+          *_HTML.findall(text)]
+
+
+def broken_links(path):
+  """The relative links of one markdown file that do not resolve, and why."""
+  broken = []
+  for target in link_targets(path.read_text()):
+    if not target or _SCHEME.match(target):
+      continue
+    file_part, _, anchor = target.partition("#")
+    resolved = (path.parent / file_part).resolve() if file_part else path
+    if not resolved.exists():
+      broken.append(f"{target}: no such file")
+    elif anchor and resolved.suffix == ".md" and anchor not in anchors(
+        resolved):
+      broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
+  return broken
+
+
+@pytest.mark.parametrize("path", documentation(),
+                         ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+  assert path.exists()
+  assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("heading, slug", [
+    # Anchors as github.com renders them for these headings.
+    ("The paper's claims", "the-papers-claims"),
+    ("WILDS: PovertyMap and FMoW", "wilds-povertymap-and-fmow"),
+    ("DenseNet-121 at 224 px (WILDS FMoW)", "densenet-121-at-224-px-wilds-fmow"),
+    ("`MultiSteps` and `apply_if_finite`", "multisteps-and-apply_if_finite"),
+    ("Gradient accumulation on XLA:CPU", "gradient-accumulation-on-xlacpu"),
+    ("The converged study of the 8×8 digits", "the-converged-study-of-the-88-digits"),
+    ("Results on the [digits](x.md)", "results-on-the-digits"),
+])
+def test_github_slug(heading, slug):
+  assert github_slug(heading) == slug
+
+
+def test_a_broken_link_or_anchor_is_reported(tmp_path):
+  (tmp_path / "other.md").write_text("# Title\n\n## Same\n\n## Same\n")
+  (tmp_path / "image.png").write_bytes(b"")
+  page = tmp_path / "page.md"
+  page.write_text(
+      "# Page\n\n"
+      "[fine](other.md#same-1) [fine](#page) ![fine](image.png) "
+      "[web](https://example.com/missing.md)\n"
+      "[missing](nothing.md) ![missing](nothing.png) [bad](other.md#same-2)\n"
+      "[bad](#nowhere)\n\n[ref]: gone/\n\n"
+      "`[code](not-a-link.md)`\n\n```\n[code](not-a-link.md)\n```\n")
+  assert broken_links(page) == [
+      "nothing.md: no such file",
+      "nothing.png: no such file",
+      "other.md#same-2: no heading #same-2 in other.md",
+      "#nowhere: no heading #nowhere in page.md",
+      "gone/: no such file",
+  ]
