@@ -291,10 +291,9 @@ def parse_unroll(value: str) -> int | bool | None:
   return int(value)
 
 
-def default_unroll(model: Model, batch: int, num_chunks: int) -> int | bool:
-  """The library's unroll for ``model`` on chunks of ``batch / num_chunks``."""
-  chunk = jax.tree.map(lambda x: x[0],
-                       random_batches(model, 1, batch // num_chunks))
+def default_unroll(model: Model, batch: int, B: int) -> int | bool:
+  """The library's unroll for ``model`` on chunks of ``batch / B``."""
+  chunk = jax.tree.map(lambda x: x[0], random_batches(model, 1, batch // B))
   return layout.default_layout(
       jax.make_jaxpr(model.loss_fn)(model.params, chunk)).unroll
 

@@ -101,7 +101,7 @@ def step_peak_bytes(before: dict[str, int], after: dict[str, int],
           argument_bytes)
 
 
-def trajectory_bytes(model: common.Model, batches: Any, num_chunks: int,
+def trajectory_bytes(model: common.Model, batches: Any, B: int,
                      unroll, dtype=None) -> int:
   """Bytes of the trajectory a PGrad rollout stores, in the layout it picks."""
   inner = optax.adam(1e-3)
@@ -109,12 +109,11 @@ def trajectory_bytes(model: common.Model, batches: Any, num_chunks: int,
 
   def stored(params, batches):
     domains, chunks = pgrad_jax.domain_schedule(
-        jax.random.key(0), num_domains, num_chunks, "fixed")
+        jax.random.key(0), num_domains, B, "fixed")
     return pgrad_jax.rollout(
         model.loss_fn, inner, params, inner.init(params), batches, domains,
         chunks, pgrad_jax.RolloutOptions(
-            num_chunks=num_chunks, unroll=unroll,
-            trajectory_dtype=dtype)).displacements
+            B=B, unroll=unroll, trajectory_dtype=dtype)).displacements
 
   return common.num_bytes(jax.eval_shape(stored, model.params, batches))
 

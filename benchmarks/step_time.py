@@ -1,4 +1,4 @@
-"""Time one update of ERM, Fish, PGrad-B and the bare rollout.
+"""Time one update of ERM, Fish, PGrad-B, the bare rollout, DANN and MLDG.
 
 Every method takes the same ``domains x batch`` examples: ERM in one Adam step
 on all of them, the others in ``domains * B`` sequential Adam steps on chunks
@@ -10,9 +10,20 @@ the bare rollout. A PGrad-B update is also split into its parts, each jitted
 and timed on its own: rollout (storing the trajectory), Gram matrix, the
 ``m x m`` eigendecomposition and coefficients, and the weighted sum.
 
+DANN and MLDG, the baselines the paper's appendix times against PGrad-B, are
+the study's own updates (``experiments.algorithms``) with DomainBed's default
+hparams, on the same network (the MLP as a DomainBed ``MLP`` featurizer of
+the same widths and a linear head) and examples. DANN alternates generator
+and discriminator updates (``d_steps_per_g_step`` = 1), which cost
+differently: its time is the mean update of one such cycle. MLDG pairs every
+domain once (``mldg_pairs="random_pairs"``, DomainBed's MLDG before commit
+960f6a2, that of DomainBed's published results), two passes of one domain's
+batch per pair.
+
 With ``--devices N`` the batch axis is sharded over the first ``N`` devices
 and every method runs data-parallel under ``shard_map`` (gradients averaged
-over the ``data`` axis), each device chunking its own rows.
+over the ``data`` axis), each device chunking its own rows. DANN and MLDG
+are timed on one device only: the study runs them unsharded.
 
 Run ``python -m benchmarks.step_time --help`` for the flags; the results go to
 stdout as a table and, with ``--out``, to a JSON file.
@@ -32,6 +43,10 @@ from benchmarks import common
 from pgrad_jax._src import principal
 
 INNER_LR = 1e-3
+# The experiments' algorithms timed beside PGrad-B, by their names here, with
+# the hparams that differ from DomainBed's defaults.
+BASELINES = {"dann": ("DANN", {}),
+             "mldg": ("MLDG", {"mldg_pairs": "random_pairs"})}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -126,13 +141,61 @@ class Methods:
       out = pgrad_jax.rollout(
           self.model.loss_fn, self.inner, params, inner_state, batches,
           domains, chunks, pgrad_jax.RolloutOptions(
-              num_chunks=args.B, unroll=unroll, axis_name=common.DATA))
+              B=args.B, unroll=unroll, axis_name=common.DATA))
       if trajectory:
         return out
       end = jax.tree.map(lambda p, d: p + d, params, out.point(-1))
       return end, out.inner_state, out.losses
 
     return self.data_parallel(step), self.inner.init(self.model.params)
+
+
+def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
+                   host_batches: dict[str, Any]) -> dict[str, Any]:
+  """Zero-argument calls of `BASELINES`, each a cycle of updates, and each
+  cycle's number of updates."""
+  # Only these baselines need flax, an optional dependency.
+  # pylint: disable=g-import-not-at-top
+  from flax import nnx
+  from experiments import algorithms
+  from experiments import hparams_registry
+  from experiments import models
+  # pylint: enable=g-import-not-at-top
+
+  dtype = common.DTYPES[args.dtype]
+  if args.model == "mlp":
+    featurizer = models.MLP(common.MLP_INPUTS, max(args.hidden // 2, 1),
+                            width=args.hidden, depth=2, rngs=nnx.Rngs(0),
+                            dtype=dtype)
+    model = models.Classifier(featurizer, common.NUM_CLASSES,
+                              rngs=nnx.Rngs(0), dtype=dtype)
+  else:
+    model = models.build_model(args.model, num_classes=common.NUM_CLASSES,
+                               input_shape=input_shape, rngs=nnx.Rngs(0),
+                               dtype=dtype)
+  network, params, stats = algorithms.Network.split(model)
+  batches = jax.device_put({"image": host_batches["x"],
+                            "label": host_batches["y"]})
+  dataset = "PACS" if args.model.startswith("resnet") else "RotatedDigits"
+  calls = {}
+  for name, (algorithm, hparams) in BASELINES.items():
+    hparams = {**hparams_registry.default_hparams(algorithm, dataset),
+               **hparams}
+    built = algorithms.build_algorithm(algorithm, network, hparams,
+                                       num_domains=args.domains)
+    cycle = 1 + hparams.get("d_steps_per_g_step", 0)
+
+    def run_cycle(params, stats, state, batches, update=built.update,
+                  cycle=cycle):
+      for step in range(cycle):
+        params, stats, state, _ = update(params, stats, state, batches,
+                                         jax.random.PRNGKey(step))
+      return params, stats, state
+
+    fn, state = jax.jit(run_cycle), built.init(params)
+    calls[name] = (lambda fn=fn, state=state: fn(params, stats, state,
+                                                 batches), cycle)
+  return calls
 
 
 def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
@@ -142,27 +205,27 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   inner_state = common.place(inner_state, methods.mesh)
   displacements = step(params, inner_state, batches).displacements
   gram = jax.jit(pgrad_jax.gram)
-  centring = principal.centre(displacements)
+  centring = principal.centring_matrix(displacements)
 
-  def eigh_to_weights(steps_gram):
+  def eigh_to_weights(gram_matrix):
     """Steps 3 (after the Gram matrix) to 5: all on ``m x m`` matrices."""
-    eigenvalues, eigenvectors, kernel = principal.gram_and_eigh(
-        steps_gram, centring)
-    signs, ref_norm = principal.orient(eigenvectors, kernel, centring, "end")
+    eigenvalues, eigenvectors, gram_matrix = principal.gram_and_eigh(
+        gram_matrix, centring)
+    signs, ref_norm = principal.orient(eigenvectors, gram_matrix, centring,
+                                       "end")
     weights = principal.weight_and_calibrate(
-        eigenvalues, signs, ref_norm, args.k, weighting="l2",
-        calibrate_length=True, components="top", rtol=None)
+        eigenvalues, signs, ref_norm, args.k, pgrad_jax.PrincipalOptions())
     return weights, eigenvalues, eigenvectors
 
   eigh_to_weights = jax.jit(eigh_to_weights)
-  steps_gram = gram(displacements)
-  small = eigh_to_weights(steps_gram)
+  gram_matrix = gram(displacements)
+  small = eigh_to_weights(gram_matrix)
   project_back = jax.jit(lambda small, d: principal.project_back(
       *small, centring, d))
   return {
       "rollout (with trajectory)": lambda: step(params, inner_state, batches),
       "gram": lambda: gram(displacements),
-      "eigh (m x m)": lambda: eigh_to_weights(steps_gram),
+      "eigh (m x m)": lambda: eigh_to_weights(gram_matrix),
       "projection": lambda: project_back(small, displacements),
   }
 
@@ -174,8 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   mesh = common.make_mesh(data=args.devices)
   methods = Methods(model, args, mesh)
   params = common.place(model.params, mesh)
-  batches = common.shard_batches(
-      common.random_batches(model, args.domains, args.batch), mesh)
+  host_batches = common.random_batches(model, args.domains, args.batch)
+  batches = common.shard_batches(host_batches, mesh)
 
   default = common.default_unroll(model, args.batch, args.B)
   chosen = common.parse_unroll(args.unroll)
@@ -202,7 +265,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fn, state = build()
     state = common.place(state, mesh)
     calls[name] = lambda fn=fn, state=state: fn(params, state, batches)
+  cycles = {}
+  if args.devices == 1 and not args.compare_unroll:
+    for name, (call, cycle) in baseline_calls(
+        args, model.input_shape, host_batches).items():
+      calls[name], cycles[name] = call, cycle
   timings = common.time_interleaved(calls, args.repeats, args.warmup)
+  # A cycle of updates, timed as one call: per update.
+  for name, cycle in cycles.items():
+    timings[name] = common.Timing(
+        timings[name].compile_ms, [t / cycle for t in timings[name].times_ms])
 
   split = {}
   if not (args.no_split or args.compare_unroll):
@@ -213,10 +285,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   erm_ms = timings["erm"].median_ms
   results = {}
   for name, timing in timings.items():
-    unroll = builders[name][1]
+    # ERM and the baselines run no rollout; they compare with the first.
+    unroll = builders[name if name in builders else "erm"][1]
     rollout_ms = timings[rollout_of[unroll]].median_ms
     results[name] = timing.as_dict() | {
-        "unroll": None if name == "erm" else unroll,
+        "unroll": None if name == "erm" or name in cycles else unroll,
         "ratio_to_rollout": timing.median_ms / rollout_ms,
         "ratio_to_erm": timing.median_ms / erm_ms,
     }

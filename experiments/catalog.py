@@ -1,7 +1,7 @@
 """Every dataset, model and algorithm by name, with its facts.
 
 Adding one is a few lines here: a ``register`` call naming its builder (in
-``datasets.py``, ``wilds.py``, ``models.py`` or ``algorithms.py``) and its
+``datasets.py``, ``wilds.py``, ``models.py`` or ``algorithms/``) and its
 facts; an algorithm also needs its hparams in ``hparams_registry.py``. A
 folder dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
 
@@ -75,10 +75,18 @@ class AlgorithmEntry(registry.Entry):
       name, so that model selection and the report never pool it with its
       base.
     fixed_hparams: the hparams the ablation fixes.
+    model_options: keyword arguments of ``models.build_model`` that the
+      algorithm's model needs (ARM's ``context_net``).
+    data_parallel: its update keeps every domain's batch split over an
+      Explicit ``data`` mesh axis, so ``--devices`` can split it
+      (``training.Sharder``). The others pool or re-slice the batch in ways
+      that the axis cannot carry.
   """
 
   variant_of: str | None = None
   fixed_hparams: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  data_parallel: bool = False
 
 
 DATASETS = registry.Registry("dataset", DatasetEntry)
@@ -163,26 +171,44 @@ MODELS.register("densenet121", "experiments.models:DenseNet",
 # ----------------------------------------------------------------------------
 # Algorithms.
 
-ALGORITHMS.register("ERM", "experiments.algorithms:erm")
-# The "-B" variants differ only in their hparams (B = 3).
-ALGORITHMS.register("PGrad", "experiments.algorithms:pgrad")
-ALGORITHMS.register("PGrad-F", "experiments.algorithms:pgrad",
-                    options={"order": "fixed"})
-ALGORITHMS.register("PGrad-B", "experiments.algorithms:pgrad")
-ALGORITHMS.register("PGrad-BMix", "experiments.algorithms:pgrad",
-                    options={"mix": True})
-ALGORITHMS.register("PGradParallel", "experiments.algorithms:pgrad",
-                    options={"parallel": True})
+# Grouped as experiments/algorithms/ is: by the paper's categories.
+_OPTIMIZATION = "experiments.algorithms.optimization"
+ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
+# The "-B" variants differ only in their hparams (B = 3). PGrad-BMix mixes
+# the chunks of a batch across its domains, which the data axis cannot split.
+_PGRAD = "experiments.algorithms.principal_gradients:pgrad"
+ALGORITHMS.register("PGrad", _PGRAD, data_parallel=True)
+ALGORITHMS.register("PGrad-F", _PGRAD, options={"order": "fixed"},
+                    data_parallel=True)
+ALGORITHMS.register("PGrad-B", _PGRAD, data_parallel=True)
+ALGORITHMS.register("PGrad-BMix", _PGRAD, options={"mix": True})
+ALGORITHMS.register("PGradParallel", _PGRAD, options={"parallel": True},
+                    data_parallel=True)
 # The claims' ablations of PGrad. ``k="all"`` keeps every component of the
 # trajectory; ``components="bottom"`` with ``k=1`` steps along the
 # trajectory's least-varying direction (the paper's A.7).
 for _name, _fixed in (("PGrad-k1", {"k": 1}), ("PGrad-k2", {"k": 2}),
                       ("PGrad-kall", {"k": "all"}),
                       ("PGrad-Bottom", {"components": "bottom", "k": 1})):
-  ALGORITHMS.register(_name, "experiments.algorithms:pgrad",
-                      variant_of="PGrad", fixed_hparams=_fixed)
-ALGORITHMS.register("Fish", "experiments.algorithms:fish")
-ALGORITHMS.register("Fishr", "experiments.algorithms:fishr")
-ALGORITHMS.register("MixUp", "experiments.algorithms:mixup_algorithm")
-ALGORITHMS.register("IRM", "experiments.algorithms:irm")
-ALGORITHMS.register("CORAL", "experiments.algorithms:coral")
+  ALGORITHMS.register(_name, _PGRAD, variant_of="PGrad", fixed_hparams=_fixed,
+                      data_parallel=True)
+_GRADIENTS = "experiments.algorithms.gradient_manipulation"
+ALGORITHMS.register("Fish", f"{_GRADIENTS}:fish", data_parallel=True)
+ALGORITHMS.register("Fishr", f"{_GRADIENTS}:fishr")
+_AUGMENTATION = "experiments.algorithms.augmentation"
+ALGORITHMS.register("MixUp", f"{_AUGMENTATION}:mixup_algorithm")
+_INVARIANCE = "experiments.algorithms.invariance"
+ALGORITHMS.register("IRM", f"{_INVARIANCE}:irm")
+ALGORITHMS.register("CORAL", f"{_INVARIANCE}:coral")
+ALGORITHMS.register("MMD", f"{_INVARIANCE}:mmd")
+ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann")
+ALGORITHMS.register("GroupDRO", f"{_OPTIMIZATION}:group_dro",
+                    data_parallel=True)
+ALGORITHMS.register("MLDG", f"{_OPTIMIZATION}:mldg", data_parallel=True)
+# ARM's network sees a context channel (models.ContextClassifier).
+ALGORITHMS.register("ARM", f"{_AUGMENTATION}:arm",
+                    model_options={"context_net": True})
+
+# The algorithms whose params paths the claims compare (the paper's appendix
+# A.4): a sweep saves their snapshots (``--trajectory_freq``) by default.
+TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")

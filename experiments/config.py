@@ -5,8 +5,9 @@ same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
 
 A run directory belongs to one configuration: the run writes its resolved
-arguments and hyperparameters to ``config.json`` there, and a later run in
-the same directory resumes only if its own are the same (`claim_run_directory`).
+arguments and hyperparameters to its ``config.json`` (`experiments.records`
+describes the run directory), and a later run in the same directory resumes
+only if its own are the same and its records check (`claim_run_directory`).
 The default directory is ``runs/<dataset>-<algorithm>-test<envs>-<hash>``, the
 hash being that of the resolved arguments, so every configuration gets its
 own.
@@ -18,8 +19,10 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import sys
+import tempfile
 import textwrap
 import typing
 from collections.abc import Mapping, Sequence
@@ -28,25 +31,34 @@ from typing import Any
 
 from experiments import catalog
 from experiments import hparams_registry
+from experiments import records
 
 # Where runs go when no --output_dir is given, one folder per configuration.
 DEFAULT_RUNS_DIR = Path("runs")
-CONFIG_FILE = "config.json"
 # Fields that say where files are or how to treat an existing run, not what
 # is trained: runs that differ only in them are the same run.
 LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
+# Fields that say how a run executes, not what it computes: out of its
+# identity and of its records, so that a run resumed with other values is
+# the same run with the same records.
+EXECUTION_FIELDS = ("devices", "num_workers")
 # Fields added after runs had been named by their identity, with the value
 # that trains as those runs did: at it they stay out of the identity, so the
 # earlier runs keep their directories and their config.json still matches.
 LATER_FIELDS = {"plateau_check_freq": 0}
-# The files a run writes; a directory holding any of them but no CONFIG_FILE
-# holds a run of unknown configuration. (A sweep puts its log there first.)
-RUN_FILES = ("results.jsonl", "checkpoints", "final_params.npz", "done")
 PROG = "python -m experiments.train"
 
 
 class UsageError(ValueError):
   """A command line that cannot run as given; the message says how to fix it."""
+
+
+def default_num_workers() -> int:
+  """The CPU cores this process may run on: ``--num_workers``'s default."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # Not on Linux.
+    return os.cpu_count() or 1
 
 
 def args_hash(args: Mapping[str, Any]) -> str:
@@ -106,8 +118,8 @@ class Config:
   pretrained: str | None = _field(
       None, "Featurizer weights (.npz or Orbax directory) to start from.")
   init_params: str | None = _field(
-      None, "A run's final_params.npz to start the whole model from (e.g. "
-      "FMoW's ERM phase before PGrad).")
+      None, f"A run's {records.FINAL_PARAMS_FILE} to start the whole model "
+      "from (e.g. FMoW's ERM phase before PGrad).")
   eval_examples: int | None = _field(
       None, "Evaluate at most this many examples per split (fixed random "
       "subset). Default: all.")
@@ -117,6 +129,16 @@ class Config:
       256, "Largest batch of evaluation (smaller when the splits are).")
   trajectory_freq: int = _field(
       0, "Steps between snapshots of the params in trajectory/ (0: none).")
+  devices: int = _field(
+      1, "Devices to split every domain's batch over, on a data mesh axis; "
+      "the batch must be a multiple of devices (times B for PGrad's "
+      "chunks). The run's results are the same up to the order of "
+      "floating-point sums, and it resumes on any number.")
+  num_workers: int | None = _field(
+      None, "Threads that read, decode and augment the images of a batch, "
+      "ahead of training, and of evaluation; 0 reads each batch when it is "
+      "needed. The results do not depend on it. Default: the CPU cores of "
+      "this host.")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked.
@@ -135,15 +157,17 @@ class Config:
         steps=facts.steps if self.steps is None else self.steps,
         checkpoint_freq=facts.checkpoint_freq if self.checkpoint_freq is None
         else self.checkpoint_freq,
-        algorithm=algorithm, model=model, test_envs=list(self.test_envs))
+        algorithm=algorithm, model=model, test_envs=list(self.test_envs),
+        num_workers=default_num_workers() if self.num_workers is None
+        else self.num_workers)
     positive = ("steps", "checkpoint_freq", "loss_examples", "eval_batch_size",
-                "eval_examples")
+                "eval_examples", "devices")
     for name in positive:
       value = getattr(config, name)
       if value is not None and value < 1:
         raise UsageError(f"--{name} must be a positive integer, got {value}.")
     for name in ("seed", "hparams_seed", "trial_seed", "trajectory_freq",
-                 "plateau_check_freq"):
+                 "plateau_check_freq", "num_workers"):
       if getattr(config, name) < 0:
         raise UsageError(f"--{name} must be >= 0, got {getattr(config, name)}.")
     if config.plateau_check_freq % config.checkpoint_freq:
@@ -157,6 +181,9 @@ class Config:
     if not config.test_envs or min(config.test_envs) < 0:
       raise UsageError("--test_envs must be domain indices >= 0, got "
                        f"{config.test_envs}.")
+    if config.data_dir is not None and Path(config.data_dir).is_file():
+      raise UsageError(f"--data_dir {config.data_dir} is a file; pass the "
+                       "directory that holds the datasets.")
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
@@ -165,11 +192,56 @@ class Config:
     return config
 
   def identity(self) -> dict[str, Any]:
-    """The fields that determine the run's results: all but LOCATION_FIELDS,
-    and LATER_FIELDS at their earlier value."""
-    return {name: value for name, value in dataclasses.asdict(self).items()
+    """The fields that determine the run's results: all but LOCATION_FIELDS
+    and EXECUTION_FIELDS, and LATER_FIELDS at their earlier value."""
+    return {name: value for name, value in self.record_args().items()
             if name not in LOCATION_FIELDS
             and not (name in LATER_FIELDS and LATER_FIELDS[name] == value)}
+
+  def record_args(self) -> dict[str, Any]:
+    """The fields a results record holds as its ``args``: all but
+    EXECUTION_FIELDS."""
+    return {name: value for name, value in dataclasses.asdict(self).items()
+            if name not in EXECUTION_FIELDS}
+
+  def check_devices(self, hparams: Mapping[str, Any]) -> None:
+    """Checks that every domain's batch splits over ``devices``.
+
+    A step's batch is split on a data axis (`training.Sharder`): every
+    domain's ``batch_size`` examples over the devices, within each of PGrad's
+    ``B`` chunks (docs/scaling.md).
+
+    Raises:
+      UsageError: the algorithm cannot split its batch, or the batch does not
+        divide; the message names the batch sizes and device counts that do.
+    """
+    if self.devices == 1:
+      return
+    entry = catalog.ALGORITHMS[self.algorithm]
+    if not entry.data_parallel:
+      splitting = [name for name, e in catalog.ALGORITHMS.items()
+                   if e.data_parallel]
+      raise UsageError(
+          f"--devices {self.devices}: {self.algorithm}'s update pools or "
+          "re-slices the domains' batches, which a data axis cannot split; "
+          f"train it with --devices 1. These split their batch: "
+          f"{', '.join(splitting)}.")
+    batch, chunks = hparams["batch_size"], hparams.get("B", 1)
+    multiple = chunks * self.devices
+    if batch % multiple:
+      sizes = [size for size in (batch // multiple * multiple,
+                                 -(-batch // multiple) * multiple) if size]
+      devices = [d for d in range(1, self.devices)
+                 if batch % (chunks * d) == 0]
+      in_chunks = (f" in B = {chunks} chunks" if chunks > 1 else "")
+      times = " (B x devices)" if chunks > 1 else ""
+      raise UsageError(
+          f"--devices {self.devices}: {self.algorithm}'s batch of {batch} "
+          f"examples per domain{in_chunks} does not split over "
+          f"{self.devices} devices: it must be a multiple of {multiple}"
+          f"{times}. Pass --hparams '{{\"batch_size\": {sizes[0]}}}'"
+          + "".join(f" or {size}" for size in sizes[1:])
+          + f", or --devices {' or '.join(map(str, devices))}.")
 
   def hyperparameters(self) -> dict[str, Any]:
     """The drawn hyperparameters with the ``hparams`` overrides applied.
@@ -218,7 +290,8 @@ def make_parser() -> argparse.ArgumentParser:
   """The flags of `Config`, with the registered names as choices."""
   parser = argparse.ArgumentParser(
       prog=PROG, formatter_class=_HelpFormatter,
-      description="Trains one DomainBed run and writes results.jsonl.",
+      description="Trains one DomainBed run and writes "
+      f"{records.RESULTS_FILE}.",
       epilog="An algorithm's hparams on a dataset, with their defaults, "
       "search ranges and allowed values: --list_hparams --algorithm A "
       "--dataset D.")
@@ -272,7 +345,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
   config = Config(**args)
   try:
     config = config.resolve()
-    config.hyperparameters()
+    config.check_devices(config.hyperparameters())
   except UsageError as e:
     parser.error(str(e))
   return config
@@ -293,11 +366,28 @@ def run_record(config: Config, hparams: Mapping[str, Any]) -> dict[str, Any]:
       {"args": config.identity(), "hparams": dict(hparams)}))
 
 
+def _check_writable(output_dir: Path) -> None:
+  """Refuses an output directory that the run could not write, before any
+  work: the directory, or else its nearest existing parent, must be a
+  directory that takes a new file."""
+  existing = next(p for p in (output_dir, *output_dir.parents) if p.exists())
+  if not existing.is_dir():
+    raise UsageError(f"--output_dir {output_dir}: {existing} is a file; pass "
+                     "a directory.")
+  try:
+    # A real write, which access checks miss (root, read-only mounts).
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    raise UsageError(f"--output_dir {output_dir}: cannot write in {existing} "
+                     f"({e.strerror}); pass a writable --output_dir.") from None
+
+
 def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
   """Whether to resume the run in ``config.output_dir``; refuses another's.
 
-  With ``overwrite``, deletes the run's files there (`RUN_FILES` and
-  ``config.json``; other files stay); nothing is deleted otherwise. Creates
+  With ``overwrite``, deletes the run's files there (`records.RUN_FILES` and
+  its config file; other files stay); nothing is deleted otherwise. Creates
   nothing: the run creates the directory when it first writes to it.
 
   Args:
@@ -310,12 +400,14 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
     ``overwrite``).
 
   Raises:
-    UsageError: the directory holds a run of another configuration, or run
-      files without a ``config.json``, and ``overwrite`` is off.
+    UsageError: the directory cannot be written, or holds a run of another
+      configuration, or run files without a config file, and ``overwrite``
+      is off.
   """
   output_dir = Path(config.output_dir)
+  _check_writable(output_dir)
   if config.overwrite:
-    for name in (CONFIG_FILE, *RUN_FILES):
+    for name in (records.CONFIG_FILE, *records.RUN_FILES):
       path = output_dir / name
       if path.is_dir():
         shutil.rmtree(path)
@@ -325,12 +417,16 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
         continue
       print(f"Deleted {path} (--overwrite).", file=sys.stderr)
     return False
-  config_path = output_dir / CONFIG_FILE
+  config_path = output_dir / records.CONFIG_FILE
   ways_out = ("Pass another --output_dir (or none: each configuration has "
               "its own default), or --overwrite to delete that run and start "
               "over.")
   if config_path.exists():
-    stored = json.loads(config_path.read_text())
+    try:
+      stored = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+      raise UsageError(f"{config_path} is not JSON ({e}): a damaged run of "
+                       f"unknown configuration. {ways_out}") from None
     ours = run_record(config, hparams)
     differences = (_differences(ours["args"], stored.get("args", {})) +
                    _differences(ours["hparams"], stored.get("hparams", {}),
@@ -340,9 +436,9 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
     raise UsageError(
         f"{output_dir} holds a run of another configuration; differing "
         f"keys:\n  " + "\n  ".join(differences) + f"\n{ways_out}")
-  found = [name for name in RUN_FILES if (output_dir / name).exists()]
+  found = [name for name in records.RUN_FILES if (output_dir / name).exists()]
   if found:
     raise UsageError(f"{output_dir} holds {', '.join(found)} but no "
-                     f"{CONFIG_FILE}: a run of unknown configuration. "
+                     f"{records.CONFIG_FILE}: a run of unknown configuration. "
                      f"{ways_out}")
   return False

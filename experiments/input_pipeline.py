@@ -1,7 +1,13 @@
 """DomainBed's data protocol: domain splits, training and evaluation batches.
 
 Training batches come from a Grain iterator whose batch at step ``t`` is a pure
-function of ``(seed, t)``, so training resumes exactly. Save and restore the
+function of ``(seed, t)``, so training resumes exactly. A per-example
+``transform`` (`Transform`, e.g. DomainBed's augmentation) draws from a
+generator seeded by the seed, the step and the example, so it keeps that
+property. ``num_workers`` worker processes build the training batches, and
+as many threads read the examples of the evaluation batches, while the
+caller trains or evaluates on the previous ones; the batches do not depend
+on how many. Save and restore the
 iterator with Orbax through the handler Grain registers for it,
 ``grain.checkpoint.CheckpointSave`` / ``grain.checkpoint.CheckpointRestore``
 (they wrap ``grain.checkpoint.CheckpointHandler``), for example next to the
@@ -17,24 +23,41 @@ train state in an ``orbax.checkpoint.CheckpointManager``::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import ctypes
+import signal
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 
 import grain
 import numpy as np
+from absl import flags
 
-from experiments.datasets import DomainSource, MultiDomainDataset
+from experiments import datasets
 
 # Stands in for "forever": Grain map datasets need a length.
 _ENDLESS = 2**62
 # Keep the random streams of splitting and sampling apart for the same seed.
 _SPLIT_STREAM = 0
 _TRAIN_STREAM = 1
+_TRANSFORM_STREAM = 2
+_EVAL_TRANSFORM_STREAM = 3
+# prctl's option to signal a process when its parent ends (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+# Examples a thread reads at a time: short runs keep the threads equally
+# busy whatever each example costs.
+_RUN = 4
+
+# ``transform(example, rng) -> example``: a per-example transform, e.g. a
+# random augmentation, drawing from ``rng``.
+Transform = Callable[[datasets.Element, np.random.Generator], datasets.Element]
 
 Split = tuple[np.ndarray, np.ndarray]
 
 
 def split_domains(
-    dataset: MultiDomainDataset, *, holdout_fraction: float = 0.2, seed: int
+    dataset: datasets.MultiDomainDataset, *, holdout_fraction: float = 0.2,
+    seed: int
 ) -> list[Split]:
   """Splits every domain at random into a training and a validation part.
 
@@ -61,34 +84,71 @@ def split_domains(
   return splits
 
 
-def _gather(source: DomainSource, indices: np.ndarray) -> dict[str, np.ndarray]:
-  """Stacks ``source[i]`` for ``i`` in ``indices`` into one batch."""
-  items = [source[int(i)] for i in indices]
+class _Examples:
+  """Reads (and transforms) examples in parallel threads, for one batch.
+
+  The examples of a batch are cut into runs of `_RUN` that ``num_workers``
+  threads take in turn. Decoding and augmenting photos runs mostly outside
+  the GIL (Pillow's decoders, resampling and conversions, NumPy's
+  operations), so the threads use as many cores. With one worker or none,
+  the calling thread reads them.
+  """
+
+  def __init__(self, num_workers: int):
+    if num_workers < 0:
+      raise ValueError(f"num_workers must be >= 0, got {num_workers}.")
+    # The pool's threads start with the first batch. Without a pool the
+    # reader can be pickled, e.g. into Grain's worker processes.
+    self._pool = futures.ThreadPoolExecutor(
+        num_workers, thread_name_prefix="examples") if num_workers > 1 else None
+
+  def map(self, read: Callable[[int], datasets.Element],
+          count: int) -> list[datasets.Element]:
+    """``[read(0), ..., read(count - 1)]``, in that order."""
+    if self._pool is None or count <= 1:
+      return [read(k) for k in range(count)]
+    parts = self._pool.map(
+        lambda start: [read(k) for k in range(start, min(start + _RUN, count))],
+        range(0, count, _RUN))
+    return [example for part in parts for example in part]
+
+
+def _read_ahead(num_workers: int) -> grain.ReadOptions:
+  """Batches prepared ahead of the caller: none without workers, else up to
+  two at a time, so that ``num_workers`` threads read one batch's examples
+  while the other is stacked."""
+  ahead = min(num_workers, 2)
+  return grain.ReadOptions(num_threads=ahead, prefetch_buffer_size=ahead)
+
+
+def _stack(examples: Sequence[datasets.Element]) -> dict[str, np.ndarray]:
   # Every key the source gives (e.g. WILDS's "group"), in its own dtype:
   # integer classes or float regression targets.
-  return {key: np.stack([item[key] for item in items]) for key in items[0]}
+  return {key: np.stack([e[key] for e in examples]) for key in examples[0]}
 
 
-def make_train_iterator(
-    dataset: MultiDomainDataset,
+def _in_memory(dataset: datasets.MultiDomainDataset) -> bool:
+  """Whether every domain is arrays in memory (`datasets.ArraySource`)."""
+  return all(isinstance(d, datasets.ArraySource) for d in dataset.domains)
+
+
+def train_batches(
+    dataset: datasets.MultiDomainDataset,
     train_domains: Sequence[int],
     splits: Sequence[Split],
     *,
     batch_size: int,
     seed: int,
     start_step: int = 0,
-    num_threads: int = 1,
     domains_per_step: int | None = None,
-) -> grain.DatasetIterator:
-  """An endless iterator of training batches, one per domain per step.
+    transform: Transform | None = None,
+) -> grain.MapDataset:
+  """The training batches of every step, one per domain per step.
 
   Like DomainBed's infinite loaders, each step samples ``batch_size``
   examples with replacement from the "in" split of every training domain.
-  The batch of step ``t`` depends only on ``(seed, t)``.
-
-  To resume, either build the iterator with ``start_step`` set to the next
-  step, or build it with the original ``start_step`` and restore its saved
-  state (see the module docstring) -- not both.
+  The batch of step ``t`` depends only on ``(seed, t)``: not on where the
+  dataset starts, nor on who builds it (`make_train_iterator`'s workers).
 
   Args:
     dataset: the dataset.
@@ -96,19 +156,21 @@ def make_train_iterator(
       leading axis of the batches.
     splits: `split_domains`'s output for ``dataset``.
     batch_size: examples per domain per step.
-    seed: seeds the sampling.
+    seed: seeds the sampling and the transform's draws.
     start_step: the step of the first batch.
-    num_threads: threads preparing batches ahead of time; 0 prepares each
-      batch when it is requested.
     domains_per_step: if set, every step samples this many of the training
       domains (without replacement, in increasing order) and batches only
       those, as the paper's WILDS protocol samples n-hat domains per step.
+    transform: if set, ``transform(example, rng)`` maps every example read
+      (``dataset.domains[d][i]``) to the one batched, e.g. a random
+      augmentation; ``rng`` is a NumPy Generator seeded by ``(seed, step,
+      domain, position in the domain's batch)``.
 
   Returns:
-    A Grain iterator of ``{"image": float32 (D, B, H, W, C),
-    "label": (D, B), ...}`` with ``D = len(train_domains)`` (or
-    ``domains_per_step``), ``B = batch_size``; ``get_state``/``set_state``
-    round-trip.
+    An endless Grain map dataset whose element ``k`` is the batch of step
+    ``start_step + k``: ``{"image": float32 (D, B, H, W, C), "label": (D, B),
+    ...}`` with ``D = len(train_domains)`` (or ``domains_per_step``),
+    ``B = batch_size``.
   """
   if not train_domains:
     raise ValueError("train_domains is empty.")
@@ -130,28 +192,143 @@ def make_train_iterator(
     if domains_per_step is not None:
       chosen = np.sort(rng.choice(len(sources), domains_per_step,
                                   replace=False))
-    batches = [
-        _gather(sources[d], in_indices[d][rng.integers(len(in_indices[d]),
-                                                       size=batch_size)])
-        for d in chosen
-    ]
-    return {key: np.stack([b[key] for b in batches]) for key in batches[0]}
+    # (domain, slot, index) of every example, domain by domain.
+    drawn = [(d, slot, int(index)) for d in chosen
+             for slot, index in enumerate(
+                 in_indices[d][rng.integers(len(in_indices[d]),
+                                            size=batch_size)])]
+
+    def read(k: int) -> datasets.Element:
+      d, slot, index = drawn[k]
+      example = sources[d][index]
+      if transform is None:
+        return example
+      return transform(example, np.random.default_rng(
+          [seed, _TRANSFORM_STREAM, step, train_domains[d], slot]))
+
+    batch = _stack([read(k) for k in range(len(drawn))])
+    return {key: value.reshape((len(chosen), batch_size) + value.shape[1:])
+            for key, value in batch.items()}
 
   steps = grain.MapDataset.range(start_step, start_step + _ENDLESS)
-  # One element is a whole multi-domain batch, so prefetch only a few.
-  read_options = grain.ReadOptions(
-      num_threads=num_threads, prefetch_buffer_size=num_threads
-  )
-  return iter(steps.map(make_batch).to_iter_dataset(read_options))
+  return steps.map(make_batch)
+
+
+def make_train_iterator(
+    dataset: datasets.MultiDomainDataset,
+    train_domains: Sequence[int],
+    splits: Sequence[Split],
+    *,
+    batch_size: int,
+    seed: int,
+    start_step: int = 0,
+    num_workers: int = 1,
+    domains_per_step: int | None = None,
+    transform: Transform | None = None,
+) -> grain.DatasetIterator:
+  """An endless iterator of `train_batches`, read ahead of the caller.
+
+  The arguments are `train_batches`'s. With ``num_workers`` > 0 the next
+  batches are built while the caller trains on this one: by ``num_workers``
+  Grain worker processes, each building whole batches, where examples are
+  decoded or transformed (photos, WILDS); by a thread where they are arrays
+  in memory read as they are (the digits), which cost microseconds. With 0,
+  every batch is built when it is requested.
+
+  To resume, either build the iterator with ``start_step`` set to the next
+  step, or build it with the original ``start_step`` and restore its saved
+  state (see the module docstring) -- not both.
+
+  Returns:
+    A Grain iterator of `train_batches`' batches; ``get_state`` and
+    ``set_state`` round-trip, whatever ``num_workers``: the state is the
+    number of batches returned.
+  """
+  in_memory = transform is None and _in_memory(dataset)
+  batches = train_batches(
+      dataset, train_domains, splits, batch_size=batch_size, seed=seed,
+      start_step=start_step, domains_per_step=domains_per_step,
+      transform=transform)
+  if num_workers == 0 or in_memory:
+    return iter(batches.to_iter_dataset(_read_ahead(min(num_workers, 1))))
+  return _WorkerBatches(batches, num_workers)
+
+
+def _init_worker(worker_index: int, worker_count: int) -> None:
+  """Leaves a worker process's end to the process that started it.
+
+  Ctrl-C interrupts the training run, which stops its workers (Grain's
+  ``close``): the workers ignore it. A run killed with SIGKILL cannot stop
+  them; on Linux the kernel then kills them (``PR_SET_PDEATHSIG``), so none
+  is left behind.
+  """
+  del worker_index, worker_count
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if sys.platform.startswith("linux"):
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _WorkerBatches(grain.DatasetIterator):
+  """A map dataset's elements in order, built by Grain worker processes.
+
+  The workers start with the first batch asked for, so a program that
+  starts them must guard its main code with ``if __name__ == "__main__"``
+  (they are spawned). The state is the number of elements returned
+  (``{"next_index": k}``, as Grain's own iterator over a map dataset has
+  it), whatever the number of workers; setting it starts them afresh from
+  there. ``close`` stops them and frees the batches they read ahead.
+  """
+
+  def __init__(self, batches: grain.MapDataset, num_workers: int):
+    super().__init__()
+    self._batches = batches
+    self._num_workers = num_workers
+    self._next_index = 0
+    self._workers = None
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._workers is None:
+      if not flags.FLAGS.is_parsed():
+        # Grain reads an absl flag of its own when it starts workers; this
+        # program parses none, which leaves them at their defaults.
+        flags.FLAGS.mark_as_parsed()
+      # Each worker builds its batches one after the other, one ahead.
+      remaining = self._batches[self._next_index:].to_iter_dataset(
+          _read_ahead(0))
+      self._workers = iter(remaining.mp_prefetch(
+          grain.MultiprocessingOptions(num_workers=self._num_workers),
+          worker_init_fn=_init_worker))
+    batch = next(self._workers)
+    self._next_index += 1
+    return batch
+
+  def get_state(self) -> dict[str, int]:
+    return {"next_index": self._next_index}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._stop_workers()
+    self._next_index = state["next_index"]
+
+  def _stop_workers(self) -> None:
+    if self._workers is not None:
+      self._workers.close()
+      self._workers = None
+
+  def close(self) -> None:
+    self._stop_workers()
+    super().close()
 
 
 def eval_batches(
-    dataset: MultiDomainDataset,
+    dataset: datasets.MultiDomainDataset,
     domain: int,
     indices: np.ndarray,
     *,
     batch_size: int = 256,
-    num_threads: int = 1,
+    num_workers: int = 1,
+    transform: Transform | None = None,
+    seed: int = 0,
+    step: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
   """Yields the examples ``indices`` of one domain in order, in batches.
 
@@ -163,7 +340,13 @@ def eval_batches(
     domain: index of the domain.
     indices: example indices within that domain, e.g. a split.
     batch_size: the largest batch.
-    num_threads: threads preparing batches ahead of time; 0 for none.
+    num_workers: threads reading (and transforming) the examples of a
+      batch, ahead of the caller; 0 for none.
+    transform: if set, ``transform(example, rng)`` maps every example read;
+      ``rng`` is a NumPy Generator seeded by ``(seed, step, domain,
+      index)``.
+    seed: seeds the transform's draws.
+    step: the training step evaluated, which seeds the transform's draws.
 
   Yields:
     ``{"image": float32 (b, H, W, C), "label": int32 (b,)}`` with
@@ -174,10 +357,22 @@ def eval_batches(
   source = dataset.domains[domain]
   indices = np.asarray(indices)
   num_batches = -(-len(indices) // batch_size)  # Rounded up.
-  batches = grain.MapDataset.range(num_batches).map(
-      lambda b: _gather(source, indices[b * batch_size:(b + 1) * batch_size])
-  )
-  read_options = grain.ReadOptions(
-      num_threads=num_threads, prefetch_buffer_size=num_threads
-  )
-  yield from batches.to_iter_dataset(read_options)
+  # In-memory examples read as they are cost microseconds: threads would
+  # only add their hand-overs.
+  examples = _Examples(
+      0 if transform is None and _in_memory(dataset) else num_workers)
+
+  def make_batch(b: int) -> dict[str, np.ndarray]:
+    chunk = indices[b * batch_size:(b + 1) * batch_size]
+
+    def read(k: int) -> datasets.Element:
+      example = source[int(chunk[k])]
+      if transform is None:
+        return example
+      return transform(example, np.random.default_rng(
+          [seed, _EVAL_TRANSFORM_STREAM, step, domain, int(chunk[k])]))
+
+    return _stack(examples.map(read, len(chunk)))
+
+  batches = grain.MapDataset.range(num_batches).map(make_batch)
+  yield from batches.to_iter_dataset(_read_ahead(num_workers))

@@ -117,6 +117,7 @@ def build_model(
     rngs: nnx.Rngs,
     dtype: Dtype = jnp.float32,
     param_dtype: Dtype = jnp.float32,
+    context_net: bool = False,
     **kwargs,
 ) -> Classifier:
   """Builds the featurizer registered as ``name`` with a fresh linear head.
@@ -130,6 +131,8 @@ def build_model(
       seeds the model's stored dropout stream.
     dtype: computation dtype, e.g. ``jnp.bfloat16``.
     param_dtype: parameter dtype.
+    context_net: build a :class:`ContextClassifier` (ARM's): the featurizer
+      takes ``C + 1`` channels, the last one a context network's map.
     **kwargs: model options, e.g. ``bn_mode`` and ``dropout`` for ResNets.
 
   Returns:
@@ -137,12 +140,59 @@ def build_model(
   """
   if len(input_shape) != 3:
     raise ValueError(f"input_shape must be (H, W, C), got {input_shape}.")
+  channels = input_shape[-1]
   featurizer = catalog.MODELS[name].build(
-      input_shape[-1], rngs=rngs, dtype=dtype, param_dtype=param_dtype, **kwargs
-  )
+      channels + int(context_net), rngs=rngs, dtype=dtype,
+      param_dtype=param_dtype, **kwargs)
+  if context_net:
+    return ContextClassifier(featurizer, num_classes, channels, rngs=rngs,
+                             dtype=dtype, param_dtype=param_dtype)
   return Classifier(
       featurizer, num_classes, rngs=rngs, dtype=dtype, param_dtype=param_dtype
   )
+
+
+def torch_default_init(fan_in: int) -> nnx.Initializer:
+  """PyTorch's default init of Linear and Conv weights and biases, both
+  ``U(-1 / sqrt(fan_in), 1 / sqrt(fan_in))``."""
+  bound = fan_in**-0.5
+
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+  return init
+
+
+class MLP(nnx.Module):
+  """DomainBed's ``MLP`` (``networks.py`` lines 47-70), DANN's discriminator.
+
+  ``depth`` Linear layers (PyTorch's init), ``width`` wide but the last, each
+  but the last followed by dropout and ReLU. Dropout draws from the key
+  passed as ``rngs`` (folded in per layer) or an ``nnx.Rngs``; none is stored.
+  """
+
+  def __init__(self, in_features: int, out_features: int, *, width: int,
+               depth: int, dropout: float = 0.0, rngs: nnx.Rngs,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32):
+    if depth < 2:
+      raise ValueError(f"An MLP's depth is at least 2, got {depth}.")
+    sizes = [in_features] + [width] * (depth - 1) + [out_features]
+    self.layers = nnx.List([
+        nnx.Linear(a, b, kernel_init=torch_default_init(a),
+                   bias_init=torch_default_init(a), dtype=dtype,
+                   param_dtype=param_dtype, rngs=rngs)
+        for a, b in zip(sizes[:-1], sizes[1:])])
+    self.dropout = nnx.Dropout(dropout)
+    self.num_features = out_features
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None) -> jax.Array:
+    """Returns ``(N, out_features)``; ``x`` is flattened to ``(N, -1)``."""
+    x = x.reshape(x.shape[0], -1)
+    for i, layer in enumerate(self.layers[:-1]):
+      key = jax.random.fold_in(rngs, i) if isinstance(rngs, jax.Array) else (
+          rngs)
+      x = nnx.relu(self.dropout(layer(x), rngs=key))
+    return self.layers[-1](x)
 
 
 class MNISTCNN(nnx.Module):
@@ -204,6 +254,65 @@ class MNISTCNN(nnx.Module):
     for conv, norm in zip(self.convs, self.norms):
       x = norm(nnx.relu(conv(x)))
     return x.mean(axis=(1, 2))
+
+
+class ContextNet(nnx.Module):
+  """ARM's ``ContextNet`` (DomainBed's ``networks.py`` lines 211-228).
+
+  5x5 convs padded by 2, so the map keeps the image's size: to 64 channels,
+  BatchNorm, ReLU, again, then to one channel; PyTorch's default init and
+  BatchNorm (its running variance is of the unbiased batch variance, Flax's
+  of the biased one: a factor ``m / (m - 1)``, ``m = N * H * W``).
+  """
+
+  WIDTHS = (64, 64, 1)
+
+  def __init__(self, in_channels: int, *, rngs: nnx.Rngs,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32):
+    kwargs = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.convs = nnx.List()
+    self.norms = nnx.List()
+    for width in self.WIDTHS:
+      init = torch_default_init(in_channels * 5 * 5)
+      self.convs.append(nnx.Conv(in_channels, width, (5, 5),
+                                 padding=((2, 2), (2, 2)), kernel_init=init,
+                                 bias_init=init, **kwargs))
+      if width > 1:  # BatchNorm after all but the one-channel map.
+        self.norms.append(_batch_norm(width, "train", **kwargs))
+      in_channels = width
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Returns the ``(N, H, W, 1)`` context map of every image."""
+    for conv, norm in zip(self.convs, self.norms):
+      x = nnx.relu(norm(conv(x)))
+    return self.convs[-1](x)
+
+
+class ContextClassifier(Classifier):
+  """ARM's network (DomainBed's ``algorithms.py`` lines 452-474).
+
+  The featurizer (for ``in_channels + 1`` channels) sees the image and a
+  context channel; ``context_net``, a :class:`ContextNet`, maps images to
+  contexts, which ARM (``experiments.algorithms``) averages over support sets.
+  """
+
+  def __init__(self, featurizer: nnx.Module, num_classes: int,
+               in_channels: int, *, rngs: nnx.Rngs,
+               dtype: Dtype = jnp.float32, param_dtype: Dtype = jnp.float32):
+    super().__init__(featurizer, num_classes, rngs=rngs, dtype=dtype,
+                     param_dtype=param_dtype)
+    self.context_net = ContextNet(in_channels, rngs=rngs, dtype=dtype,
+                                  param_dtype=param_dtype)
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None,
+               context: jax.Array | None = None) -> jax.Array:
+    """The logits of images ``x``, ``(N, H, W, C)``, with their ``context``,
+    ``(N, H, W, 1)``: by default the mean map of the batch, one support set."""
+    if context is None:
+      context = jnp.broadcast_to(self.context_net(x).mean(0), x.shape[:-1] +
+                                 (1,))
+    return super().__call__(
+        jnp.concatenate([x, context.astype(x.dtype)], axis=-1), rngs=rngs)
 
 
 class FrozenBatchNorm(nnx.BatchNorm):

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 import os
 import sys
 from typing import Any
+import zipfile
 
 from flax import nnx
 from flax import traverse_util
@@ -269,10 +270,38 @@ def adapt_input_channels(kernel: np.ndarray, in_channels: int) -> np.ndarray:
   return kernel[:, :, np.arange(in_channels) % kernel.shape[2], :]
 
 
+def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The named arrays of a ``.npz`` file.
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    ValueError: the file is not a ``.npz`` archive (say, a text file or a
+      single ``.npy`` array).
+  """
+  try:
+    loaded = np.load(path, allow_pickle=False)
+  except FileNotFoundError:
+    raise
+  except (OSError, ValueError, zipfile.BadZipFile):
+    # numpy takes any other file for a pickle, which it refuses to load.
+    raise ValueError(f"{os.fspath(path)!r} is not a .npz file of arrays "
+                     "(not a zip archive)") from None
+  if not isinstance(loaded, np.lib.npyio.NpzFile):
+    raise ValueError(f"{os.fspath(path)!r} holds a single array (.npy), not "
+                     "a .npz file of named arrays")
+  with loaded:
+    return {key: loaded[key] for key in loaded.files}
+
+
 def _read(path: str) -> dict[str, np.ndarray]:
   """Reads a ``.npz`` file or an Orbax directory into ``"a/b"``-keyed arrays."""
   if os.path.isdir(path):
-    tree = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    try:
+      tree = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    except (OSError, ValueError) as e:
+      raise ValueError(f"{path!r} is a directory but not an Orbax checkpoint "
+                       f"of featurizer weights ({e}). {_HOW_TO_GET_WEIGHTS}"
+                       ) from None
     flat = _flatten(tree)
     # A saved nnx.State (rather than a pure dict) wraps each leaf in "value".
     return {k.removesuffix("/value"): np.asarray(v) for k, v in flat.items()}
@@ -281,8 +310,11 @@ def _read(path: str) -> dict[str, np.ndarray]:
         f"{path!r} is a PyTorch file; convert it to .npz first with "
         "`python -m experiments.pretrained convert`."
     )
-  with np.load(path) as npz:
-    return {key: npz[key] for key in npz.files}
+  try:
+    return read_npz(path)
+  except ValueError as e:
+    raise ValueError(f"{e}; pretrained weights are a .npz file or an Orbax "
+                     f"directory. {_HOW_TO_GET_WEIGHTS}") from None
 
 
 def load_pretrained(model: models.Classifier, path: str | os.PathLike) -> None:
@@ -296,7 +328,8 @@ def load_pretrained(model: models.Classifier, path: str | os.PathLike) -> None:
 
   Raises:
     FileNotFoundError: if ``path`` does not exist.
-    ValueError: listing the missing, unexpected and misshapen keys.
+    ValueError: ``path`` is not a weights file, or its keys are missing,
+      unexpected or misshapen (listed).
   """
   path = os.fspath(path)
   if not os.path.exists(path):

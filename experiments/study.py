@@ -1,4 +1,4 @@
-"""The converged DomainBed-protocol study of the embedded digits, one command.
+"""A study's runs, one command: train them, list them, reproduce a sample.
 
 Usage::
 
@@ -6,25 +6,19 @@ Usage::
     python -m experiments.study list              # where every run stands
     python -m experiments.study reproduce --hparams_seeds 1 \\
         --output results/study_reproduction/draw1.json  # retrain a sample
-    python -m experiments.report --input_dir results/study \\
+    python -m experiments.analysis.report --input_dir results/study \\
         --output_dir results/study_report
     python -m experiments.study longer --dataset RotatedDigits \\
         --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
         --steps 16000     # one run trained on, to see when it plateaus
 
-The protocol is DomainBed's (see docs/study.md for how it was chosen and
-measured): RotatedDigits and ColoredDigits, every domain held out in turn,
-``hparams_seed`` 0 (the defaults) and `N_HPARAMS` - 1 random draws, `N_TRIALS`
-trials, training-domain validation and oracle selection in the report. It
-trains `ALGORITHMS` over every draw and held-out domain, and the claims'
-ablations (`experiments.claims`) at their defaults with domain 0 held out.
-Every run trains at `FIXED_HPARAMS` (the digits' native 8x8 inputs, a CNN of
-width 8), evaluating every `CHECKPOINT_FREQ` steps, until it has plateaued
-(`experiments.convergence`): it checks every `STEPS` steps and stops at the
-first check at which it has, training at most `MAX_STEPS` steps.
+A study is a config, ``experiments/studies/<name>.py`` (see
+`experiments.studies`), picked by ``--study`` (default: ``digits``, the
+converged DomainBed-protocol study of the embedded digits,
+`experiments.studies.digits`).
 
-Runs are launched default hparams first, trial by trial, then the random draws.
-They live in ``results/study/<md5 of their args>``. The JSON-lines records, the
+Runs are launched in the study's order. They live in
+``<output_dir>/<md5 of their args>``. The JSON-lines records, the
 ``done`` markers and the trajectories are committed; checkpoints, final params
 and logs are not (see .gitignore). So the same command continues a study
 stopped half-way, on this machine from the runs' checkpoints and on a fresh
@@ -40,7 +34,8 @@ evaluation) and estimates from them what the sampled draws of the study cost
 on this machine: each sampled run's time stands for the other held-out
 domains of its group.
 ``longer`` trains one run of the study for a given number of steps without
-stopping at its plateau, in its own directory (default `LONGER_DIR`), and
+stopping at its plateau, in its own directory (default: the study's
+``LONGER_DIR``), and
 prints where the convergence criterion says the run would have ended at each
 evaluation. It has the study run's arguments but ``steps`` and the plateau
 checks, and nothing in training depends on the total (the learning rates
@@ -53,82 +48,27 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import importlib
 import json
+import pkgutil
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from experiments import catalog
 from experiments import convergence
-from experiments import hparams_registry
-from experiments import model_selection
+from experiments import records
+from experiments import studies
 from experiments import sweep
 
-DATASETS = ("RotatedDigits", "ColoredDigits")
-ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish", "Fishr")
-CLAIM_ALGORITHMS = tuple(name for name, entry in catalog.ALGORITHMS.items()
-                         if entry.variant_of)
-N_HPARAMS = 2
-N_TRIALS = 3
-# PGrad (B = 1), the slowest of the default hparams to converge, needs 2,000
-# steps (its training loss is still 0.15 and falling at step 1,000); random
-# draws with small learning rates need up to about 10,000 (docs/study.md).
-STEPS = 2000
-MAX_STEPS = 6 * STEPS
-CHECKPOINT_FREQ = 100
-CLAIM_TEST_ENVS = (0,)
-# Fishr's penalty switches on at 30% of the first check's steps, as
-# DomainBed's at 1,500 of 5,000.
-# The digits' native 8x8 scans: a step costs a fifth of 14x14's
-# (docs/study.md).
-FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
-                 "penalty_anneal_iters": 3 * STEPS // 10}
-TRAJECTORY_FREQ = 100
-OUTPUT_DIR = "results/study"
-LONGER_DIR = "results/study_longer"
-
-
-def study_runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
-  """Every run of the study.
-
-  Trajectories are saved only by trial 0's default runs of ERM and PGrad, to
-  keep the committed results small.
-  """
-  def runs_of(algorithms, n_hparams, test_envs=None):
-    # Only the fixed hparams that these algorithms have (sweep's check).
-    known = set().union(*(hparams_registry.default_hparams(a, d)
-                          for a in algorithms for d in DATASETS))
-    fixed = {k: v for k, v in FIXED_HPARAMS.items() if k in known}
-    return sweep.make_runs(
-        output_dir=output_dir, datasets=DATASETS, algorithms=algorithms,
-        n_hparams=n_hparams, n_trials=N_TRIALS, test_envs=test_envs,
-        steps=MAX_STEPS,
-        checkpoint_freq=CHECKPOINT_FREQ,
-        plateau_check_freq=STEPS,
-        hparams=json.dumps(fixed, sort_keys=True),
-        trajectory_freq=TRAJECTORY_FREQ)
-
-  runs = (runs_of(ALGORITHMS, N_HPARAMS)
-          + runs_of(CLAIM_ALGORITHMS, 1, CLAIM_TEST_ENVS))
-  kept = []
-  for run in runs:
-    if run.args["trial_seed"] and "trajectory_freq" in run.args:
-      args = {k: v for k, v in run.args.items() if k != "trajectory_freq"}
-      run = sweep.Run.create(args, output_dir)
-    kept.append(run)
-  # The default-hparams runs of every trial first: they are the cheapest (a
-  # random draw's batch is up to 8x the default's), and a study stopped
-  # part-way then holds complete default-hparams comparisons over trials.
-  return sorted(kept, key=lambda run: (run.args["hparams_seed"],
-                                       run.args["trial_seed"]))
-
+DEFAULT_STUDY = "digits"
 
 # Fields of a record that differ between two trainings of one run: where it
 # was written and how fast it went.
-_UNREPRODUCIBLE = ("output_dir", "step_time")
+_UNREPRODUCIBLE = ("output_dir", "step_time", "data_wait_time")
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
@@ -191,10 +131,10 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     start = time.monotonic()
     returncode = sweep.train_run(copy)
     seconds = time.monotonic() - start
-    committed = model_selection.load_records(run.output_dir)
+    committed = records.read_run(run.output_dir).records
     difference = (f"exit status {returncode}" if returncode else
                   first_difference(committed,
-                                   model_selection.load_records(copy.output_dir)))
+                                   records.read_run(copy.output_dir).records))
     return {"run": run.output_dir.name, "group": list(_group(run)),
             "equal": difference is None, "difference": difference,
             "seconds": round(seconds, 1)}
@@ -209,16 +149,31 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
           "estimated_hours": round(total / jobs / 3600, 2)}
 
 
+def load_study(name: str) -> ModuleType:
+  """The study config ``experiments/studies/<name>.py``.
+
+  Raises:
+    ValueError: there is no such study; it names those there are.
+  """
+  found = sorted(module.name for module in pkgutil.iter_modules(studies.__path__)
+                 if not module.ispkg)
+  if name not in found:
+    raise ValueError(f"--study {name!r}: no experiments/studies/{name}.py; "
+                     f"the studies are {', '.join(found)}.")
+  return importlib.import_module(f"experiments.studies.{name}")
+
+
 def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
                hparams_seed: int, trial_seed: int, test_env: int, steps: int,
-               output_dir: str | Path) -> sweep.Run:
+               min_steps: int, output_dir: str | Path) -> sweep.Run:
   """The study's run of one configuration, made ``steps`` long without
   stopping at its plateau.
 
   Args:
     runs: the study's runs.
     dataset, algorithm, hparams_seed, trial_seed, test_env: which run.
-    steps: how long the copy trains; at least `STEPS`.
+    steps: how long the copy trains; at least ``min_steps``.
+    min_steps: the study's steps between plateau checks (its ``STEPS``).
     output_dir: the directory its run directory goes under.
 
   Returns:
@@ -226,10 +181,11 @@ def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
     checks or trajectory snapshots), under ``output_dir``.
 
   Raises:
-    ValueError: ``steps`` is below `STEPS`, or the study has no such run.
+    ValueError: ``steps`` is below ``min_steps``, or the study has no such
+      run.
   """
-  if steps < STEPS:
-    raise ValueError(f"--steps must be at least the study's {STEPS}, got "
+  if steps < min_steps:
+    raise ValueError(f"--steps must be at least the study's {min_steps}, got "
                      f"{steps}.")
   wanted = (dataset, algorithm, hparams_seed, trial_seed, [test_env])
   for run in runs:
@@ -243,20 +199,20 @@ def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
       "`python -m experiments.study list` lists its runs.")
 
 
-def describe_ends(records: Sequence[dict[str, Any]], every: int) -> str:
+def describe_ends(run: Sequence[records.Record], every: int) -> str:
   """A table of where a run would have ended every ``every`` steps, and the
   step from which its criterion always held."""
-  ends = convergence.run_ends(records)
-  held_out = model_selection.held_out_env(records[0])
+  ends = convergence.run_ends(run)
+  held_out = records.held_out_env(run[0])
   lines = [f"{'step':>6} {'train loss':>10} {'train acc':>9} "
            f"{'val. move':>9} {'1 SE':>6} {'plateaued':>9} {'held-out':>8}"]
-  for (step, end), record in zip(ends, records):
+  for (step, end), record in zip(ends, run):
     if step % every == 0 or step == ends[-1][0]:
       lines.append(
           f"{step:>6} {end.loss:>10.4f} {end.accuracy:>9.3f} "
           f"{end.validation_change:>9.3f} {end.validation_se:>6.3f} "
           f"{'yes' if end.plateaued else 'no':>9} "
-          f"{record[f'env{held_out}_in_acc']:>8.3f}")
+          f"{record[records.env_key(held_out, 'in', 'acc')]:>8.3f}")
   settled = convergence.settled_step(ends)
   lines.append("Plateaued at every evaluation from step "
                f"{settled} on." if settled is not None else
@@ -273,14 +229,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "sample of the done runs and compare their records; "
                       "longer: train one run for more steps and say when it "
                       "plateaus.")
-  parser.add_argument("--output_dir", default=OUTPUT_DIR,
-                      help=f"Default: {OUTPUT_DIR}.")
+  parser.add_argument("--study", default=DEFAULT_STUDY,
+                      help="The study config, experiments/studies/<STUDY>.py; "
+                      f"default: {DEFAULT_STUDY}.")
+  parser.add_argument("--output_dir", default=None,
+                      help="Default: the study's OUTPUT_DIR.")
   parser.add_argument("--jobs", type=int, default=2,
                       help="Runs trained at once; default: 2.")
   parser.add_argument("--hparams_seeds", type=int, nargs="+", default=None,
                       help="reproduce: the draws to sample; default: all.")
   parser.add_argument("--algorithms", nargs="+", default=None,
-                      choices=ALGORITHMS + CLAIM_ALGORITHMS,
                       metavar="ALGORITHM",
                       help="reproduce: the algorithms to sample; default: "
                       "all.")
@@ -288,17 +246,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="reproduce: also write the report there (JSON).")
   longer = parser.add_argument_group(
       "longer", "Which run of the study to train on, and for how long.")
-  longer.add_argument("--dataset", choices=DATASETS)
-  longer.add_argument("--algorithm",
-                      choices=ALGORITHMS + CLAIM_ALGORITHMS)
+  longer.add_argument("--dataset")
+  longer.add_argument("--algorithm")
   longer.add_argument("--hparams_seed", type=int)
   longer.add_argument("--trial_seed", type=int)
   longer.add_argument("--test_env", type=int)
   longer.add_argument("--steps", type=int)
   longer.add_argument("--every", type=int, default=1000,
                       help="Print every this many steps; default: 1000.")
-  longer.add_argument("--longer_dir", default=LONGER_DIR,
-                      help=f"Where the longer run goes; default: {LONGER_DIR}.")
+  longer.add_argument("--longer_dir", default=None,
+                      help="Where the longer run goes; default: the study's "
+                      "LONGER_DIR.")
   args = parser.parse_args(argv)
   if args.jobs < 1:
     parser.error(f"--jobs must be at least 1, got {args.jobs}.")
@@ -306,17 +264,28 @@ def main(argv: Sequence[str] | None = None) -> int:
            if getattr(args, name) is not None]
   if stray and args.command != "longer":
     parser.error(f"{' '.join(stray)}: only for the longer command.")
-  runs = study_runs(args.output_dir)
+  try:
+    study = load_study(args.study)
+  except ValueError as e:
+    parser.error(str(e))
+  args.output_dir = args.output_dir or study.OUTPUT_DIR
+  runs = study.runs(args.output_dir)
+  if args.algorithms is not None:
+    known = {run.args["algorithm"] for run in runs}
+    if unknown := [a for a in args.algorithms if a not in known]:
+      parser.error(f"--algorithms {' '.join(unknown)}: the study trains "
+                   f"none of them; it trains {', '.join(sorted(known))}.")
   if args.command == "reproduce":
     return _reproduce_command(runs, args)
   if args.command == "longer":
-    return _longer_command(parser, runs, args)
+    return _longer_command(parser, runs, args, study)
   if args.command == "list":
     for run in runs:
       print(run)
     print(sweep.summary(runs))
     return 0
   print(sweep.summary(runs))
+  damaged = sweep.report_damaged(runs)
   try:
     failed = sweep.launch(runs, jobs=args.jobs)
   except KeyboardInterrupt:
@@ -325,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   for run in failed:
     print(f"Failed (see {run.output_dir / sweep.LOG_FILE}): {run}")
   print(sweep.summary(runs))
-  return 1 if failed else 0
+  return 1 if failed or damaged else 0
 
 
 def _reproduce_command(runs: Sequence[sweep.Run],
@@ -361,7 +330,8 @@ _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
 
 
 def _longer_command(parser: argparse.ArgumentParser,
-                    runs: Sequence[sweep.Run], args: argparse.Namespace) -> int:
+                    runs: Sequence[sweep.Run], args: argparse.Namespace,
+                    study: ModuleType) -> int:
   missing = [f"--{name}" for name in _LONGER_FLAGS
              if getattr(args, name) is None]
   if missing:
@@ -369,7 +339,8 @@ def _longer_command(parser: argparse.ArgumentParser,
   if args.every < 1:
     parser.error(f"--every must be at least 1, got {args.every}.")
   try:
-    run = longer_run(runs, output_dir=args.longer_dir,
+    run = longer_run(runs, output_dir=args.longer_dir or study.LONGER_DIR,
+                     min_steps=study.STEPS,
                      **{name: getattr(args, name) for name in _LONGER_FLAGS})
   except ValueError as e:
     parser.error(str(e))
@@ -379,7 +350,7 @@ def _longer_command(parser: argparse.ArgumentParser,
       print(f"Failed (see {run.output_dir / sweep.LOG_FILE}).",
             file=sys.stderr)
       return returncode
-  print(describe_ends(model_selection.load_records(run.output_dir),
+  print(describe_ends(records.read_run(run.output_dir).records,
                       args.every))
   return 0
 

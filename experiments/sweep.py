@@ -8,7 +8,10 @@ the run's identity, as in DomainBed.
 
 The sweep is resumable: a run directory holding a ``done`` file is skipped, and
 one without is launched again (training resumes from its last checkpoint), so
-a killed sweep is restarted with the same command.
+a killed sweep is restarted with the same command. A run whose records fail
+`experiments.records.read_run` (damage that no run leaves, even killed) is
+neither skipped as done nor launched: it is listed as damaged with the
+reason, and ``delete_incomplete`` deletes it with the incomplete runs.
 
 Usage::
 
@@ -39,17 +42,16 @@ from typing import Any
 import tqdm
 
 from experiments import catalog
-from experiments import claims as claims_lib
 from experiments import config as config_lib
 from experiments import datasets as datasets_lib
 from experiments import hparams_registry
+from experiments import records
 
 # The datasets that ship with the code, so a default sweep needs no downloads.
 DEFAULT_DATASETS = ("RotatedDigits", "ColoredDigits")
 DEFAULT_TRAIN_COMMAND = f"{shlex.quote(sys.executable)} -m experiments.train"
 # Where a run's stdout and stderr go, inside its directory.
 LOG_FILE = "train.log"
-DONE_FILE = "done"
 
 
 def seed_hash(*args: Any) -> int:
@@ -64,6 +66,7 @@ class Status(enum.Enum):
   DONE = "done"
   INCOMPLETE = "incomplete"
   NOT_STARTED = "not started"
+  DAMAGED = "damaged"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +90,22 @@ class Run:
   @property
   def status(self) -> Status:
     """Read from the directory now, so it follows the run's progress."""
-    if (self.output_dir / DONE_FILE).exists():
-      return Status.DONE
-    if self.output_dir.exists():
-      return Status.INCOMPLETE
-    return Status.NOT_STARTED
+    if not self.output_dir.exists():
+      return Status.NOT_STARTED
+    if self.damage is not None:
+      return Status.DAMAGED
+    return Status.DONE if records.is_done(self.output_dir) else (
+        Status.INCOMPLETE)
+
+  @property
+  def damage(self) -> str | None:
+    """What is wrong with the run's records (`records.read_run`), if
+    anything."""
+    try:
+      records.read_run(self.output_dir)
+    except records.DamagedRunError as e:
+      return str(e)
+    return None
 
   def command(
       self, train_command: str, data_dir: str | None = None
@@ -122,6 +136,21 @@ class Run:
         f" {a['algorithm']} test_envs={a['test_envs']}"
         f" hparams_seed={a['hparams_seed']} trial_seed={a['trial_seed']}"
     )
+
+
+def report_damaged(runs: Sequence[Run]) -> list[Run]:
+  """Says on stderr which runs have damaged records, and why; returns them.
+
+  `launch` skips them; `delete_incomplete` deletes them.
+  """
+  damaged = []
+  for run in runs:
+    if run.output_dir.exists() and (why := run.damage) is not None:
+      print(f"Skipped {run.output_dir}, its records damaged: {why}. "
+            "delete_incomplete deletes it, to train it again.",
+            file=sys.stderr)
+      damaged.append(run)
+  return damaged
 
 
 def _held_out_envs(
@@ -171,8 +200,8 @@ def make_runs(
     data_dir: where the datasets are, to count their domains. It is no part
       of a run's identity, so a sweep whose data moves still resumes.
     trajectory_freq: passed on to the default-hparams runs (hparams_seed 0)
-      of the algorithms whose paths `experiments.claims` projects, unless
-      ``None``.
+      of the algorithms whose paths the claims compare
+      (`catalog.TRAJECTORY_ALGORITHMS`), unless ``None``.
 
   Returns:
     The runs.
@@ -209,7 +238,7 @@ def make_runs(
                 **optional,
             }
             if (trajectory_freq is not None and hparams_seed == 0
-                and algorithm in claims_lib.TRAJECTORY_ALGORITHMS):
+                and algorithm in catalog.TRAJECTORY_ALGORITHMS):
               args["trajectory_freq"] = trajectory_freq
             own = {k: v for k, v in fixed.items()
                    if k in known[dataset, algorithm]}
@@ -252,7 +281,7 @@ def launch(
     data_dir: str | None = None,
     jobs: int = 1,
 ) -> list[Run]:
-  """Trains every run that is not done, ``jobs`` at a time.
+  """Trains every run that is neither done nor damaged, ``jobs`` at a time.
 
   Args:
     runs: the sweep's runs.
@@ -263,7 +292,8 @@ def launch(
   Returns:
     The runs whose training exited with an error.
   """
-  todo = [run for run in runs if run.status is not Status.DONE]
+  todo = [run for run in runs
+          if run.status not in (Status.DONE, Status.DAMAGED)]
   failed = []
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
   try:
@@ -293,8 +323,10 @@ def summary(runs: Sequence[Run]) -> str:
 
 
 def delete_incomplete(runs: Sequence[Run]) -> list[Run]:
-  """Deletes the directories of incomplete runs; returns those runs."""
-  incomplete = [run for run in runs if run.status is Status.INCOMPLETE]
+  """Deletes the directories of incomplete and damaged runs; returns those
+  runs."""
+  incomplete = [run for run in runs
+                if run.status in (Status.INCOMPLETE, Status.DAMAGED)]
   for run in incomplete:
     shutil.rmtree(run.output_dir)
   return incomplete
@@ -307,7 +339,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       choices=["launch", "list", "delete_incomplete"],
       help="launch: train every run that is not done; list: the status of "
       "every run; delete_incomplete: delete the directories of started but "
-      "unfinished runs. Default: launch.")
+      "unfinished runs, and of runs whose records are damaged. Default: "
+      "launch.")
   parser.add_argument(
       "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
       choices=list(catalog.DATASETS), metavar="DATASET",
@@ -339,7 +372,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument(
       "--trajectory_freq", type=int, default=None,
       help="Steps between params snapshots of the default-hparams runs of "
-      f"{' and '.join(claims_lib.TRAJECTORY_ALGORITHMS)}; default: none.")
+      f"{' and '.join(catalog.TRAJECTORY_ALGORITHMS)}; default: none.")
   parser.add_argument("--output_dir", required=True,
                       help="The sweep's directory, holding a folder per run.")
   parser.add_argument("--data_dir", default=None,
@@ -385,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(summary(runs))
 
   if args.command == "launch":
+    damaged = report_damaged(runs)
     try:
       failed = launch(runs, train_command=args.train_command,
                       data_dir=args.data_dir, jobs=args.jobs)
@@ -395,13 +429,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in failed:
       print(f"Failed (see {run.output_dir / LOG_FILE}): {run}")
     print(summary(runs))
-    return 1 if failed else 0
+    return 1 if failed or damaged else 0
 
   if args.command == "delete_incomplete":
-    n = sum(run.status is Status.INCOMPLETE for run in runs)
-    if not args.yes and input(f"Delete {n} incomplete runs? [y/N] ") != "y":
+    n = sum(run.status in (Status.INCOMPLETE, Status.DAMAGED) for run in runs)
+    if not args.yes and input(
+        f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
       return 1
-    print(f"Deleted {len(delete_incomplete(runs))} incomplete runs.")
+    print(f"Deleted {len(delete_incomplete(runs))} incomplete or damaged "
+          "runs.")
   return 0
 
 

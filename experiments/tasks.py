@@ -8,8 +8,9 @@ task unchanged.
 
 The metrics are those WILDS reports (Koh et al., ICML 2021): accuracy and
 worst-group accuracy (FMoW: the worst of the five regions), and Pearson's r
-and worst-group Pearson's r (PovertyMap: the worse of urban and rural). They
-work on NumPy arrays of a whole evaluation split, outside ``jit``.
+and worst-group Pearson's r (PovertyMap: the worse of urban and rural), by
+the rules of WILDS 2.0.0's ``eval`` (docs/wilds.md). They work on NumPy
+arrays of a whole evaluation split, outside ``jit``.
 """
 
 from __future__ import annotations
@@ -77,32 +78,52 @@ def mean_squared_error(predicted: np.ndarray, labels: np.ndarray) -> float:
   return float(np.mean(error**2))
 
 
+def _defined_pearson(predicted: np.ndarray, labels: np.ndarray) -> float:
+  """Pearson's r, or NaN where it is undefined, as SciPy's ``pearsonr``: a
+  constant input or fewer than two examples."""
+  x = np.asarray(predicted, np.float64)
+  y = np.asarray(labels, np.float64)
+  # Compared exactly: the deviations of a constant from its float mean are
+  # rounding noise, whose r is meaningless.
+  if len(x) < 2 or np.all(x == x[0]) or np.all(y == y[0]):
+    return float("nan")
+  x, y = x - x.mean(), y - y.mean()
+  return float((x * y).sum() / np.sqrt((x**2).sum() * (y**2).sum()))
+
+
 def pearson(predicted: np.ndarray, labels: np.ndarray) -> float:
   """Pearson's correlation of predicted and true values.
 
-  Returns 0 when either has no variance (a constant prediction explains
-  nothing), where the formula would divide by zero.
+  Returns 0 where r is undefined (a constant input, or fewer than two
+  examples), so that selecting the largest r is well defined; SciPy, and
+  WILDS's ``r_all``, give NaN there. A constant prediction explains nothing.
   """
-  x = np.asarray(predicted, np.float64)
-  y = np.asarray(labels, np.float64)
-  x, y = x - x.mean(), y - y.mean()
-  scale = np.sqrt((x**2).sum() * (y**2).sum())
-  return float((x * y).sum() / scale) if scale > 0 else 0.0
+  r = _defined_pearson(predicted, labels)
+  return 0.0 if np.isnan(r) else r
 
 
 _METRICS = {"acc": accuracy, "mse": mean_squared_error, "r": pearson}
+# WILDS's ``utils.minimum`` of no values.
+_EMPTY_WORST = 0.0
 
 
 def worst_group(
     metric: str, predicted: np.ndarray, labels: np.ndarray, groups: np.ndarray
 ) -> float:
-  """The lowest of ``metric`` over the groups present (WILDS's worst-group).
+  """The lowest of ``metric`` over the groups, as WILDS's worst group.
+
+  A negative group is no group: FMoW's "Other" (-1), the examples from
+  countries in none of its regions, which WILDS leaves out of the worst
+  region (``fmow_dataset.py``, ``eval``) while counting them in the average
+  accuracy. Groups without examples are left out, and so, for ``"r"``, are
+  groups whose r is undefined (WILDS's ``utils.minimum`` drops NaN). With no
+  group left the result is 0, WILDS's value for none.
 
   Args:
     metric: ``"acc"`` or ``"r"``.
     predicted: predictions, ``(N,)``.
     labels: labels, ``(N,)``.
-    groups: the group of every example, ``(N,)``.
+    groups: the group of every example, ``(N,)``; negative for none.
 
   Returns:
     The metric of the group where it is lowest.
@@ -110,8 +131,11 @@ def worst_group(
   if metric not in ("acc", "r"):
     raise ValueError(f"worst_group takes 'acc' or 'r', got {metric!r}.")
   predicted, labels, groups = map(np.asarray, (predicted, labels, groups))
-  return min(_METRICS[metric](predicted[groups == g], labels[groups == g])
-             for g in np.unique(groups))
+  compute = _defined_pearson if metric == "r" else accuracy
+  values = [compute(predicted[groups == g], labels[groups == g])
+            for g in np.unique(groups[groups >= 0])]
+  defined = [v for v in values if not np.isnan(v)]
+  return min(defined) if defined else _EMPTY_WORST
 
 
 def split_metrics(

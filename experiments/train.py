@@ -9,21 +9,10 @@ The protocol is DomainBed's (Gulrajani & Lopez-Paz, ICLR 2021): a fraction
 validation and the rest is the "in" split; every step samples one batch per
 training domain from its "in" split, with replacement. Every
 ``checkpoint_freq`` steps and at the end, the run evaluates every domain and
-appends a line to ``<output_dir>/results.jsonl``::
-
-  {"args": {...the resolved config...}, "hparams": {...},
-   "domains": [str],      # the dataset's domain names; domain i is env{i}
-   "step": int,           # updates done
-   "epoch": float,        # steps * batch_size / smallest training in split
-   "loss": float,         # mean training loss since the previous line
-   "step_time": float,    # mean seconds per step since the previous line
-   "env{i}_in_acc", "env{i}_out_acc": float,   # every domain i
-   "env{i}_in_loss": float,  # loss on a fixed subset of the in split
-   ...}                   # the algorithm's other metrics; for PGrad:
-                          # "eigenvalues" (mean normalised spectrum,
-                          # descending), "ref_norm", "num_skipped"
-
-The held-out domains' accuracy is their ``in`` split's, as DomainBed reports.
+appends a record of it to its results file (`experiments.records` describes
+the run directory and the records). The held-out domains' accuracy is their
+``in`` split's, as DomainBed reports; the run ends by printing the last
+step's, which no model selection has chosen.
 
 On a WILDS dataset (``experiments.wilds``) the held-out domains are WILDS's
 evaluation splits and the training domains are not split (see
@@ -35,25 +24,31 @@ metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 
 Every evaluation is followed by an Orbax checkpoint (the last two are kept) of
 the params, BatchNorm statistics, algorithm state, step and data iterator. The
-same command resumes a killed run from its last checkpoint and finishes with
-bit-for-bit the same params as an uninterrupted run; results.jsonl lines
-newer than the checkpoint are dropped and recomputed. At the end the run
-writes its final params to ``final_params.npz`` and an empty ``done`` file.
+same command resumes a killed or stopped (Ctrl-C, exit status 130) run from
+its last checkpoint and finishes with bit-for-bit the same params as an
+uninterrupted run; a record newer than the checkpoint is dropped and
+recomputed. Records that contradict themselves or the checkpoints (which no
+run, even killed, leaves) are refused with exit status 2 before anything
+else, as is a finished run's; the same command with ``--overwrite`` trains
+again from scratch. At the end the run writes its final params and its
+``done`` file; the same command then prints its result again.
 
-The output directory belongs to one configuration, recorded in its
-``config.json`` at the first evaluation (the directory is created then, so a
-run failing earlier leaves nothing). A run of another configuration there is
-refused before any work, with exit status 2, unless ``--overwrite`` (see
-`experiments.config`).
+The output directory belongs to one configuration, recorded in its config
+file at the first evaluation (the directory is created then, so a run failing
+earlier leaves nothing). A run of another configuration there, or a directory
+that cannot be written, is refused before any work, with exit status 2,
+unless ``--overwrite`` (see `experiments.config`).
 
 With ``trajectory_freq`` N > 0, the params after every N-th step (and at
-step 0) are saved flattened as float32 ``trajectory/<step>.npy`` (see
+step 0) are saved flattened as float32 snapshots (see
 `training.save_trajectory_point`), for the trajectory plots of
-``experiments.claims``.
+``experiments.analysis.claims``.
 A resumed run rewrites the snapshots after its checkpoint with the same values.
 
-With several devices, batches are split over a ``data`` mesh axis and the
-train state is replicated.
+With ``--devices`` N > 1, every domain's batch is split over N devices on a
+``data`` mesh axis and the train state is replicated (`training.Sharder`);
+the batch must divide, and the algorithm must keep it split
+(``catalog.AlgorithmEntry.data_parallel``).
 
 Flags are parsed and checked before JAX is imported (the training loop is in
 `experiments.training`), so a bad name or value is refused at once.
@@ -66,23 +61,32 @@ import sys
 from collections.abc import Sequence
 
 from experiments import config as config_lib
+from experiments import records
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Command-line entry point; see the module docstring.
 
   Returns:
-    The exit status: 0, or 2 for a command line that cannot run (after a
-    message saying why, as argparse's usage errors).
+    The exit status: 0; 2 for a command line that cannot run (after a
+    message saying why, as argparse's usage errors); 130 when stopped by
+    Ctrl-C (after saying where a rerun resumes).
   """
   config = config_lib.parse_args(argv)
-  # Imported once the flags are known good: importing JAX takes seconds.
-  from experiments import training  # pylint: disable=import-outside-toplevel
   try:
+    # Imported once the flags are known good: importing JAX takes seconds.
+    from experiments import training  # pylint: disable=import-outside-toplevel
     training.train(config)
   except config_lib.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    steps = records.checkpoint_steps(config.output_dir)
+    where = (f"checkpoint at step {steps[-1]}; rerun the same command to "
+             "resume" if steps else
+             "no checkpoint yet; rerun the same command to start again")
+    print(f"\nstopped; {where}.", file=sys.stderr)
+    return 130
   return 0
 
 

@@ -1,14 +1,15 @@
 """The training loop of one run of ``python -m experiments.train``.
 
-`train` runs a resolved `config.Config`: the protocol, results, checkpoints
-and run directory are described in `experiments.train`, the command line,
-which imports this module (and JAX) only once its flags have parsed.
+`train` runs a resolved `config.Config`: the protocol and checkpoints are
+described in `experiments.train`, the command line, which imports this
+module (and JAX) only once its flags have parsed, and the run directory and
+its records in `experiments.records`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import algorithms
+from experiments import augmentation
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import convergence
@@ -34,17 +36,11 @@ from experiments import datasets
 from experiments import input_pipeline
 from experiments import models
 from experiments import pretrained
+from experiments import records
 from experiments import tasks
 from experiments import wilds
 
-RESULTS_FILE = "results.jsonl"
-DONE_FILE = "done"
-FINAL_PARAMS_FILE = "final_params.npz"
-CHECKPOINT_DIR = "checkpoints"
 CHECKPOINTS_KEPT = 2
-TRAJECTORY_DIR = "trajectory"
-
-Record = dict[str, Any]
 
 
 class TrainState(NamedTuple):
@@ -66,9 +62,13 @@ def build_model(
   model = models.build_model(
       config.model, num_classes=dataset.num_classes,
       input_shape=dataset.input_shape, rngs=nnx.Rngs(config.seed),
+      **catalog.ALGORITHMS[config.algorithm].model_options,
       **model_facts.hparams_options(hparams))
   if config.pretrained:
-    pretrained.load_pretrained(model, config.pretrained)
+    try:
+      pretrained.load_pretrained(model, config.pretrained)
+    except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
+      raise config_lib.UsageError(f"--pretrained: {e}") from None
   elif (model_facts.imagenet and not config.init_params
         # WILDS trains PovertyMap's 8-band ResNet-18 from scratch.
         and catalog.DATASETS[config.dataset].wilds != "PovertyMap"):
@@ -95,16 +95,23 @@ def make_train_step(
 
 def make_eval_step(
     network: algorithms.Network,
-) -> Callable[[nnx.State, nnx.State, jax.Array, jax.Array],
+    predict: Callable[..., jax.Array] | None = None,
+) -> Callable[[nnx.State, nnx.State, jax.Array, jax.Array, jax.Array],
               tuple[jax.Array, jax.Array]]:
-  """The jitted ``(params, stats, images, labels) -> (predictions, loss)``.
+  """The jitted ``(params, stats, images, labels, count) -> (predictions,
+  loss)``; the batch's first ``count`` examples are real, the rest padding.
 
-  Predictions are classes, or values for regression targets (`tasks`).
+  The outputs are the algorithm's ``predict`` (``algorithms.Algorithm``) if
+  it has one, else the network's in eval mode. Predictions are classes, or
+  values for regression targets (`tasks`).
   """
 
   @jax.jit
-  def eval_step(params, stats, images, labels):
-    outputs, _ = network.logits(params, stats, images, train=False)
+  def eval_step(params, stats, images, labels, count):
+    if predict is None:
+      outputs, _ = network.logits(params, stats, images, train=False)
+    else:
+      outputs = predict(params, stats, images, count)
     loss = tasks.example_loss(outputs, {"label": labels})
     return tasks.predictions(outputs, labels), loss
 
@@ -130,28 +137,61 @@ def eval_sets(
 
 
 class Sharder:
-  """Places batches and state on the devices: batches split on a data axis."""
+  """Places batches and state on the devices: batches split on a data axis.
 
-  def __init__(self):
-    count = jax.device_count()
-    # Auto axes: XLA's partitioner propagates the batch sharding through
-    # the step, so no operation needs to know about the mesh.
-    self.mesh = None if count == 1 else jax.make_mesh(
-        (count,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  With ``devices`` > 1, every domain's batch is split over an Explicit
+  ``data`` mesh axis (docs/scaling.md): the step's program carries the
+  split in its types, so PGrad's rollout keeps each chunk split over the
+  devices (an Auto axis would gather it). Params and state are replicated.
+  `config.Config.check_devices` has checked that the batch divides.
+  """
+
+  def __init__(self, devices: int = 1):
+    available = jax.device_count()
+    if devices > available:
+      raise config_lib.UsageError(
+          f"--devices {devices}: only {available} {jax.default_backend()} "
+          f"device{'s' if available > 1 else ''} here.")
+    self.mesh = None if devices == 1 else jax.make_mesh(
+        (devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:devices])
+
+  @property
+  def num_devices(self) -> int:
+    return 1 if self.mesh is None else self.mesh.size
+
+  def layout(self, shape: Sequence[int]) -> str:
+    """How a training batch of ``shape`` (domains, examples) is laid out."""
+    domains, examples = shape
+    where = (f"on 1 {jax.default_backend()} device" if self.mesh is None else
+             f"split over {self.mesh.size} {jax.default_backend()} devices on "
+             f"a data axis, {examples // self.mesh.size} examples of every "
+             "domain on each")
+    return f"batch of {domains} domains x {examples} examples, {where}"
 
   def batch(self, batch: dict[str, np.ndarray], axis: int) -> Any:
-    """Splits ``axis`` of every leaf over the devices, if it divides evenly."""
+    """Splits ``axis`` of every leaf over the devices; it must divide."""
     if self.mesh is None:
       return batch
-    size = next(iter(batch.values())).shape[axis]
-    spec = P(*[None] * axis, "data") if size % self.mesh.size == 0 else P()
-    return jax.device_put(batch, NamedSharding(self.mesh, spec))
+    return jax.device_put(
+        batch, NamedSharding(self.mesh, P(*[None] * axis, "data")))
 
   def replicate(self, tree: Any) -> Any:
     """Copies ``tree`` to every device."""
     if self.mesh is None:
       return tree
     return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def on_mesh(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` called with the mesh set, as explicit sharding traces it."""
+    if self.mesh is None:
+      return step
+
+    def on_mesh_step(*args):
+      with jax.sharding.set_mesh(self.mesh):
+        return step(*args)
+
+    return on_mesh_step
 
 
 def evaluate(
@@ -161,28 +201,39 @@ def evaluate(
     sets: Sequence[dict[str, np.ndarray]],
     config: config_lib.Config,
     sharder: Sharder,
-) -> Record:
+    augment: augmentation.Augmentation | None = None,
+) -> records.Record:
   """The metrics of every domain's in and out split, and the in-split loss.
 
-  The metrics are `tasks.split_metrics`'s, as ``env{i}_{split}_{metric}``:
+  The metrics are `tasks.split_metrics`'s, as `records.env_key`s:
   ``acc`` of classes, ``mse`` and ``r`` of regression values, and the
   worst-group ``worst_acc`` or ``worst_r`` where the examples carry a
   ``"group"`` (WILDS), and ``env{i}_{split}_examples``, the number of
-  examples evaluated. Empty splits are skipped.
+  examples evaluated. Empty splits are skipped. With an ``augment`` that
+  asks for it, the training domains' examples go through its transform, as
+  DomainBed evaluates them.
   """
   results = {}
+  step = int(state.step)
   # Batches no larger than the largest split, so small datasets are not
   # padded to the flag's size; one size for all splits, so one compilation.
   size = min(config.eval_batch_size,
              max(len(indices) for domain in sets
                  for indices in domain.values()))
+  # Split over the devices as a training batch is, in equal shares.
+  size = -(-size // sharder.num_devices) * sharder.num_devices
   for i, domain in enumerate(sets):
+    augmented = (augment is not None and augment.in_evaluation
+                 and i not in config.test_envs)
     for name, indices in domain.items():
       if len(indices) == 0:
         continue
       predicted, labels, groups, losses = [], [], [], []
-      for batch in input_pipeline.eval_batches(dataset, i, indices,
-                                               batch_size=size):
+      for batch in input_pipeline.eval_batches(
+          augment.dataset if augmented else dataset, i, indices,
+          batch_size=size, num_workers=config.num_workers,
+          transform=augment.transform if augmented else None,
+          seed=config.seed, step=step):
         count = len(batch["label"])
         # One batch shape, so one compilation: pad the last batch.
         padded = {k: np.concatenate([v, np.zeros((size - count,) + v.shape[1:],
@@ -190,7 +241,7 @@ def evaluate(
                   for k, v in batch.items()}
         padded = sharder.batch(padded, axis=0)
         prediction, loss = eval_step(state.params, state.stats,
-                                     padded["image"], padded["label"])
+                                     padded["image"], padded["label"], count)
         predicted.append(np.asarray(prediction)[:count])
         labels.append(batch["label"])
         groups.append(batch.get("group"))
@@ -198,12 +249,12 @@ def evaluate(
       metrics = tasks.split_metrics(
           np.concatenate(predicted), np.concatenate(labels),
           None if groups[0] is None else np.concatenate(groups))
-      results.update({f"env{i}_{name}_{metric}": value
+      results.update({records.env_key(i, name, metric): value
                       for metric, value in metrics.items()})
       # How many examples the metrics are over, for their standard errors.
-      results[f"env{i}_{name}_examples"] = len(indices)
+      results[records.env_key(i, name, "examples")] = len(indices)
       if name == "in":
-        results[f"env{i}_in_loss"] = float(
+        results[records.env_key(i, "in", "loss")] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
   return results
 
@@ -222,49 +273,24 @@ class MetricMeter:
     self.latest = metrics
     self.count += 1
 
-  def result(self) -> Record:
+  def result(self) -> records.Record:
     """Means over the steps added, and the latest value of counters."""
     sums, latest = jax.device_get((self.sums, self.latest))
     return {name: (latest[name] if name in algorithms.COUNTERS
                    else sums[name] / self.count).tolist() for name in sums}
 
 
-def _record_step(line: str) -> int | None:
-  try:
-    return json.loads(line)["step"]
-  except (json.JSONDecodeError, KeyError, TypeError):
-    return None  # A line cut short by a killed run.
-
-
-def restore_results(path: Path, step: int) -> Record | None:
-  """Keeps the records up to ``step`` (the restored checkpoint's).
-
-  Later records were written by a run killed before checkpointing them; the
-  resumed run writes them again.
-
-  Returns:
-    The last record kept, if any.
-  """
-  if not path.exists():
-    return None
-  kept = [line for line in path.read_text().splitlines()
-          if (s := _record_step(line)) is not None and s <= step]
-  path.write_text("".join(line + "\n" for line in kept))
-  return json.loads(kept[-1]) if kept else None
-
-
-def stops_at(config: config_lib.Config, results_path: Path, step: int) -> bool:
+def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
+             step: int) -> bool:
   """Whether a run with ``plateau_check_freq`` stops at ``step``: a check
   step at which its records so far have plateaued (`convergence.run_end`).
 
-  It reads the records from the run's results file, so a run killed after
-  stopping and resumed stops again at the same step."""
+  A resumed run reads its records so far from its results file, so a run
+  killed after stopping and resumed stops again at the same step."""
   if not config.plateau_check_freq or not step or (
       step % config.plateau_check_freq):
     return False
-  records = [json.loads(line)
-             for line in results_path.read_text().splitlines()]
-  return convergence.run_end(records).plateaued
+  return convergence.run_end(run_records).plateaued
 
 
 def save_params(path: Path, state: TrainState) -> None:
@@ -276,31 +302,38 @@ def save_params(path: Path, state: TrainState) -> None:
                     for k, v in flat.items()})
 
 
-def save_trajectory_point(directory: Path, step: int, params: nnx.State):
-  """Writes the params, flattened in leaf order, as ``<step:07d>.npy``.
+def save_trajectory_point(output_dir: Path, step: int, params: nnx.State):
+  """Writes the params, flattened in leaf order, as `records.trajectory_file`.
 
   The file appears whole or not at all (written aside, then renamed), so a
   killed run leaves no truncated snapshot.
   """
   leaves = jax.tree.leaves(jax.device_get(params))
   flat = np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in leaves])
-  directory.mkdir(parents=True, exist_ok=True)
-  partial = directory / f"{step:07d}.partial.npy"
+  path = records.trajectory_file(output_dir, step)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  partial = path.with_suffix(".partial.npy")
   np.save(partial, flat)
-  partial.replace(directory / f"{step:07d}.npy")
+  partial.replace(path)
 
 
-def held_out_metric(record: Record, env: int) -> float:
+def held_out_metric(record: records.Record, env: int) -> float:
   """A held-out domain's headline metric: accuracy, or Pearson's r."""
-  return record.get(f"env{env}_in_acc", record.get(f"env{env}_in_r"))
+  return record.get(records.env_key(env, "in", "acc"),
+                    record.get(records.env_key(env, "in", "r")))
 
 
-def _held_out_summary(
-    record: Record, dataset: datasets.MultiDomainDataset,
-    test_envs: Sequence[int]
-) -> str:
-  return ", ".join(f"{dataset.domain_names[t]} (env{t}) "
-                   f"{held_out_metric(record, t):.4f}" for t in test_envs)
+def final_line(record: records.Record, output_dir: str | Path) -> str:
+  """What a run prints at its end: its last record's held-out metric, said
+  for what it is, and where the run is."""
+  test_envs = record["args"]["test_envs"]
+  metric = ("accuracy" if records.env_key(test_envs[0], "in", "acc") in record
+            else "Pearson's r")
+  held_out = ", ".join(f"{record['domains'][t]} (env{t}) "
+                       f"{held_out_metric(record, t):.4f}" for t in test_envs)
+  return (f"Held-out {metric} after {record['step']} steps (the last step's, "
+          f"on the held-out domains' in splits; no model selection): "
+          f"{held_out}. Run directory: {output_dir}")
 
 
 def load_params(
@@ -309,10 +342,11 @@ def load_params(
   """Params and statistics from another run's `save_params` file.
 
   Raises:
-    ValueError: the file's keys or shapes differ from the model's.
+    FileNotFoundError: there is no such file.
+    ValueError: it is not a ``.npz`` file, or its keys or shapes differ from
+      the model's.
   """
-  with np.load(path) as saved:
-    loaded = dict(saved)
+  loaded = pretrained.read_npz(path)
   tree = {"params": nnx.to_pure_dict(params), "stats": nnx.to_pure_dict(stats)}
   flat = traverse_util.flatten_dict(tree)
   keys = {"/".join(map(str, k)): k for k in flat}
@@ -360,18 +394,48 @@ def _start_run_directory(
   """Creates the run directory and records the configuration it belongs to."""
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
-  (output_dir / config_lib.CONFIG_FILE).write_text(
-      json.dumps(config_lib.run_record(config, hparams), indent=2) + "\n")
+  records.write_config(output_dir, config_lib.run_record(config, hparams))
 
 
 def _checkpoint_manager(output_dir: Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
-      (output_dir / CHECKPOINT_DIR).absolute(),
+      (output_dir / records.CHECKPOINT_DIR).absolute(),
       options=ocp.CheckpointManagerOptions(max_to_keep=CHECKPOINTS_KEPT))
 
 
-def train(config: config_lib.Config) -> Record:
+def _checked_run(output_dir: Path, **checkpoint: int | None
+                 ) -> records.RunRecords:
+  """`records.read_run`, with damaged records a usage error naming the fix.
+
+  Raises:
+    config_lib.UsageError: the records are damaged.
+  """
+  try:
+    return records.read_run(output_dir, **checkpoint)
+  except records.DamagedRunError as e:
+    raise config_lib.UsageError(f"{e}. Train it again from scratch: the same "
+                                "command with --overwrite.") from None
+
+
+@contextlib.contextmanager
+def _checkpoint_kept_on_interrupt(
+    manager: Callable[[], ocp.CheckpointManager | None]):
+  """On Ctrl-C, waits for the checkpoint being written (of ``manager()``,
+  the run's manager once it has one) before stopping, so that a rerun
+  resumes from it."""
+  try:
+    yield
+  except KeyboardInterrupt:
+    if manager() is not None:
+      manager().wait_until_finished()
+    raise
+
+
+def train(config: config_lib.Config) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
+
+  A finished run (`records.is_done`) is not trained again: its last record
+  is printed and returned.
 
   Args:
     config: the run's configuration.
@@ -381,12 +445,31 @@ def train(config: config_lib.Config) -> Record:
 
   Raises:
     config_lib.UsageError: the configuration cannot run, or ``output_dir``
-      holds a run of another configuration; nothing was written.
+      cannot be written or holds a run of another configuration, or a run
+      whose records are damaged (`records.read_run`); nothing was written.
+    KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
+      complete.
   """
   hparams = config.hyperparameters()
+  config.check_devices(hparams)
   resume = config_lib.claim_run_directory(config, hparams)
-  dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
-                                 seed=config.trial_seed)
+  output_dir = Path(config.output_dir)
+  if resume and records.is_done(output_dir):
+    record = _checked_run(output_dir).records[-1]
+    print("Already finished.", file=sys.stderr)
+    print(final_line(record, output_dir))
+    return record
+  # A fresh run creates its directory at its first evaluation, so a run that
+  # fails before then leaves nothing behind.
+  manager = _checkpoint_manager(output_dir) if resume else None
+  start = manager.latest_step() if resume else None
+  run = _checked_run(output_dir, checkpoint_step=start) if resume else None
+  sharder = Sharder(config.devices)
+  try:
+    dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
+                                   seed=config.trial_seed)
+  except datasets.DatasetNotFoundError as e:
+    raise config_lib.UsageError(str(e)) from None
   if "image_size" in hparams:
     dataset = datasets.resized(dataset, hparams["image_size"])
   # The run directory records the configuration as requested: the protocol's
@@ -415,29 +498,30 @@ def train(config: config_lib.Config) -> Record:
   network, params, stats = algorithms.Network.split(
       build_model(config, dataset, hparams))
   if config.init_params:
-    params, stats = load_params(config.init_params, params, stats)
+    try:
+      params, stats = load_params(config.init_params, params, stats)
+    except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
+      raise config_lib.UsageError(f"--init_params: {e}") from None
   # Every step trains on all training domains, or on domains_per_step of them.
   domains_per_step = hparams.get("domains_per_step")
   algorithm = algorithms.build_algorithm(
       config.algorithm, network, hparams,
       num_domains=domains_per_step or len(train_domains), seed=config.seed)
-  sharder = Sharder()
-  count = jax.device_count()
   print(f"{config.algorithm} on {config.dataset}, held out "
-        f"{config.test_envs}: {count} {jax.default_backend()} "
-        f"device{'s' if count > 1 else ''}.", file=sys.stderr)
+        f"{config.test_envs}: " + sharder.layout(
+            (domains_per_step or len(train_domains), hparams["batch_size"]))
+        + ".", file=sys.stderr)
   state = sharder.replicate(TrainState(
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
+  augment = augmentation.training_augmentation(dataset, hparams)
   train_iter = input_pipeline.make_train_iterator(
-      dataset, train_domains, splits, batch_size=hparams["batch_size"],
-      seed=config.seed, domains_per_step=domains_per_step)
+      dataset if augment is None else augment.dataset, train_domains, splits,
+      batch_size=hparams["batch_size"], seed=config.seed,
+      num_workers=config.num_workers, domains_per_step=domains_per_step,
+      transform=None if augment is None else augment.transform)
+  images_per_step = hparams["batch_size"] * (
+      domains_per_step or len(train_domains))
 
-  output_dir = Path(config.output_dir)
-  results_path = output_dir / RESULTS_FILE
-  # A fresh run creates its directory at its first evaluation, so a run that
-  # fails before then leaves nothing behind.
-  manager = _checkpoint_manager(output_dir) if resume else None
-  start = manager.latest_step() if resume else None
   if start is not None:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     # Restores the iterator in place and returns the train state.
@@ -445,12 +529,18 @@ def train(config: config_lib.Config) -> Record:
         state=ocp.args.StandardRestore(abstract),
         data=grain.checkpoint.CheckpointRestore(train_iter))).state
     print(f"Resuming from step {start}.", file=sys.stderr)
-  record = restore_results(results_path, start or 0)
+  written = []  # The run's records so far.
+  if run is not None:
+    # What a killed run left after the checkpoint goes; it is computed again.
+    for message in records.keep_checkpointed(run):
+      print(message, file=sys.stderr)
+    written = run.checkpointed
+  record = written[-1] if written else None
 
   # Stream 1 of the seed; the model's initialisation uses nnx.Rngs(seed).
-  train_step = make_train_step(
-      algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1))
-  eval_step = make_eval_step(network)
+  train_step = sharder.on_mesh(make_train_step(
+      algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)))
+  eval_step = sharder.on_mesh(make_eval_step(network, algorithm.predict))
   sets = eval_sets(splits, config)
   steps_per_epoch = min(len(splits[d][0]) for d in train_domains) / (
       hparams["batch_size"])
@@ -460,19 +550,27 @@ def train(config: config_lib.Config) -> Record:
         hparams["batch_size"] * domains_per_step)
   meter = MetricMeter()
   step = int(state.step)
-  trajectory_dir = output_dir / TRAJECTORY_DIR
   if config.trajectory_freq and step == 0:
-    save_trajectory_point(trajectory_dir, 0, state.params)
+    save_trajectory_point(output_dir, 0, state.params)
+  postfix = {}
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
-                 dynamic_ncols=True) as bar:
+                 dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
+                     lambda: manager):
     interval_start = time.time()
-    while step < config.steps and not stops_at(config, results_path, step):
-      state, metrics = train_step(state, sharder.batch(next(train_iter), 1))
+    data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
+    while step < config.steps and not stops_at(config, written, step):
+      wait_start = time.time()
+      batch = next(train_iter)
+      data_wait += time.time() - wait_start
+      state, metrics = train_step(state, sharder.batch(batch, 1))
       meter.add(metrics)
       step += 1
       bar.update()
+      if bar.format_dict["rate"]:  # Steps per second, smoothed by tqdm.
+        postfix["images/s"] = f"{images_per_step * bar.format_dict['rate']:.0f}"
+        bar.set_postfix(postfix, refresh=False)
       if config.trajectory_freq and step % config.trajectory_freq == 0:
-        save_trajectory_point(trajectory_dir, step, state.params)
+        save_trajectory_point(output_dir, step, state.params)
       if step % config.checkpoint_freq and step != config.steps:
         continue
       jax.block_until_ready(state)
@@ -481,29 +579,36 @@ def train(config: config_lib.Config) -> Record:
         _start_run_directory(requested, hparams)
         manager = _checkpoint_manager(output_dir)
       record = {
-          "args": dataclasses.asdict(config), "hparams": hparams,
+          "args": config.record_args(), "hparams": hparams,
           "domains": list(dataset.domain_names), "step": step, "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
-          **evaluate(eval_step, state, dataset, sets, config, sharder)}
-      with results_path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+          "data_wait_time": data_wait / meter.count,
+          **evaluate(eval_step, state, dataset, sets, config, sharder,
+                     augment)}
+      # The previous checkpoint is complete before the next record, so a
+      # killed run leaves at most one record after its last checkpoint.
+      manager.wait_until_finished()
+      records.append_record(output_dir, record)
+      written.append(record)
       manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=grain.checkpoint.CheckpointSave(train_iter)))
       held_out = [held_out_metric(record, t) for t in config.test_envs]
-      bar.set_postfix(loss=f"{record['loss']:.4f}",
-                      held_out=f"{np.mean(held_out):.4f}")
+      postfix.update(loss=f"{record['loss']:.4f}",
+                     held_out=f"{np.mean(held_out):.4f}")
+      bar.set_postfix(postfix)
       meter = MetricMeter()
       interval_start = time.time()
+      data_wait = 0.0
+  train_iter.close()  # Stops its workers, freeing the batches read ahead.
   manager.wait_until_finished()
   manager.close()
-  save_params(output_dir / FINAL_PARAMS_FILE, state)
-  (output_dir / DONE_FILE).touch()
+  save_params(output_dir / records.FINAL_PARAMS_FILE, state)
+  # Done only on records that check, whatever touched them meanwhile.
+  _checked_run(output_dir)
+  records.mark_done(output_dir)
   if step < config.steps:
     print(f"Stopped at step {step} of at most {config.steps}: plateaued "
           "(--plateau_check_freq).", file=sys.stderr)
-  metric = ("accuracy" if f"env{config.test_envs[0]}_in_acc" in record
-            else "Pearson's r")
-  print(f"Held-out {metric} after {step} steps: "
-        f"{_held_out_summary(record, dataset, config.test_envs)}")
+  print(final_line(record, output_dir))
   return record

@@ -2,14 +2,15 @@
 
 Koh et al. (ICML 2021) define both datasets' splits, domains and evaluation
 groups in the ``wilds`` package (``wilds/datasets/poverty_dataset.py`` and
-``fmow_dataset.py``, v1.1). This module reads the files that package downloads
-and follows the same definitions without importing it (it needs PyTorch)::
+``fmow_dataset.py``; followed here at 2.0.0, which downloads the datasets'
+v1.1). This module reads the files that package downloads and follows the
+same definitions without importing it (it needs PyTorch)::
 
     <data_dir>/poverty_v1.1/dhs_metadata.csv          # one row per image
     <data_dir>/poverty_v1.1/images/landsat_poverty_img_<row>.npz  # "x": (8, H, W)
     <data_dir>/fmow_v1.1/rgb_metadata.csv             # one row per image
     <data_dir>/fmow_v1.1/country_code_mapping.csv     # alpha-3 -> region
-    <data_dir>/fmow_v1.1/images/rgb_img_<i>.png  # i: the row among non-"seq" rows
+    <data_dir>/fmow_v1.1/images/rgb_img_<row>.png     # "seq" rows too
 
 A `WildsDataset` is a `MultiDomainDataset` whose domains are the training
 domains (PovertyMap: the fold's training countries; FMoW: the years of the
@@ -24,8 +25,11 @@ Normalisation, as WILDS: PovertyMap's arrays are stored already normalised per
 band (WILDS's ``_MEANS_2009_17`` / ``_STD_DEVS_2009_17``) and are used as they
 are; FMoW's RGB images are scaled to [0, 1] and normalised with the ImageNet
 mean and standard deviation (WILDS's ``image_base`` transform). Neither is
-resized. WILDS's training-time augmentation of PovertyMap (flips and colour
-jitter) is not applied.
+resized. The domains serve the images untransformed, for evaluation and
+training alike; a dataset's ``train_transform`` is WILDS's training
+augmentation, for the training batches only: PovertyMap's flips and colour
+jitter (`wilds_augmentation`), none for FMoW, as in WILDS. docs/wilds.md
+lists the WILDS lines each rule follows.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numpy as np
 from PIL import Image
 
 from experiments import datasets
+from experiments import wilds_augmentation
 
 POVERTY_DIR = "poverty_v1.1"
 FMOW_DIR = "fmow_v1.1"
@@ -125,11 +130,17 @@ class WildsDataset(datasets.MultiDomainDataset):
     group_names: the names of the evaluation groups of ``"group"``.
     epochs: the paper's training length in epochs of the training split
       (PovertyMap 200, FMoW 10).
+    train_transform: WILDS's training augmentation of one example,
+      ``(example, rng) -> example`` with ``rng`` a NumPy Generator seeded
+      per (seed, step, example); ``None`` where WILDS augments nothing.
+      The domains never apply it: only training batches go through it.
   """
 
   num_train_domains: int
   group_names: tuple[str, ...]
   epochs: int
+  train_transform: Callable[[datasets.Element, np.random.Generator],
+                            datasets.Element] | None = None
 
   @property
   def test_envs(self) -> tuple[int, ...]:
@@ -192,7 +203,7 @@ def _dataset_root(name: str, folder: str, wilds_name: str,
 
 
 def _make_dataset(name, load, splits, train_domains, labels, groups, *,
-                  num_classes, group_names, epochs):
+                  num_classes, group_names, epochs, train_transform=None):
   """Builds a `WildsDataset` from row indices of every domain and split."""
   if not train_domains:
     raise ValueError(f"{name} has no training examples: every row is in an "
@@ -210,6 +221,7 @@ def _make_dataset(name, load, splits, train_domains, labels, groups, *,
       num_train_domains=len(train_domains),
       group_names=group_names,
       epochs=epochs,
+      train_transform=train_transform,
   )
 
 
@@ -255,7 +267,8 @@ def poverty_map(
   """PovertyMap (WILDS v1.1): asset wealth regression, 8-band images.
 
   Training domains are the fold's training countries; labels are the float32
-  ``wealthpooled`` index; groups are rural (0) and urban (1).
+  ``wealthpooled`` index; groups are rural (0) and urban (1). Its
+  ``train_transform`` is `wilds_augmentation.augment_poverty`.
 
   Args:
     data_dir: the folder holding ``poverty_v1.1``; ``None`` means ``./data``.
@@ -299,11 +312,19 @@ def poverty_map(
                    for c in POVERTY_FOLDS[fold][0]
                    if np.any(train_countries == c)}
   return _make_dataset(name, load, splits, train_domains, labels, groups,
-                       num_classes=1, group_names=POVERTY_GROUPS, epochs=200)
+                       num_classes=1, group_names=POVERTY_GROUPS, epochs=200,
+                       train_transform=wilds_augmentation.augment_poverty)
 
 
 def _timestamp_year(timestamp: str) -> int:
-  return datetime.datetime.fromisoformat(timestamp).year
+  """The UTC year of an ISO 8601 timestamp, as WILDS compares timestamps
+  with UTC New Year (``fmow_dataset.py``, ``time_after_{year}``)."""
+  # Python 3.10's fromisoformat does not read the "Z" of UTC.
+  parsed = datetime.datetime.fromisoformat(
+      timestamp[:-1] + "+00:00" if timestamp.endswith("Z") else timestamp)
+  if parsed.tzinfo is not None:
+    parsed = parsed.astimezone(datetime.timezone.utc)
+  return parsed.year
 
 
 def fmow_splits(
@@ -340,7 +361,8 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
 
   Training domains are the years of the training split (2002 to 2012);
   groups are the regions of `FMOW_REGIONS`, by WILDS's country-to-region
-  table, and -1 for a country it maps to no region ("Other").
+  table, and -1 for a country it maps to no region ("Other"). It has no
+  ``train_transform``: WILDS trains FMoW on its images as they are.
 
   Args:
     data_dir: the folder holding ``fmow_v1.1``; ``None`` means ``./data``.
@@ -373,12 +395,12 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
   years = np.array([_timestamp_year(row["timestamp"]) for row in metadata])
   split_column = np.array([row["split"] for row in metadata])
   splits = fmow_splits(split_column, years)
-  # WILDS drops the sequestered ("seq") rows and numbers the image files by
-  # the position of a row among the rest.
-  image_number = np.cumsum(split_column != "seq") - 1
 
   def load(row: int) -> np.ndarray:
-    path = root / "images" / f"rgb_img_{image_number[row]}.png"
+    # Image files are numbered by metadata row, sequestered ("seq") rows
+    # included: WILDS reads rgb_img_<full_idxs[idx]>.png, full_idxs the rows
+    # that are not "seq".
+    path = root / "images" / f"rgb_img_{row}.png"
     try:
       with Image.open(path) as image:
         pixels = np.asarray(image.convert("RGB"), np.float32) / 255.0

@@ -3,6 +3,7 @@
 from pgrad_jax._src.layout import TrajectoryLayout
 from pgrad_jax._src.principal import principal_gradient
 from pgrad_jax._src.principal import PrincipalGradient
+from pgrad_jax._src.principal import PrincipalOptions
 from pgrad_jax._src.rollout import domain_schedule
 from pgrad_jax._src.rollout import Rollout
 from pgrad_jax._src.rollout import rollout
@@ -12,6 +13,7 @@ from pgrad_jax._src.transform import fish
 from pgrad_jax._src.transform import FishState
 from pgrad_jax._src.transform import pgrad
 from pgrad_jax._src.transform import PGradState
+from pgrad_jax._src.transform import with_model_state
 
 __version__ = "0.1.0"
 
@@ -24,8 +26,10 @@ __all__ = (
     "PGradState",
     "principal_gradient",
     "PrincipalGradient",
+    "PrincipalOptions",
     "rollout",
     "Rollout",
     "RolloutOptions",
     "TrajectoryLayout",
+    "with_model_state",
 )

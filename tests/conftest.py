@@ -47,10 +47,12 @@ def pytest_configure(config):
     compile each once. It is removed when the run ends; a cache the caller
     set is used as it is.
   * `FAST_COMPILE_XLA_FLAGS`, where this XLA knows them, before the
-    caller's own ``XLA_FLAGS`` (so that the caller's win).
+    caller's own ``XLA_FLAGS`` (so that the caller's win, e.g.
+    ``--xla_cpu_max_isa=AVX2`` to compile as for a CPU without AVX-512).
 
   Both are set before the workers start, so they and every subprocess
-  inherit them.
+  inherit them (the tests that start subprocesses pass ``os.environ`` on,
+  changing only the device count).
   """
   if hasattr(config, "workerinput"):
     return

@@ -1,8 +1,9 @@
-"""An independent float64 NumPy implementation of PGrad, for the tests.
+"""Independent float64 NumPy implementations, for the tests.
 
-It works on the flattened parameter vector and forms the d x d covariance
+PGrad works on the flattened parameter vector and forms the d x d covariance
 directly, so agreeing with it checks both the rollout and the Gram-matrix
-bijection of the library.
+bijection of the library. DomainBed's algorithms (second part) follow its
+PyTorch code line by line on models small enough for central differences.
 """
 
 import numpy as np
@@ -104,3 +105,277 @@ def principal_gradient(points, k, weighting="l2", calibrate_length=True,
   norm = {"l2": np.linalg.norm(lam), "l1": lam.sum(), "raw": 1.0}[weighting]
   direction = vecs @ (lam / norm)
   return direction * np.linalg.norm(r) if calibrate_length else direction
+
+
+# ----------------------------------------------------------------------------
+# DomainBed's algorithms (facebookresearch/DomainBed at b93c22a1), float64,
+# on small models whose parameters are lists of arrays. Gradients that are
+# not written out by hand are central differences, independent of autodiff.
+
+
+def softmax(logits):
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def cross_entropy(logits, labels):
+  """Mean cross-entropy of integer ``labels``."""
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  return -log_probs[np.arange(len(labels)), labels].mean()
+
+
+def linear_head_loss_grad(theta, images, labels, num_classes):
+  """Mean cross-entropy of a linear head on the pixels, and its gradient.
+
+  ``theta`` is ``[kernel (F, C), bias (C,)]``; returns ``(loss, [d kernel,
+  d bias])``.
+  """
+  kernel, bias = theta
+  features = np.asarray(images, np.float64).reshape(len(labels), -1)
+  logits = features @ kernel + bias
+  residual = (softmax(logits) - np.eye(num_classes)[labels]) / len(labels)
+  return (cross_entropy(logits, labels),
+          [features.T @ residual, residual.sum(0)])
+
+
+def numerical_grad(fn, arrays, step=1e-6):
+  """Central differences of scalar ``fn(arrays)`` w.r.t. every entry.
+
+  Their error, of order ``step**2`` times the third derivative plus ``1e-16
+  / step`` times the loss, is about 1e-10 for the O(1) smooth losses here.
+  """
+  grads = []
+  for i, array in enumerate(arrays):
+    grad = np.zeros_like(array)
+    for index in np.ndindex(array.shape):
+      shifted = [a.copy() for a in arrays]
+      shifted[i][index] = array[index] + step
+      up = fn(shifted)
+      shifted[i][index] = array[index] - step
+      grad[index] = (up - fn(shifted)) / (2 * step)
+    grads.append(grad)
+  return grads
+
+
+class TorchAdam:
+  """``torch.optim.Adam(lr, betas=(b1, b2), weight_decay=wd)`` on a list.
+
+  PyTorch adds ``wd * param`` to the gradient before the moments.
+  """
+
+  def __init__(self, lr, wd, theta, b1=0.9, b2=0.999):
+    self.lr, self.wd, self.b1, self.b2, self.count = lr, wd, b1, b2, 0
+    self.mu = [np.zeros_like(t) for t in theta]
+    self.nu = [np.zeros_like(t) for t in theta]
+
+  def step(self, theta, grads):
+    self.count += 1
+    new = []
+    for i, (t, g) in enumerate(zip(theta, grads)):
+      g = g + self.wd * t
+      self.mu[i] = self.b1 * self.mu[i] + (1 - self.b1) * g
+      self.nu[i] = self.b2 * self.nu[i] + (1 - self.b2) * g**2
+      mu_hat = self.mu[i] / (1 - self.b1**self.count)
+      nu_hat = self.nu[i] / (1 - self.b2**self.count)
+      new.append(t - self.lr * mu_hat / (np.sqrt(nu_hat) + 1e-8))
+    return new
+
+
+def mmd_penalty(features, gammas=(0.001, 0.01, 0.1, 1, 10, 100, 1000)):
+  """``AbstractMMD``'s Gaussian ``mmd`` averaged over pairs of domains."""
+  def kernel(x, y):
+    distances = ((x**2).sum(1)[:, None] + (y**2).sum(1)[None]
+                 - 2 * x @ y.T).clip(min=1e-30)
+    return sum(np.exp(-g * distances) for g in gammas)
+
+  features = np.asarray(features, np.float64)
+  pairs = [(i, j) for i in range(len(features))
+           for j in range(i + 1, len(features))]
+  return np.mean([kernel(features[i], features[i]).mean()
+                  + kernel(features[j], features[j]).mean()
+                  - 2 * kernel(features[i], features[j]).mean()
+                  for i, j in pairs])
+
+
+def group_dro(theta, batch_list, lr, wd, eta, num_classes):
+  """``GroupDRO.update`` over several steps; returns ``(theta, q, losses)``."""
+  adam = TorchAdam(lr, wd, theta)
+  q, losses = None, []
+  for batches in batch_list:
+    terms = [linear_head_loss_grad(theta, x, y, num_classes)
+             for x, y in zip(batches["image"], batches["label"])]
+    domain_losses = np.array([loss for loss, _ in terms])
+    q = np.ones(len(terms)) if q is None else q
+    q = q * np.exp(eta * domain_losses)
+    q = q / q.sum()
+    grads = [sum(w * grads[k] for w, (_, grads) in zip(q, terms))
+             for k in range(len(theta))]
+    theta = adam.step(theta, grads)
+    losses.append(domain_losses @ q)
+  return theta, q, losses
+
+
+def split_meta_train_test(perm, num_meta_test):
+  """DomainBed's ``lib/misc.py`` pairing, given its permutation."""
+  meta_train = perm[:len(perm) - num_meta_test]
+  meta_test = perm[-num_meta_test:]
+  return [(i, meta_test[k % num_meta_test]) for k, i in enumerate(meta_train)]
+
+
+def random_pairs_of_minibatches(perm):
+  """DomainBed's ``lib/misc.py`` pairing, given its permutation."""
+  return [(perm[i], perm[(i + 1) % len(perm)]) for i in range(len(perm))]
+
+
+def mldg(theta, batch_list, pairs_list, lr, wd, beta, num_classes):
+  """``MLDG.update`` (first order) over several steps, with given pairs.
+
+  Returns ``(theta, objectives)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  objectives = []
+  for batches, pairs in zip(batch_list, pairs_list):
+    n = len(batches["label"])
+    grads = [np.zeros_like(t) for t in theta]
+    objective = 0.0
+    for i, j in pairs:
+      loss_i, grads_i = linear_head_loss_grad(
+          theta, batches["image"][i], batches["label"][i], num_classes)
+      inner = TorchAdam(lr, wd, theta).step(theta, grads_i)
+      loss_j, grads_j = linear_head_loss_grad(
+          inner, batches["image"][j], batches["label"][j], num_classes)
+      grads = [g + gi / n + beta * gj / n
+               for g, gi, gj in zip(grads, grads_i, grads_j)]
+      objective += loss_i + beta * loss_j
+    theta = adam.step(theta, grads)
+    objectives.append(objective / n)
+  return theta, objectives
+
+
+def dann_losses(generator, discriminator, images, labels, grad_penalty):
+  """``AbstractDANN.update``'s losses for a linear featurizer and head.
+
+  ``generator`` is ``[W_f, b_f, W_h, b_h]``; ``discriminator`` an MLP's
+  ``[W_1, b_1, ..., W_L, b_L]`` with ReLUs between. The gradient of the
+  discriminator's summed cross-entropy w.r.t. its input is backpropagated
+  by hand.
+
+  Returns:
+    ``(classifier loss, discriminator loss with penalty, penalty)``.
+  """
+  w_f, b_f, w_h, b_h = generator
+  n, b = labels.shape
+  x = np.asarray(images, np.float64).reshape(n * b, -1)
+  features = x @ w_f + b_f
+  nll = cross_entropy(features @ w_h + b_h, labels.reshape(-1))
+  domains = np.repeat(np.arange(n), b)
+  layers = list(zip(discriminator[::2], discriminator[1::2]))
+  activations, h = [], features
+  for k, (w, bias) in enumerate(layers):
+    a = h @ w + bias
+    activations.append(a)
+    h = np.maximum(a, 0) if k < len(layers) - 1 else a
+  grad = softmax(h) - np.eye(h.shape[1])[domains]
+  for k in range(len(layers) - 1, -1, -1):
+    if k < len(layers) - 1:
+      grad = grad * (activations[k] > 0)
+    grad = grad @ layers[k][0].T
+  penalty = (grad**2).sum(1).mean()
+  disc_loss = cross_entropy(h, domains) + grad_penalty * penalty
+  return nll, disc_loss, penalty
+
+
+def dann(generator, discriminator, batch_list, hparams):
+  """``AbstractDANN.update`` over several steps; returns both networks."""
+  gen_adam = TorchAdam(hparams["lr_g"], hparams["weight_decay_g"], generator,
+                       hparams["beta1"], 0.9)
+  disc_adam = TorchAdam(hparams["lr_d"], hparams["weight_decay_d"],
+                        discriminator, hparams["beta1"], 0.9)
+  d_steps, weight = hparams["d_steps_per_g_step"], hparams["lambda"]
+  for count, batches in enumerate(batch_list, start=1):
+    losses = lambda gen, disc: dann_losses(
+        gen, disc, batches["image"], np.asarray(batches["label"]),
+        hparams["grad_penalty"])
+    if count % (1 + d_steps) < d_steps:
+      grads = numerical_grad(lambda d: losses(generator, d)[1], discriminator)
+      discriminator = disc_adam.step(discriminator, grads)
+    else:
+      grads = numerical_grad(
+          lambda g: (lambda nll, disc_loss, _: nll - weight * disc_loss)(
+              *losses(g, discriminator)), generator)
+      generator = gen_adam.step(generator, grads)
+  return generator, discriminator
+
+
+def conv_same(x, kernel, bias):
+  """A stride-1 convolution padded to keep the size: ``x (N, H, W, I)``,
+  ``kernel (K, K, I, O)``."""
+  size = kernel.shape[0]
+  pad = size // 2
+  padded = np.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+  h, w = x.shape[1:3]
+  out = np.zeros(x.shape[:3] + (kernel.shape[-1],))
+  for dy in range(size):
+    for dx in range(size):
+      out += padded[:, dy:dy + h, dx:dx + w] @ kernel[dy, dx]
+  return out + bias
+
+
+def context_maps(context_net, x, running, train):
+  """DomainBed's ``ContextNet`` forward; ``context_net`` is ``[(kernel,
+  bias, scale, shift) x 2, (kernel, bias)]``, ``running`` the two
+  BatchNorms' ``[mean, var]``, updated in train mode (momentum 0.1, with
+  the biased batch variance as Flax's BatchNorm)."""
+  h = np.asarray(x, np.float64)
+  for k, (kernel, bias, scale, shift) in enumerate(context_net[:2]):
+    h = conv_same(h, kernel, bias)
+    if train:
+      mean, var = h.mean((0, 1, 2)), h.var((0, 1, 2))
+      running[k] = [0.9 * running[k][0] + 0.1 * mean,
+                    0.9 * running[k][1] + 0.1 * var]
+    else:
+      mean, var = running[k]
+    h = np.maximum((h - mean) / np.sqrt(var + 1e-5) * scale + shift, 0)
+  return conv_same(h, *context_net[2])
+
+
+def arm_contexts(maps, support_size, loader_batch):
+  """``ARM.predict``'s contexts over loader batches of ``loader_batch``."""
+  contexts = []
+  for start in range(0, len(maps), loader_batch):
+    batch = maps[start:start + loader_batch]
+    size = support_size if len(batch) % support_size == 0 else len(batch)
+    for first in range(0, len(batch), size):
+      group = batch[first:first + size]
+      contexts.append(np.repeat(group.mean(0, keepdims=True), len(group), 0))
+  return np.concatenate(contexts)
+
+
+def arm_logits(theta, context_net, running, images, support_size,
+               loader_batch, train):
+  """ARM's logits of a linear head on the pixels and the context channel."""
+  images = np.asarray(images, np.float64)
+  maps = context_maps(context_net, images, running, train)
+  inputs = np.concatenate(
+      [images, arm_contexts(maps, support_size, loader_batch)], axis=-1)
+  return inputs.reshape(len(images), -1) @ theta[0] + theta[1], inputs
+
+
+def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
+  """``ARM``'s ERM updates over several steps: the head alone trains.
+
+  Returns ``(theta, running)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  for batches in batch_list:
+    n, b = np.shape(batches["label"])
+    images = np.asarray(batches["image"]).reshape(
+        (n * b,) + np.shape(batches["image"])[2:])
+    labels = np.asarray(batches["label"]).reshape(-1)
+    _, inputs = arm_logits(theta, context_net, running, images, b, n * b,
+                           train=True)
+    _, grads = linear_head_loss_grad(theta, inputs, labels, num_classes)
+    theta = adam.step(theta, grads)
+  return theta, running

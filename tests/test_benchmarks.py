@@ -35,7 +35,9 @@ def test_step_time(tmp_path, capsys):
                                      "2", "--warmup", "0"], tmp_path)
   assert record["config"]["m"] == 5
   assert record["config"]["devices"] == 1
-  assert record["results"].keys() == {"erm", "rollout", "fish", "pgrad-B"}
+  assert record["results"].keys() == {"erm", "rollout", "fish", "pgrad-B",
+                                      "dann", "mldg"}
+  assert record["results"]["dann"]["unroll"] is None
   for result in record["results"].values():
     assert len(result["times_ms"]) == 2
     assert {"median_ms", "compile_ms", "ratio_to_rollout", "ratio_to_erm",
@@ -134,67 +136,30 @@ def test_memory_peak_stays_near_the_bound(memory_record):
   assert row["compiled"]["peak"] <= 1.1 * (row["bound_bytes"] + adam_state)
 
 
-@pytest.mark.slow
-def test_grad_accumulation_checks_its_gradients_and_times_every_variant(
+def test_input_pipeline_times_every_configuration_and_feeds_the_h100(
     tmp_path):
-  from benchmarks import grad_accumulation
-  out = tmp_path / "accumulation.json"
-  assert grad_accumulation.main(
-      ["--image-sizes", "8", "--widths", "8", "--domains", "2", "--batch", "6",
-       "--micro-batches", "3", "--repeats", "1", "--out", str(out)]) == 0
-  (result,) = json.loads(out.read_text())["results"]
-  assert result["median_seconds"].keys() == {
-      "full", "accumulate3", "rolled3", "pgrad_b"}
-  assert all(t > 0 for t in result["median_seconds"].values())
-
-
-def test_accumulated_erm_gradient_is_the_full_batch_gradient():
-  import numpy as np
-  from flax import nnx
-  from benchmarks import grad_accumulation
-  from experiments import algorithms, models
-  model = models.build_model("mnist_cnn", num_classes=10,
-                             input_shape=(8, 8, 1), rngs=nnx.Rngs(0),
-                             widths=(8, 8, 8, 8))
-  network, params, stats = algorithms.Network.split(model)
-  rng = np.random.default_rng(0)
-  batch = algorithms.merge_domains(algorithms.with_example_keys(
-      common.digit_batches(rng, 2, 6, 8), jax.random.key(0)))
-  grads = {}
-  for micro, unroll in ((None, True), (4, True), (3, False)):
-    step, init = grad_accumulation.erm_step(network, micro, unroll)
-    grads[micro] = step(params, stats, init(params), batch)[2]
-  for micro in (4, 3):
-    for got, want in zip(jax.tree.leaves(grads[micro]),
-                         jax.tree.leaves(grads[None])):
-      np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
-
-
-def test_vmap_trials_checks_every_trial_and_times_both_variants(tmp_path):
-  from benchmarks import vmap_trials
-  record = run_json(vmap_trials.main,
-                    ["--algorithms", "ERM", "--trials", "2", "--domains", "2",
-                     "--batch", "3", "--repeats", "1"], tmp_path)
-  (result,) = record["results"]
-  assert result["algorithm"] == "ERM"
-  assert result["timings"].keys() == {"separate", "vmapped"}
-  for timing in result["timings"].values():
-    assert timing["compile_ms"] > 0 and len(timing["times_ms"]) == 1
-
-
-def test_vmap_trials_check_catches_another_trials_step():
-  import numpy as np
-  from benchmarks import vmap_trials
-  params = {"w": np.zeros(3, np.float32)}
-  step = ({"w": np.array([1e-3, 0, 0], np.float32)}, None, None,
-          {"loss": np.float32(2.3)})
-  vmap_trials.check_same_step(params, step, step)
-  other_params = ({"w": np.array([0, 1e-3, 0], np.float32)}, *step[1:])
-  with pytest.raises(AssertionError, match="vmapped params differ"):
-    vmap_trials.check_same_step(params, step, other_params)
-  other_loss = (step[0], None, None, {"loss": np.float32(2.2)})
-  with pytest.raises(AssertionError, match="loss"):
-    vmap_trials.check_same_step(params, step, other_loss)
-  for flags in (["--trials", "0"], ["--width", "12"]):
-    with pytest.raises(SystemExit):
-      vmap_trials.parse_args(flags)
+  from benchmarks import input_pipeline
+  record = run_json(input_pipeline.main, [
+      "--per-class", "1", "--size", "40", "--batch", "2", "--workers", "1",
+      "--batches", "1", "--repeats", "1"], tmp_path)
+  results = record["results"]
+  assert {(r["backend"], r["workers"], r["augment"]) for r in results} == {
+      (backend, 1, augment) for backend in ("threads", "processes")
+      for augment in (False, True)}
+  for result in results:
+    assert result["median_images_per_s"] > 0
+    assert (result["median_cpu_ms_per_image"] is None) == (
+        result["backend"] == "processes")
+  (one,) = [r for r in results if r["backend"] == "threads"
+            and r["workers"] == 1 and r["augment"]]
+  per_core = 1000 / one["median_cpu_ms_per_image"]
+  accelerator = record["accelerator"]
+  assert accelerator["images_per_s_per_core"] == per_core
+  steps = json.loads((input_pipeline.REPO / input_pipeline.STEP_TIMES)
+                     .read_text())["results"]
+  for name, key in (("ERM", "erm"), ("PGrad-B", "pgrad-B")):
+    need = accelerator["algorithms"][name]
+    # 3 domains x 33 images per step on the H100.
+    assert need["images_per_s"] == pytest.approx(
+        99_000 / steps[key]["median_ms"])
+    assert need["cores"] == -(-need["images_per_s"] // per_core)

@@ -36,6 +36,14 @@ def test_facts_name_registered_things():
     assert bool(entry.variant_of) == bool(entry.fixed_hparams), name
 
 
+def test_algorithms_model_options_are_build_model_arguments():
+  from experiments import models  # pylint: disable=g-import-not-at-top
+  arguments = inspect.signature(models.build_model).parameters
+  for name, entry in catalog.ALGORITHMS.items():
+    assert set(entry.model_options) <= set(arguments), name
+  assert catalog.ALGORITHMS["ARM"].model_options == {"context_net": True}
+
+
 def test_model_options_follow_the_hparams():
   cnn = catalog.MODELS["mnist_cnn"].hparams_options
   assert cnn({"cnn_width": 16}) == {"widths": (16, 32, 32, 32)}

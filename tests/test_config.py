@@ -8,6 +8,7 @@ compilation cache (conftest.py).
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments import datasets
 from experiments import hparams_registry
+from experiments import records
 from experiments import sweep
 from experiments import train
 from experiments import training
@@ -33,7 +35,8 @@ def test_every_config_field_is_a_flag():
            "model": "resnet18", "pretrained": "w.npz",
            "init_params": "p.npz", "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
-           "trajectory_freq": 11, "plateau_check_freq": 12}
+           "trajectory_freq": 11, "plateau_check_freq": 12, "devices": 1,
+           "num_workers": 2}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
   argv = []
   for name, value in flags.items():
@@ -101,7 +104,7 @@ def _printed_accuracy(result, domain, env_index):
   last = result.stdout.strip().splitlines()[-1]
   label = f"{domain} (env{env_index}) "
   assert label in last, last
-  return float(last.split(label)[1].split(",")[0])
+  return float(re.match(r"\d\.\d{4}", last.split(label)[1]).group())
 
 
 def _final_record(output_dir):
@@ -140,9 +143,9 @@ def test_commands_in_one_directory_never_print_an_old_result(tmp_path):
   assert _printed_accuracy(fish, "-90%", 2) == round(record["env2_in_acc"], 4)
   assert len(list((tmp_path / "runs").iterdir())) == 3
 
-  # The same command again resumes its own finished run.
+  # The same command again finds its own finished run and prints its result.
   again = _train_in(tmp_path, *TINY, "--test_envs", "1")
-  assert "Resuming from step 2" in again.stderr
+  assert "Already finished." in again.stderr
   assert again.stdout == second.stdout
 
   # Another configuration in an existing run's directory is refused before
@@ -255,7 +258,7 @@ def test_help_lists_the_registries_and_list_hparams_prints_them(capsys):
 def _write_run_config(output_dir, flags):
   config = config_lib.parse_args([*flags, "--output_dir", str(output_dir)])
   output_dir.mkdir(parents=True)
-  (output_dir / config_lib.CONFIG_FILE).write_text(json.dumps(
+  (output_dir / records.CONFIG_FILE).write_text(json.dumps(
       config_lib.run_record(config, config.hyperparameters())))
 
 
@@ -273,7 +276,7 @@ def test_a_directory_of_another_configuration_is_refused(
     err = capsys.readouterr().err
     assert expected in err, err
     assert "another --output_dir" in err and "--overwrite" in err
-  assert [p.name for p in run.iterdir()] == [config_lib.CONFIG_FILE]
+  assert [p.name for p in run.iterdir()] == [records.CONFIG_FILE]
   # The same configuration (wherever its data is) resumes.
   config = config_lib.parse_args(["--seed", "3", "--output_dir", str(run),
                                   "--data_dir", "elsewhere"])
@@ -286,6 +289,12 @@ def test_a_directory_of_another_configuration_is_refused(
   assert train.main(["--output_dir", str(legacy)]) == 2
   assert "results.jsonl but no config.json" in capsys.readouterr().err
   assert (legacy / "results.jsonl").exists()
+
+  # A config file that is not JSON: a damaged run of unknown configuration.
+  (legacy / "config.json").write_text('{"args": {"se')
+  assert train.main(["--output_dir", str(legacy)]) == 2
+  err = capsys.readouterr().err
+  assert f"{legacy / 'config.json'} is not JSON" in err and "--overwrite" in err
 
 
 def test_default_output_dir_is_one_per_configuration():
@@ -331,14 +340,14 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
           {"in": np.arange(3), "out": np.arange(3, 5)}]
   shapes = []
 
-  def eval_step(params, stats, images, labels):
+  def eval_step(params, stats, images, labels, count):
     shapes.append(images.shape[0])
     value = images[:, 0, 0, 0]
     # Correct exactly when the image's value is even.
     return np.where(value % 2 == 0, labels, 1 - labels), value
 
   state = training.TrainState(0, None, None, None)
-  config = config_lib.Config(loss_examples=4)
+  config = config_lib.Config(loss_examples=4, num_workers=0)
   results = training.evaluate(eval_step, state, dataset, sets, config,
                               training.Sharder())
   assert set(shapes) == {9}  # The largest split, not the flag's 256.
@@ -367,3 +376,38 @@ def test_overwrite_deletes_the_run_files_only(tmp_path):
 def test_negative_trajectory_freq_is_rejected():
   with pytest.raises(ValueError, match="trajectory_freq"):
     config_lib.Config(trajectory_freq=-1).resolve()
+
+
+@pytest.mark.parametrize("flags, message", [
+    # The default PGrad-B batch, 63 per domain in 3 chunks: 12 must divide.
+    (["--devices", "4"],
+     "--devices 4: PGrad-B's batch of 63 examples per domain in B = 3 chunks "
+     "does not split over 4 devices: it must be a multiple of 12 (B x "
+     """devices). Pass --hparams '{"batch_size": 60}' or 72, or --devices 1 """
+     "or 3."),
+    (["--algorithm", "Fish", "--devices", "3", "--hparams",
+      '{"batch_size": 8}'],
+     "Fish's batch of 8 examples per domain does not split over 3 devices: "
+     """it must be a multiple of 3. Pass --hparams '{"batch_size": 6}' or 9, """
+     "or --devices 1 or 2."),
+    (["--algorithm", "ERM", "--devices", "2"],
+     "--devices 2: ERM's update pools or re-slices the domains' batches, "
+     "which a data axis cannot split; train it with --devices 1."),
+    (["--devices", "0"], "--devices must be a positive integer, got 0."),
+])
+def test_devices_that_cannot_split_the_batch_are_usage_errors(
+    capsys, flags, message):
+  with pytest.raises(SystemExit) as exited:
+    config_lib.parse_args(flags)
+  assert exited.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_devices_stay_out_of_the_identity_and_the_records():
+  one, four = (config_lib.parse_args(["--devices", devices, "--hparams",
+                                      '{"batch_size": 60}'])
+               for devices in ("1", "4"))
+  assert one.output_dir == four.output_dir
+  assert one.identity() == four.identity()
+  assert "devices" not in four.record_args()
+  assert four.record_args() == one.record_args()

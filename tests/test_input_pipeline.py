@@ -96,7 +96,7 @@ def test_train_batches_are_a_function_of_seed_and_step(dataset, splits):
   batches = _take(_train_iter(dataset, splits), 8)
   _assert_same_batches(batches, _take(_train_iter(dataset, splits), 8))
   _assert_same_batches(
-      batches, _take(_train_iter(dataset, splits, num_threads=0), 8)
+      batches, _take(_train_iter(dataset, splits, num_workers=0), 8)
   )
   _assert_same_batches(
       batches[5:], _take(_train_iter(dataset, splits, start_step=5), 3)
@@ -182,7 +182,7 @@ def test_pipeline_on_rotated_digits():
 def test_train_batches_sample_domains_per_step(dataset, splits):
   def sampled(domains_per_step):
     return input_pipeline.make_train_iterator(
-        dataset, [0, 1, 2], splits, batch_size=5, seed=0, num_threads=0,
+        dataset, [0, 1, 2], splits, batch_size=5, seed=0, num_workers=0,
         domains_per_step=domains_per_step)
 
   iterator = sampled(2)
@@ -202,3 +202,72 @@ def test_train_batches_sample_domains_per_step(dataset, splits):
                                 next(sampled(2))["image"])
   with pytest.raises(ValueError, match="domains_per_step must be in"):
     sampled(4)
+
+
+def _draw_transform(example, rng):
+  """Replaces the image by one draw of ``rng``, keeping its code in [0]."""
+  image = np.array(example["image"])
+  image.flat[1:] = rng.random()
+  return {**example, "image": image}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_transform_draws_per_seed_step_domain_and_position(
+    dataset, splits, num_workers):
+  iterator = input_pipeline.make_train_iterator(
+      dataset, [0, 2], splits, batch_size=8, seed=5, start_step=3,
+      num_workers=num_workers, transform=_draw_transform)
+  for step in (3, 4):
+    batch = next(iterator)
+    for row, domain in enumerate([0, 2]):
+      codes = batch["image"][row, :, 0, 0, 0]
+      assert np.all(codes // 1000 == domain)  # The examples drawn, ...
+      for slot in range(8):
+        # ... each transformed with its own generator.
+        expected = np.random.default_rng(
+            [5, input_pipeline._TRANSFORM_STREAM, step, domain, slot]
+        ).random()
+        np.testing.assert_array_equal(
+            batch["image"][row, slot].flat[1:], np.float32(expected))
+  untransformed = next(input_pipeline.make_train_iterator(
+      dataset, [0, 2], splits, batch_size=8, seed=5, start_step=3))
+  np.testing.assert_array_equal(
+      untransformed["image"][..., 0, 0, 0],
+      next(input_pipeline.make_train_iterator(
+          dataset, [0, 2], splits, batch_size=8, seed=5, start_step=3,
+          num_workers=0, transform=_draw_transform))["image"][..., 0, 0, 0])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_eval_transform_draws_per_seed_step_domain_and_example(
+    dataset, splits, num_workers):
+  indices = splits[1][0][:7]
+  batches = list(input_pipeline.eval_batches(
+      dataset, 1, indices, batch_size=3, num_workers=num_workers,
+      transform=_draw_transform, seed=5, step=40))
+  images = np.concatenate([b["image"] for b in batches])
+  np.testing.assert_array_equal(images[:, 0, 0, 0], 1000 + indices)
+  for image, index in zip(images, indices):
+    expected = np.random.default_rng(
+        [5, input_pipeline._EVAL_TRANSFORM_STREAM, 40, 1, index]).random()
+    np.testing.assert_array_equal(image.flat[1:], np.float32(expected))
+
+
+def test_worker_processes_resume_from_a_state_on_any_number_of_workers(
+    dataset, splits):
+  # A transform makes the examples worth building in worker processes.
+  def iterator(num_workers):
+    return input_pipeline.make_train_iterator(
+        dataset, [0, 2], splits, batch_size=4, seed=0,
+        num_workers=num_workers, transform=_draw_transform)
+
+  reference = _take(iterator(0), 5)
+  workers = iterator(2)
+  _assert_same_batches(_take(workers, 3), reference[:3])
+  state = workers.get_state()
+  assert state == {"next_index": 3}
+  workers.close()
+  for num_workers in (0, 1):
+    fresh = iterator(num_workers)
+    fresh.set_state(state)
+    _assert_same_batches(_take(fresh, 2), reference[3:])

@@ -404,6 +404,20 @@ def test_load_pretrained_adapts_stem_channels(resnet18_npz, channels):
   assert model(_images(channels)).shape == (2, 5)
 
 
+def test_arm_resnet_stem_takes_the_red_filters_for_the_context(resnet18_npz):
+  # DomainBed's ARM on photos: a ResNet for 3 + 1 channels, whose pretrained
+  # stem is adapted as any other (networks.py lines 125-135).
+  state_dict, path = resnet18_npz
+  model = _build("resnet18", 3, context_net=True)
+  assert isinstance(model, models.ContextClassifier)
+  pretrained.load_pretrained(model, path)
+  rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
+  kernel = np.asarray(model.featurizer.conv1.kernel[...])
+  assert kernel.shape == (7, 7, 4, 64)
+  np.testing.assert_array_equal(kernel[:, :, 3], rgb[:, :, 0])
+  assert model(_images(3)).shape == (2, 5)
+
+
 def _featurizer_state(model):
   return nnx.to_pure_dict(
       nnx.state(model.featurizer, (nnx.Param, nnx.BatchStat))
@@ -503,3 +517,66 @@ def test_convert_cli_end_to_end(resnet18_npz, monkeypatch, tmp_path):
       model.featurizer.conv1.kernel[...],
       state_dict["conv1.weight"].transpose(2, 3, 1, 0),
   )
+
+
+@pytest.mark.parametrize("channels, size", [(1, 7), (3, 8)])
+def test_context_classifier_adds_a_context_channel(channels, size):
+  model = models.build_model("mnist_cnn", num_classes=5,
+                             input_shape=(size, size, channels),
+                             rngs=nnx.Rngs(0), widths=(16, 16, 16, 16),
+                             context_net=True)
+  assert model.featurizer.convs[0].in_features == channels + 1
+  x = jax.random.normal(jax.random.key(0), (4, size, size, channels))
+  maps = model.context_net(x)
+  assert maps.shape == (4, size, size, 1)  # 5x5 convs padded by 2.
+  # By default the whole batch is one support set.
+  context = jnp.broadcast_to(maps.mean(0), maps.shape)
+  np.testing.assert_allclose(model(x), model(x, context=context), rtol=1e-6)
+  # A context of its own per image changes the logits (of size 0.1).
+  assert np.abs(model(x) - model(x, context=maps)).max() > 1e-3
+  # The context network's BatchNorm learns statistics in train mode only:
+  # the passes above moved them from their start; eval-mode passes do not.
+  before = _batch_stats(model.context_net)
+  assert not _trees_equal(before, _batch_stats(
+      models.ContextNet(channels, rngs=nnx.Rngs(0))))
+  model.eval()
+  model(x)
+  assert _trees_equal(before, _batch_stats(model.context_net))
+
+
+def test_mlp_is_domainbeds():
+  mlp = models.MLP(6, 3, width=5, depth=3, rngs=nnx.Rngs(0))
+  weights = [(np.asarray(layer.kernel[...], np.float64),
+              np.asarray(layer.bias[...], np.float64)) for layer in mlp.layers]
+  assert [w.shape for w, _ in weights] == [(6, 5), (5, 5), (5, 3)]
+  for (kernel, bias), fan_in in zip(weights, (6, 5, 5)):
+    # PyTorch's U(-1/sqrt(fan_in), 1/sqrt(fan_in)), weights and biases.
+    for w in (kernel, bias):
+      assert np.abs(w).max() <= fan_in**-0.5 and np.abs(w).max() > 0
+  x = np.random.default_rng(0).normal(size=(4, 6))
+  h = x
+  for i, (kernel, bias) in enumerate(weights):
+    h = h @ kernel + bias
+    h = np.maximum(h, 0) if i < 2 else h
+  np.testing.assert_allclose(mlp(jnp.asarray(x, jnp.float32)), h,
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="depth is at least 2"):
+    models.MLP(6, 3, width=5, depth=1, rngs=nnx.Rngs(0))
+
+
+def test_mlp_dropout_draws_a_mask_per_layer_from_the_key():
+  # Every hidden layer as wide as the last: a mask shared by the layers
+  # would drop the same units in both.
+  mlp = models.MLP(5, 5, width=5, depth=3, dropout=0.5, rngs=nnx.Rngs(0))
+  for layer in mlp.layers:
+    layer.kernel[...] = jnp.eye(5)
+    layer.bias[...] = jnp.zeros(5)
+  x = jnp.ones((1, 5))
+  key = jax.random.key(0)
+  masks = [jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, (1, 5))
+           for i in range(2)]
+  assert not np.array_equal(*masks)
+  # Identity layers: the output is the input through both masks, scaled.
+  np.testing.assert_array_equal(mlp(x, rngs=key), 4.0 * masks[0] * masks[1])
+  mlp.eval()
+  np.testing.assert_array_equal(mlp(x), x)

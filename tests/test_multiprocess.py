@@ -33,7 +33,10 @@ DOMAINS, BATCH, B, K, STEPS = 3, 8, 2, 3, 2
 HIDDEN = 16
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT_S = 180
-TOLERANCE = 1e-5
+# The relative error against one device: at most 5.5e-8 under
+# --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512; the tolerance is 18 times
+# that, and the two steps move the params by over 100 times the tolerance.
+TOLERANCE = 1e-6
 
 
 def _problem():

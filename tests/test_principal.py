@@ -135,7 +135,7 @@ def test_principal_gradient_matches_numpy_oracle(layout):
     for parallel in (False, True):
       rolled = pgrad_jax.rollout(
           linear_loss, inner, params, inner.init(params), batches, domains,
-          chunks, pgrad_jax.RolloutOptions(num_chunks=3, parallel=parallel),
+          chunks, pgrad_jax.RolloutOptions(B=3, parallel=parallel),
           layout=layout)
       points, _ = oracle.trajectory(
           flat(params), np.asarray(batches["x"]), np.asarray(batches["y"]),
@@ -145,11 +145,14 @@ def test_principal_gradient_matches_numpy_oracle(layout):
           continue
         options = dict(options)
         k = options.pop("k", 2)
-        result = pgrad_jax.principal_gradient(rolled.displacements, k,
-                                              **options)
+        reference = options.pop("reference", "end")
+        result = pgrad_jax.principal_gradient(
+            rolled.displacements, k, pgrad_jax.PrincipalOptions(**options),
+            reference=reference)
         np.testing.assert_allclose(
             flat(result.update),
-            oracle.principal_gradient(points, k, **options),
+            oracle.principal_gradient(points, k, reference=reference,
+                                      **options),
             rtol=1e-9, atol=1e-12, err_msg=str(options))
       centred = points - points.mean(0)
       lam = np.sort(np.linalg.eigvalsh(centred @ centred.T))[::-1]
@@ -161,6 +164,7 @@ def test_gram_dtype_sets_the_eigh_precision():
   disp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
                       random_trajectory())
   with jax.enable_x64(True):
-    result = pgrad_jax.principal_gradient(disp, 2, dtype=jnp.float64)
+    result = pgrad_jax.principal_gradient(
+        disp, 2, pgrad_jax.PrincipalOptions(gram_dtype=jnp.float64))
   assert result.eigenvalues.dtype == jnp.float64
   assert result.update["conv"].dtype == jnp.float32

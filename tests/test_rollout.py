@@ -43,7 +43,7 @@ def test_trajectory_matches_plain_python_steps(layout):
     expected.append(np.asarray(theta["w"] - params["w"]))
   out = pgrad_jax.rollout(dense_loss, inner, params, inner.init(params),
                           batches, domains, chunks,
-                          pgrad_jax.RolloutOptions(num_chunks=2),
+                          pgrad_jax.RolloutOptions(B=2),
                           layout=layout)
   stored = out.displacements["w"]
   block = layout.interleave_block
@@ -76,7 +76,7 @@ def test_rollout_without_trajectory_keeps_the_end(unroll, parallel):
     return pgrad_jax.rollout(
         lambda p, b: dense_loss(p, b) + jnp.sum(p["b"] ** 2), inner, params,
         inner.init(params), batches, domains, chunks,
-        pgrad_jax.RolloutOptions(num_chunks=2, unroll=unroll,
+        pgrad_jax.RolloutOptions(B=2, unroll=unroll,
                                  parallel=parallel, store_trajectory=store))
 
   full, end = run(True), run(False)
@@ -107,7 +107,7 @@ def test_same_shaped_leaves_get_their_own_trajectory_buffers(layout):
                                                 "fixed")
     inner = optax.sgd(0.1)
     out = pgrad_jax.rollout(loss, inner, p, inner.init(p), batches, domains,
-                            chunks, pgrad_jax.RolloutOptions(num_chunks=2),
+                            chunks, pgrad_jax.RolloutOptions(B=2),
                             layout=layout)
     return pgrad_jax.principal_gradient(out.displacements, 2).update
 
@@ -121,8 +121,8 @@ def test_same_shaped_leaves_get_their_own_trajectory_buffers(layout):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(num_chunks=0), "B must be a positive integer"),
-    (dict(num_chunks=2.0), "B must be a positive integer"),
+    (dict(B=0), "B must be a positive integer"),
+    (dict(B=2.0), "B must be a positive integer"),
     (dict(unroll=0), "unroll must be a positive integer"),
 ])
 def test_options_reject_bad_values(kw, match):
@@ -131,8 +131,8 @@ def test_options_reject_bad_values(kw, match):
 
 
 def test_options_take_integral_values():
-  assert pgrad_jax.RolloutOptions(num_chunks=np.int64(3)).num_chunks == 3
-  assert type(pgrad_jax.RolloutOptions(num_chunks=np.int64(3)).num_chunks) is int
+  assert pgrad_jax.RolloutOptions(B=np.int64(3)).B == 3
+  assert type(pgrad_jax.RolloutOptions(B=np.int64(3)).B) is int
 
 
 # --- the domain schedule, directly and as the transform visits it ----------
@@ -148,13 +148,13 @@ def id_batches(n, b):
   return {"id": jnp.asarray(ids)}
 
 
-def visited(order, n=4, num_chunks=3, b=6, seed=0):
-  tx = pgrad_jax.pgrad(optax.sgd(0.1), B=num_chunks, order=order,
+def visited(order, n=4, B=3, b=6, seed=0):
+  tx = pgrad_jax.pgrad(optax.sgd(0.1), B=B, order=order,
                        num_domains=n, seed=seed)
   params = {"w": jnp.ones(2)}
   _, state = tx.update(None, tx.init(params), params, loss_fn=id_loss,
                        batches=id_batches(n, b))
-  c = b // num_chunks
+  c = b // B
   # Mean id of domain d's chunk i is d*b + i*c + (c-1)/2.
   means = np.asarray(state.losses) - (c - 1) / 2
   return [(int(v // b), int(v % b) // c) for v in np.round(means)]

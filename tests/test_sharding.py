@@ -214,6 +214,10 @@ def report(tmp_path_factory):
   return json.loads(out.read_text())
 
 
+# The relative errors against one device, under --xla_cpu_max_isa SSE4_2,
+# AVX, AVX2 and AVX-512: at most 1.1e-6 (shard_map, whose devices sum their
+# own rows' gradients before the all-reduce), at most 6.8e-7 for the others;
+# the tolerance is 9 times the largest.
 TOLERANCE = 1e-5
 
 

@@ -1,51 +1,22 @@
-"""Tests for experiments/study.py: the study's runs."""
+"""Tests for experiments/study.py: launching, listing, reproducing and
+lengthening a study."""
 
 import json
 
-from experiments import model_selection
+import pytest
+
+from experiments import records
 from experiments import study
 from experiments import sweep
-
-
-def test_study_runs_follow_the_protocol(tmp_path):
-  runs = study.study_runs(str(tmp_path))
-  envs = 6 + 3  # RotatedDigits and ColoredDigits, every domain held out.
-  main = envs * len(study.ALGORITHMS) * study.N_HPARAMS * study.N_TRIALS
-  # The ablations hold out domain 0 of each dataset.
-  ablations = 2 * len(study.CLAIM_ALGORITHMS) * study.N_TRIALS
-  assert len(runs) == main + ablations
-  assert len({run.output_dir for run in runs}) == len(runs)
-  assert all(run.output_dir.parent == tmp_path for run in runs)
-  assert study.MAX_STEPS % study.STEPS == 0
-  assert study.STEPS % study.CHECKPOINT_FREQ == 0
-  for run in runs:
-    args = run.args
-    # Plateau checks every STEPS steps, at most MAX_STEPS in all.
-    assert args["steps"] == study.MAX_STEPS
-    assert args["plateau_check_freq"] == study.STEPS
-    assert args["checkpoint_freq"] == study.CHECKPOINT_FREQ
-    hparams = json.loads(args["hparams"])
-    assert hparams["image_size"] == 8 and hparams["cnn_width"] == 8
-    # The anneal step reaches Fishr alone, which has it.
-    assert ("penalty_anneal_iters" in hparams) == (args["algorithm"] == "Fishr")
-    if args["algorithm"] in study.CLAIM_ALGORITHMS:
-      assert args["hparams_seed"] == 0 and args["test_envs"] == [0]
-  trajectories = {(r.args["dataset"], r.args["algorithm"], r.args["trial_seed"],
-                   r.args["hparams_seed"]) for r in runs
-                  if "trajectory_freq" in r.args}
-  assert trajectories == {(d, a, 0, 0) for d in study.DATASETS
-                          for a in ("ERM", "PGrad")}
-  assert sum("trajectory_freq" in r.args for r in runs) == 2 * envs
-  # Launched defaults first, trial by trial.
-  order = [(r.args["hparams_seed"], r.args["trial_seed"]) for r in runs]
-  assert order == sorted(order)
+from experiments.studies import digits
 
 
 def test_study_skips_runs_marked_done(tmp_path, capsys):
-  runs = study.study_runs(str(tmp_path))
+  runs = digits.runs(str(tmp_path))
   for run in runs:
     run.output_dir.mkdir()
-    (run.output_dir / sweep.DONE_FILE).touch()
+    (run.output_dir / records.RESULTS_FILE).write_text('{"step": 1}\n')
+    (run.output_dir / records.DONE_FILE).touch()
   assert study.main(["--output_dir", str(tmp_path)]) == 0
   assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
 
@@ -71,17 +42,17 @@ def test_first_difference_ignores_only_where_and_how_fast():
 
 def test_sample_takes_one_run_per_group_holding_out_the_lowest_domain(
     tmp_path):
-  runs = study.study_runs(str(tmp_path))
+  runs = digits.runs(str(tmp_path))
   chosen = study.sample(runs, [1])
   # 2 datasets x 5 algorithms x 3 trials of the random draw.
-  assert len(chosen) == 2 * len(study.ALGORITHMS) * study.N_TRIALS
+  assert len(chosen) == 2 * len(digits.ALGORITHMS) * digits.N_TRIALS
   assert all(run.args["hparams_seed"] == 1 and run.args["test_envs"] == [0]
              for run in chosen)
   assert len(study.sample(runs)) == len(chosen) * 2 + 2 * len(
-      study.CLAIM_ALGORITHMS) * study.N_TRIALS
+      digits.CLAIM_ALGORITHMS) * digits.N_TRIALS
   erm = study.sample(runs, [0], ["ERM"])
   assert sorted((r.args["dataset"], r.args["trial_seed"]) for r in erm) == [
-      (d, t) for d in sorted(study.DATASETS) for t in range(study.N_TRIALS)]
+      (d, t) for d in sorted(digits.DATASETS) for t in range(digits.N_TRIALS)]
   assert all(r.args["algorithm"] == "ERM" and r.args["hparams_seed"] == 0
              and r.args["test_envs"] == [0] for r in erm)
 
@@ -103,9 +74,9 @@ def test_reproduce_retrains_a_run_to_equal_records(tmp_path):
 
   # The retrained records stay in the scratch directory; a committed record
   # changed afterwards is found.
-  retrained = model_selection.load_records(
-      tmp_path / "scratch" / run.output_dir.name)
-  committed = model_selection.load_records(run.output_dir)
+  retrained = records.read_run(
+      tmp_path / "scratch" / run.output_dir.name).records
+  committed = records.read_run(run.output_dir).records
   committed[-1]["env1_in_acc"] += 0.25
   assert study.first_difference(committed, retrained).startswith(
       "step 2: env1_in_acc = ")
@@ -125,10 +96,11 @@ LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
 
 
 def test_longer_run_is_the_study_run_made_longer(tmp_path):
-  runs = study.study_runs(str(tmp_path / "study"))
+  runs = digits.runs(str(tmp_path / "study"))
   run = study.longer_run(
       runs, dataset="ColoredDigits", algorithm="ERM", hparams_seed=0,
-      trial_seed=0, test_env=2, steps=5000, output_dir=tmp_path / "longer")
+      trial_seed=0, test_env=2, steps=5000, min_steps=digits.STEPS,
+      output_dir=tmp_path / "longer")
   (original,) = [r for r in runs if r.args["dataset"] == "ColoredDigits"
                  and r.args["algorithm"] == "ERM" and r.args["trial_seed"] == 0
                  and r.args["hparams_seed"] == 0 and r.args["test_envs"] == [2]]
@@ -147,7 +119,7 @@ def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
   for flags, message in [
       (["--steps", "3000", "--test_env", "6"], "no run of Fish on "
        "RotatedDigits with hparams_seed 1, trial_seed 2 and test_env 6"),
-      (["--steps", "1000"], f"at least the study's {study.STEPS}"),
+      (["--steps", "1000"], f"at least the study's {digits.STEPS}"),
       ([], "longer needs --steps"),
       (["--steps", "3000", "--every", "0"], "--every must be at least 1"),
       (["--steps", "3000", "list"], "only for the longer command")]:
@@ -168,12 +140,12 @@ def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
 def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
                                                              capsys):
   run = study.longer_run(
-      study.study_runs(str(tmp_path)), dataset="RotatedDigits",
+      digits.runs(str(tmp_path)), dataset="RotatedDigits",
       algorithm="Fish", hparams_seed=1, trial_seed=2, test_env=0,
-      steps=3000, output_dir=tmp_path / "longer")
+      steps=3000, min_steps=digits.STEPS, output_dir=tmp_path / "longer")
   run.output_dir.mkdir(parents=True)
   # Training-domain validation climbs to step 2000, then holds.
-  records = []
+  run_records = []
   for step in range(100, 3100, 100):
     record = {"args": {**run.args, "test_envs": [0]}, "step": step,
               "step_time": 0.01, "env0_in_acc": step / 6000,
@@ -182,10 +154,10 @@ def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
       record.update({f"env{i}_out_acc": min(step, 2000) / 2500,
                      f"env{i}_out_examples": 60, f"env{i}_in_acc": 0.9,
                      f"env{i}_in_loss": 1000 / step})
-    records.append(record)
+    run_records.append(record)
   (run.output_dir / "results.jsonl").write_text(
-      "".join(json.dumps(r) + "\n" for r in records))
-  (run.output_dir / sweep.DONE_FILE).touch()
+      "".join(json.dumps(r) + "\n" for r in run_records))
+  (run.output_dir / records.DONE_FILE).touch()
   assert study.main([*LONGER, "--steps", "3000", "--output_dir",
                      str(tmp_path), "--longer_dir",
                      str(tmp_path / "longer")]) == 0
@@ -198,3 +170,16 @@ def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
   # The window of step 2400 starts at 2000; from there on nothing moves.
   assert out.splitlines()[-1] == (
       "Plateaued at every evaluation from step 2400 on.")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--study", "photos"], "no experiments/studies/photos.py; the studies "
+     "are digits"),
+    (["reproduce", "--algorithms", "ERM", "MixUp"], "--algorithms MixUp: the "
+     "study trains none of them")])
+def test_unknown_studies_and_algorithms_are_usage_errors(tmp_path, capsys,
+                                                         flags, message):
+  with pytest.raises(SystemExit) as e:
+    study.main([*flags, "--output_dir", str(tmp_path)])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err

@@ -22,7 +22,7 @@ FAKE_TRAIN = textwrap.dedent("""\
       f.write(json.dumps(sys.argv[1:]) + "\\n")
     if args.hparams_seed == 3:
       sys.exit("failed on purpose")
-    (out / "results.jsonl").write_text("{}\\n")
+    (out / "results.jsonl").write_text('{"step": 7}\\n')
     (out / "done").write_text("")
 """)
 
@@ -99,6 +99,7 @@ def test_launch_skips_done_runs_and_resumes_the_others(tmp_path, train_command):
   assert len(runs) == 6
   done, incomplete = runs[0], runs[1]
   done.output_dir.mkdir()
+  (done.output_dir / "results.jsonl").write_text('{"step": 7}\n')
   (done.output_dir / "done").write_text("")
   incomplete.output_dir.mkdir()
   assert [r.status for r in runs[:3]] == [
@@ -137,6 +138,37 @@ def test_failed_runs_stay_incomplete_and_can_be_deleted(
       capsys.readouterr().out)
 
 
+def test_damaged_runs_are_neither_done_nor_launched_and_say_why(
+    tmp_path, train_command, capsys):
+  flags = sweep_flags(tmp_path) + ["--train_command", train_command]
+  runs = sweep.runs_for(sweep.parse_args(flags))
+  damaged = runs[0]
+  damaged.output_dir.mkdir()
+  # Finished, but its records reordered.
+  (damaged.output_dir / "results.jsonl").write_text(
+      '{"step": 7}\n{"step": 5}\n')
+  (damaged.output_dir / "done").write_text("")
+  assert damaged.status is sweep.Status.DAMAGED
+
+  assert sweep.main(flags) == 1
+  out, err = capsys.readouterr()
+  assert launches(damaged) == []
+  assert all(len(launches(r)) == 1 for r in runs[1:])
+  assert "6 runs: 5 done, 0 incomplete, 0 not started, 1 damaged" in out
+  assert (f"Skipped {damaged.output_dir}, its records damaged: "
+          f"{damaged.output_dir / 'results.jsonl'} (a finished run): line 2 "
+          "is of step 5, after step 7") in err
+  assert "delete_incomplete deletes it" in err
+
+  assert sweep.main(["list"] + flags) == 0
+  listing = capsys.readouterr().out
+  assert listing.startswith(f"damaged      {damaged.output_dir}")
+  assert sweep.main(["delete_incomplete", "--yes"] + flags) == 0
+  assert not damaged.output_dir.exists()
+  assert sweep.main(flags) == 0
+  assert len(launches(damaged)) == 1
+
+
 def test_fixed_hparams_reach_only_the_algorithms_that_have_them(tmp_path):
   runs = sweep.make_runs(
       output_dir=tmp_path, datasets=["ColoredDigits"],
@@ -162,3 +194,12 @@ def test_bad_fixed_hparams_are_usage_errors(tmp_path, capsys, hparams, message):
   assert sweep.main(sweep_flags(tmp_path) + ["--hparams", hparams]) == 2
   assert message in capsys.readouterr().err
   assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
+  runs = sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
+                         algorithms=["ERM", "Fish"], n_hparams=2, n_trials=1,
+                         test_envs=[0], trajectory_freq=5)
+  saved = {(r.args["algorithm"], r.args["hparams_seed"])
+           for r in runs if "trajectory_freq" in r.args}
+  assert saved == {("ERM", 0)}

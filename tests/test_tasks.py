@@ -1,5 +1,7 @@
 """Tests for experiments/tasks.py."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from experiments import algorithms
 from experiments import hparams_registry
 from experiments import models
 from experiments import tasks
+from experiments import wilds
 from test_algorithms import Flatten
 
 
@@ -82,6 +85,111 @@ def test_accuracy_and_worst_region_accuracy():
   assert metrics == {"acc": 6 / 8, "worst_acc": 0.5}
   with pytest.raises(ValueError, match="worst_group"):
     tasks.worst_group("mse", predicted, labels, regions)
+
+
+def _wilds_worst_region_accuracy(predicted, labels, regions):
+  """WILDS 2.0.0's ``acc_worst_region`` (``fmow_dataset.py``, ``eval``): the
+  lowest accuracy over the regions with examples, skipping "Other" (-1
+  here); 0 when no region is left (``utils.minimum``'s empty value)."""
+  accuracies = [np.mean(predicted[regions == region]
+                        == labels[regions == region])
+                for region in range(len(wilds.FMOW_REGIONS))
+                if np.any(regions == region)]
+  return min(accuracies) if accuracies else 0.0
+
+
+# FMoW's groups: the five regions and -1, "Other" (a country in no region).
+FMOW_GROUPS = [-1, *range(len(wilds.FMOW_REGIONS))]
+
+
+@pytest.mark.parametrize("wrong_group", FMOW_GROUPS)
+def test_worst_region_accuracy_leaves_out_other(wrong_group):
+  # Four examples per group; predictions wrong on three of one group only.
+  regions = np.repeat(FMOW_GROUPS, 4)
+  labels = np.arange(len(regions)) % 7
+  predicted = labels.copy()
+  wrong = np.flatnonzero(regions == wrong_group)[:3]
+  predicted[wrong] = (labels[wrong] + 1) % 7
+  metrics = tasks.split_metrics(predicted, labels, regions)
+  # "Other" still counts in the average accuracy.
+  assert metrics["acc"] == 1 - 3 / len(regions)
+  expected = 1.0 if wrong_group == -1 else 0.25
+  assert metrics["worst_acc"] == expected
+  assert metrics["worst_acc"] == _wilds_worst_region_accuracy(
+      predicted, labels, regions)
+
+
+def test_worst_region_accuracy_without_a_region_is_wilds_zero():
+  labels = np.array([0, 1, 2])
+  metrics = tasks.split_metrics(labels, labels, np.full(3, -1))
+  assert metrics == {"acc": 1.0, "worst_acc": 0.0}
+
+
+def _wilds_worst_r(predicted, labels, groups):
+  """WILDS 2.0.0's PovertyMap ``r_wg`` (``standard_group_eval`` with
+  ``PearsonCorrelation``): SciPy's r of every urban/rural group with
+  examples, the lowest of those that are defined (``utils.minimum`` drops
+  NaN, SciPy's r of a constant input)."""
+  per_group = []
+  for group in np.unique(groups):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # SciPy warns of a constant input.
+      per_group.append(_scipy_pearson(predicted[groups == group],
+                                      labels[groups == group]))
+  return np.nanmin(per_group)
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_worst_r_is_the_group_whose_predictions_are_off(group):
+  rng = np.random.default_rng(group)
+  labels = rng.normal(size=40)
+  groups = np.arange(40) % 2
+  # Exact predictions (r = 1) except on one group.
+  predicted = labels.copy()
+  off = groups == group
+  predicted[off] += rng.normal(scale=0.8, size=off.sum())
+  metrics = tasks.split_metrics(predicted, labels, groups)
+  expected = _scipy_pearson(predicted[off], labels[off])
+  assert expected < 0.95
+  np.testing.assert_allclose(metrics["worst_r"], expected, rtol=1e-12)
+  np.testing.assert_allclose(metrics["worst_r"],
+                             _wilds_worst_r(predicted, labels, groups),
+                             rtol=1e-12)
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_worst_r_skips_a_group_of_constant_predictions(group):
+  # WILDS's r of a constant prediction is NaN, which its worst group skips:
+  # the worst group is then the other one.
+  predicted, labels, _ = _regression_data(2)
+  groups = np.arange(len(labels)) % 2
+  predicted[groups == group] = 0.1  # 0.1 has no exact mean: no shortcut.
+  other = groups != group
+  metrics = tasks.split_metrics(predicted, labels, groups)
+  expected = _scipy_pearson(predicted[other], labels[other])
+  np.testing.assert_allclose(metrics["worst_r"], expected, rtol=1e-12)
+  np.testing.assert_allclose(metrics["worst_r"],
+                             _wilds_worst_r(predicted, labels, groups),
+                             rtol=1e-12)
+
+
+def test_worst_r_skips_a_group_of_one_example():
+  # SciPy's r of one example raises, and so does WILDS's eval; here its r is
+  # undefined like a constant group's, and skipped.
+  predicted, labels, _ = _regression_data(3, size=9)
+  groups = np.array([1] + [0] * 8)
+  metrics = tasks.split_metrics(predicted, labels, groups)
+  np.testing.assert_allclose(
+      metrics["worst_r"], _scipy_pearson(predicted[1:], labels[1:]),
+      rtol=1e-12)
+
+
+def test_pearson_of_a_constant_prediction_is_zero():
+  # SciPy (and WILDS's r_all) give NaN; 0 keeps selection on r well defined.
+  labels = np.arange(5.0)
+  assert tasks.pearson(np.full(5, 0.1), labels) == 0.0
+  assert tasks.pearson(labels, np.full(5, 0.1)) == 0.0
+  assert tasks.pearson(np.ones(1), np.ones(1)) == 0.0
 
 
 @pytest.mark.parametrize("name", ["PGrad", "PGrad-B"])

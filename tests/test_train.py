@@ -1,4 +1,5 @@
-"""Tests for experiments/train.py: whole runs, resumed, on several devices.
+"""Tests for experiments/train.py: whole runs, resumed, on several devices,
+refused when their records are damaged or their flags cannot run.
 
 The runs train the default command (PGrad-B on RotatedDigits) on a short
 schedule: two training domains, tiny batches, small evaluation subsets. They
@@ -8,6 +9,7 @@ that only the first one compiles.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,8 +20,10 @@ import pytest
 
 from experiments import config as config_lib
 from experiments import convergence
+from experiments import records
+from experiments import train
 from experiments import training
-from test_model_selection import make_record
+from test_analysis_model_selection import make_record
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +49,7 @@ def fixture_reference(tmp_path_factory):
                           capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
   assert "Held-out accuracy" in result.stdout
+  assert result.stdout.endswith(f"Run directory: {output_dir}\n")
   return output_dir
 
 
@@ -67,7 +72,7 @@ def test_run_writes_domainbed_results_and_done(reference):
     assert record["args"]["test_envs"] == [0, 1, 2, 3]
     assert record["domains"] == ["0°", "15°", "30°", "45°", "60°", "75°"]
     assert record["hparams"]["B"] == B and record["hparams"]["batch_size"] == 6
-    for key in ("epoch", "loss", "step_time", "ref_norm"):
+    for key in ("epoch", "loss", "step_time", "data_wait_time", "ref_norm"):
       assert np.isfinite(record[key]), key
     assert record["num_skipped"] == 0
     for i in range(NUM_DOMAINS):
@@ -84,8 +89,9 @@ def test_run_writes_domainbed_results_and_done(reference):
 
 
 # Prepended to a train command: once checkpoint STEP is on disk, the run
-# SIGKILLs itself, so the kill lands between that checkpoint and the end of
-# the run without the test watching the disk.
+# sends itself SIG (a SIGKILL, or Ctrl-C's SIGINT), so the signal lands
+# between that checkpoint and the end of the run without the test watching
+# the disk.
 _DIE_AFTER_CHECKPOINT = """\
 import os, signal
 import orbax.checkpoint as ocp
@@ -94,24 +100,32 @@ def save_then_die(self, step, *args, **kwargs):
   saved = save(self, step, *args, **kwargs)
   if step == {step}:
     self.wait_until_finished()
-    os.kill(os.getpid(), signal.SIGKILL)  # No clean-up at all.
+    os.kill(os.getpid(), {sig})  # SIGKILL: no clean-up at all.
   return saved
 ocp.CheckpointManager.save = save_then_die
 """
 
 
-def kill_at_first_checkpoint(command, output_dir, step):
+def run_after(prelude, command, **kwargs):
   """Runs ``command`` (``python -m module ...`` or ``python -c script ...``)
-  until it has written checkpoint ``step``, then SIGKILLs it."""
+  after the Python code ``prelude``, in the same process."""
   python, flag, target, *args = command
   main = (f"import runpy; runpy.run_module({target!r}, run_name='__main__', "
           "alter_sys=True)" if flag == "-m" else target)
-  killed = subprocess.run(
-      [python, "-c", _DIE_AFTER_CHECKPOINT.format(step=step) + main, *args],
-      cwd=REPO, capture_output=True, text=True, check=False)
-  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  return subprocess.run([python, "-c", prelude + main, *args], cwd=REPO,
+                        capture_output=True, text=True, check=False, **kwargs)
+
+
+def kill_at_first_checkpoint(command, output_dir, step, sig=signal.SIGKILL):
+  """Runs ``command`` until it has written checkpoint ``step``, then sends
+  it ``sig``; returns the finished process."""
+  killed = run_after(_DIE_AFTER_CHECKPOINT.format(step=step, sig=int(sig)),
+                     command)
+  if sig == signal.SIGKILL:
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
   assert (output_dir / "checkpoints" / str(step)).is_dir()
   assert not (output_dir / "done").exists(), "the run ended before the kill"
+  return killed
 
 
 @pytest.mark.slow
@@ -119,14 +133,18 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
     reference, tmp_path):
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ)
-  # A record newer than any checkpoint, and one cut short: both are dropped.
+  # What a run killed later leaves: a record newer than any checkpoint, and
+  # one cut short. Both are dropped, saying so.
+  torn = '{"step": 4, "env0_in'
   with (output_dir / "results.jsonl").open("a") as f:
-    f.write(json.dumps({"step": STEPS + 1}) + '\n{"step": 4, "env0_in')
+    f.write(json.dumps({"step": FREQ + 1}) + "\n" + torn)
 
   resumed = subprocess.run(_command(output_dir), cwd=REPO,
                            capture_output=True, text=True, check=False)
   assert resumed.returncode == 0, resumed.stderr
   assert "Resuming from step" in resumed.stderr
+  assert f"Dropped the record of step {FREQ + 1}" in resumed.stderr
+  assert f"Dropped a last line cut short ({len(torn)} bytes)" in resumed.stderr
   expected = _params(reference)
   got = _params(output_dir)
   assert got.keys() == expected.keys()
@@ -135,7 +153,7 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
   def comparable(record):
     record = {**record, "args": {**record["args"], "output_dir": None}}
-    del record["step_time"]
+    del record["step_time"], record["data_wait_time"]
     return record
 
   assert ([comparable(r) for r in read_records(output_dir)]
@@ -164,7 +182,8 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   assert (output_dir / "done").exists()
 
   def comparable(record):
-    return {k: v for k, v in record.items() if k not in ("args", "step_time")}
+    return {k: v for k, v in record.items()
+            if k not in ("args", "step_time", "data_wait_time")}
 
   records = read_records(output_dir)
   assert [comparable(r) for r in records] == [
@@ -172,22 +191,18 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   assert all(r["args"]["plateau_check_freq"] == check_freq for r in records)
 
 
-def test_stops_at_reads_the_records_at_check_steps_only(tmp_path):
-  path = tmp_path / "results.jsonl"
-  records = [make_record("RotatedDigits", "ERM", 0, 0, 0, step,
-                         in_accs=[0.5] * 6, out_accs=[0.1] + [val] * 5)
-             for step, val in ((100, 0.4), (200, 0.9), (300, 0.9),
-                               (400, 0.9))]
-  for record in records:
+def test_stops_at_reads_the_records_at_check_steps_only():
+  run = [make_record("RotatedDigits", "ERM", 0, 0, 0, step,
+                     in_accs=[0.5] * 6, out_accs=[0.1] + [val] * 5)
+         for step, val in ((100, 0.4), (200, 0.9), (300, 0.9), (400, 0.9))]
+  for record in run:
     for i in range(6):
       record[f"env{i}_out_examples"] = 60
       record[f"env{i}_in_loss"] = 1.0
   def stops(step, check_freq):
-    path.write_text("".join(json.dumps(r) + "\n"
-                            for r in records[:step // 100]))
     config = config_lib.Config(steps=1000, checkpoint_freq=100,
                                plateau_check_freq=check_freq)
-    return training.stops_at(config, path, step)
+    return training.stops_at(config, run[:step // 100], step)
   # 200: 0.4 -> 0.9 over the window (it reaches back to step 100); 300 and
   # 400: no move.
   assert [stops(s, 100) for s in (100, 200, 300, 400)] == [
@@ -197,20 +212,32 @@ def test_stops_at_reads_the_records_at_check_steps_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_runs_data_parallel_on_several_devices(reference, tmp_path):
-  # Same command on two (simulated) devices: the batches are split over a
-  # data axis and the run agrees with the one-device run up to the order of
-  # floating-point sums.
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                             "--xla_force_host_platform_device_count=2"}
-  result = subprocess.run(_command(tmp_path), cwd=REPO, env=env,
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
-  assert ": 2 cpu devices." in result.stderr
-  expected, got = _params(reference), _params(tmp_path)
+def test_runs_data_parallel_on_several_devices(tmp_path):
+  # The same two updates on one device and on two (simulated) devices, which
+  # split the batches over a data axis: the runs differ only in the order of
+  # floating-point sums. They are compared before chaos grows: over the 10
+  # steps of `reference`, training amplifies the rounding differences (ReLU
+  # signs flip, Adam's first steps magnify small gradients) by an amount that
+  # depends on the CPU, from 1e-7 to 5e-5 in a bias of size 1e-3 (on an AVX2
+  # AMD EPYC). After two updates they were at most 3e-8 under
+  # --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512, where the params move by
+  # 3.5e-4 (median) and at most 1.2e-3: atol 1e-6 is 30 times the measured
+  # difference and a 350th of the median move.
+  runs = {}
+  for devices in (1, 2):
+    output_dir = tmp_path / f"{devices}_devices"
+    command = [*_command(output_dir), "--devices", str(devices)]
+    command[command.index("--steps") + 1] = "2"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+           f"--xla_force_host_platform_device_count={devices}"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    runs[devices] = _params(output_dir)
+  expected, got = runs[1], runs[2]
   assert got.keys() == expected.keys()
   for key in expected:
-    np.testing.assert_allclose(got[key], expected[key], rtol=1e-3, atol=1e-5,
+    np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6,
                                err_msg=key)
 
 
@@ -234,3 +261,186 @@ def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
                            if k.startswith("params/")])
   # Same values, possibly in another leaf order.
   np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
+
+
+def _files(output_dir):
+  """Every file of a run directory, with its bytes."""
+  return {p.relative_to(output_dir): p.read_bytes()
+          for p in sorted(output_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_prints_its_result_again_and_writes_nothing(
+    reference, capsys):
+  before = _files(reference)
+  assert train.main([*FLAGS, "--output_dir", str(reference)]) == 0
+  out, err = capsys.readouterr()
+  assert "Already finished." in err
+  last = read_records(reference)[-1]
+  held_out = ", ".join(f"{name} (env{i}) {last[f'env{i}_in_acc']:.4f}"
+                       for i, name in enumerate(last["domains"][:4]))
+  assert out == (
+      f"Held-out accuracy after {STEPS} steps (the last step's, on the "
+      "held-out domains' in splits; no model selection): "
+      f"{held_out}. Run directory: {reference}\n")
+  assert _files(reference) == before
+
+
+def _truncate_mid_line(run):
+  data = (run / "results.jsonl").read_bytes()
+  (run / "results.jsonl").write_bytes(data[:len(data) // 2])
+
+
+def _truncate_unfinished(run):
+  # Whole lines, of an unfinished run: step 10's checkpoint has no record.
+  (run / "done").unlink()
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  (run / "results.jsonl").write_text("".join(lines[:2]))
+
+
+def _corrupt(run):
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  lines[2] = lines[2].replace('"step"', '"step', 1)
+  (run / "results.jsonl").write_text("".join(lines))
+
+
+def _reorder(run):
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  lines[1], lines[3] = lines[3], lines[1]
+  (run / "results.jsonl").write_text("".join(lines))
+
+
+def _delete_last_checkpoint(run):
+  shutil.rmtree(run / "checkpoints" / str(STEPS))
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_truncate_mid_line, "(a finished run): its last line is cut short"),
+    (_truncate_unfinished, f"(an unfinished run): it has no record of step "
+     f"{STEPS}, its last checkpoint's (it ends at step {2 * FREQ})"),
+    (_corrupt, "(a finished run): line 3 is not JSON"),
+    (_reorder, f"(a finished run): line 3 is of step {3 * FREQ}, after step "
+     f"{4 * FREQ}"),
+    (_delete_last_checkpoint, f"(a finished run): it is done, yet its last "
+     f"record (step {STEPS}) has no checkpoint"),
+])
+def test_damaged_records_are_refused_and_left_as_they_are(
+    reference, tmp_path, capsys, damage, problem):
+  # The issue's case: a finished run's records cut short were read up to
+  # their last whole line, reported as the run's end, and rewritten so.
+  run = tmp_path / "run"
+  shutil.copytree(reference, run)
+  damage(run)
+  before = _files(run)
+  assert train.main([*FLAGS, "--output_dir", str(run)]) == 2
+  out, err = capsys.readouterr()
+  assert out == ""
+  assert f"error: {run / 'results.jsonl'} {problem}" in err, err
+  assert "the same command with --overwrite" in err
+  assert _files(run) == before
+
+
+def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
+  output_dir = tmp_path / "run"
+  stopped = kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ,
+                                     sig=signal.SIGINT)
+  assert stopped.returncode == 130, stopped.stderr
+  assert stopped.stderr.endswith(
+      f"stopped; checkpoint at step {FREQ}; rerun the same command to "
+      "resume.\n"), stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  run = records.read_run(output_dir)
+  assert run.checkpoint_step == FREQ and run.unsaved == 0
+
+
+def test_flags_that_cannot_run_are_usage_errors_before_any_work(
+    tmp_path, capsys):
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("not weights, not a directory")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for flags, message in [
+      # The output directory, before training rather than at its first
+      # evaluation.
+      (["--output_dir", str(a_file / "run")], f"{a_file} is a file"),
+      (["--output_dir", str(a_file)], f"{a_file} is a file"),
+      # Datasets that are not there.
+      (["--dataset", "PACS", "--data_dir", str(empty)],
+       f"PACS not found: {empty / 'PACS'} is not a directory"),
+      (["--dataset", "RotatedMNIST", "--data_dir", str(empty)],
+       'pip install -e ".[experiments,tfds-prepare]"'),
+      # Weights that are not weights.
+      (["--pretrained", str(a_file)],
+       f"--pretrained: {str(a_file)!r} is not a .npz file"),
+      (["--init_params", str(a_file)],
+       f"--init_params: {str(a_file)!r} is not a .npz file"),
+      # More devices than there are.
+      (["--devices", "2"], "--devices 2: only 1 cpu device here"),
+  ]:
+    flags = [*FLAGS, *flags]
+    if "--output_dir" not in flags:
+      flags += ["--output_dir", str(tmp_path / "runs" / str(len(flags)))]
+    assert train.main(flags) == 2, flags
+    out, err = capsys.readouterr()
+    assert message in err, (flags, err)
+    assert out == ""
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
+  a_file = tmp_path / "data.zip"
+  a_file.write_text("")
+  refused = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--dataset", "PACS",
+       "--data_dir", str(a_file), "--output_dir", str(tmp_path / "run")],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert refused.returncode == 2
+  assert refused.stderr.endswith(
+      f"error: --data_dir {a_file} is a file; pass the directory that holds "
+      "the datasets.\n")
+  assert "Traceback" not in refused.stderr
+
+
+# Prepended to a train command: records how the first training batch is
+# laid out on the devices, as placed and as the step's program types it.
+_RECORD_BATCH_LAYOUT = """import json, jax
+from experiments import training
+place = training.Sharder.batch
+def place_and_record(self, batch, axis):
+  placed = place(self, batch, axis)
+  if axis == 1 and not place_and_record.done:
+    image = placed["image"]
+    with open({path!r}, "w") as f:
+      json.dump({{"spec": tuple(image.sharding.spec),
+                 "type": str(jax.typeof(image)),
+                 "shards": sorted([s.device.id, *s.data.shape]
+                                  for s in image.addressable_shards)}}, f)
+    place_and_record.done = True
+  return placed
+place_and_record.done = False
+training.Sharder.batch = place_and_record
+"""
+
+
+def test_devices_split_every_domains_batch_on_a_data_axis(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+         "--xla_force_host_platform_device_count=2"}
+  layout = tmp_path / "layout.json"
+  flags = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
+  result = run_after(
+      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
+      [sys.executable, "-m", "experiments.train", *flags, "--devices", "2",
+       "--output_dir", str(tmp_path / "run")], env=env)
+  assert result.returncode == 0, result.stderr
+  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
+          "devices on a data axis, 3 examples of every domain on each."
+          in result.stderr)
+  placed = json.loads(layout.read_text())
+  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
+  # step's program is typed with the split (Explicit sharding).
+  assert placed["spec"] == [None, "data"]
+  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
+                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
+  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
+  # The run is whole: its records check, as on one device.
+  assert [r["step"] for r in records.read_run(tmp_path / "run").records] == [
+      FREQ]

@@ -53,6 +53,24 @@ def linear_problem(num_domains=3, batch=6, seed=0, dtype=jnp.float64):
 fixed_schedule = oracle.fixed_schedule
 
 
+def oracle_rtol(points, k, components):
+  """The rtol of a float64 principal gradient against the oracle's.
+
+  ``eigh``'s first-order error in a component of eigenvalue ``lambda`` is
+  about ``eps * lambda_max / lambda``: well-conditioned top components agree
+  to ~1e-15, but the bottom ones of the second B = 3 update
+  (``lambda_max / lambda = 2.5e6``) differ by up to 0.8 times that under
+  --xla_cpu_max_isa SSE4_2 (0.15 times under AVX, AVX2 and AVX-512). The
+  tolerance is 10 times the bound of the smallest chosen component, and at
+  least 1e-9.
+  """
+  centred = points - points.mean(0)
+  lam = np.linalg.eigvalsh(centred @ centred.T)[::-1]
+  lam = lam[lam > 1e-9 * lam[0]]  # The oracle's cut-off.
+  chosen = lam[:k] if components == "top" else lam[-k:]
+  return max(1e-9, 10 * np.finfo(np.float64).eps * lam[0] / chosen.min())
+
+
 def run(tx, params, batches, steps=1):
   state = tx.init(params)
   for _ in range(steps):
@@ -62,16 +80,17 @@ def run(tx, params, batches, steps=1):
 
 
 @pytest.mark.parametrize("options", oracle.OPTION_CASES, ids=str)
-@pytest.mark.parametrize("num_chunks", [1, 3])
-def test_matches_numpy_oracle(options, num_chunks):
+@pytest.mark.parametrize("B", [1, 3])
+def test_matches_numpy_oracle(options, B):
   options = dict(options)
   k = options.pop("k", 2)
   # PGradParallel is pgrad's option for the oracle's mean reference.
   parallel = options.pop("reference", "end") == "mean"
   with jax.enable_x64(True):
     params, batches = linear_problem()
-    tx = pgrad_jax.pgrad(optax.adam(0.05), k=k, B=num_chunks, order="fixed",
-                         parallel=parallel, **options)
+    tx = pgrad_jax.pgrad(optax.adam(0.05), k=k, B=B, order="fixed",
+                         principal=pgrad_jax.PrincipalOptions(**options),
+                         parallel=parallel)
     state = tx.init(params)
     adam = oracle.Adam(0.05, 8)
     theta0 = flat(params)
@@ -81,11 +100,13 @@ def test_matches_numpy_oracle(options, num_chunks):
                                  batches=batches)
       points, losses = oracle.trajectory(
           theta0, np.asarray(batches["x"]), np.asarray(batches["y"]),
-          fixed_schedule(3, num_chunks), num_chunks, adam, N_IN, N_OUT,
+          fixed_schedule(3, B), B, adam, N_IN, N_OUT,
           parallel=parallel)
       expected = oracle.principal_gradient(
           points, k, reference="mean" if parallel else "end", **options)
-      np.testing.assert_allclose(flat(updates), expected, rtol=1e-9, atol=1e-12)
+      np.testing.assert_allclose(
+          flat(updates), expected, atol=1e-12,
+          rtol=oracle_rtol(points, k, options.get("components", "top")))
       np.testing.assert_allclose(np.asarray(state.loss), losses.mean(),
                                  rtol=1e-6)
       params = optax.apply_updates(params, jax.tree.map(lambda u: 0.1 * u,
@@ -135,7 +156,9 @@ def test_length_and_orientation(seed):
 
 def test_unit_length_without_calibration():
   params, batches = linear_problem(dtype=jnp.float32)
-  tx = pgrad_jax.pgrad(optax.adam(0.05), k=3, B=2, calibrate_length=False)
+  tx = pgrad_jax.pgrad(
+      optax.adam(0.05), k=3, B=2,
+      principal=pgrad_jax.PrincipalOptions(calibrate_length=False))
   updates, _ = run(tx, params, batches)
   np.testing.assert_allclose(np.linalg.norm(flat(updates)), 1.0, rtol=1e-4)
 
@@ -178,19 +201,44 @@ def test_zero_learning_rate_gives_zero_update():
 # --- bad input ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(k=0), "k must be a positive integer"),
+BAD_SHARED_OPTIONS = [
     (dict(B=0), "B must be a positive integer"),
     (dict(B=2.0), "B must be a positive integer"),
     (dict(order="sorted"), "order must be one of"),
-    (dict(weighting="l3"), "weighting must be one of"),
-    (dict(components="middle"), "components must be one of"),
     (dict(nonfinite="ignore"), "nonfinite must be one of"),
     (dict(num_domains=0), "num_domains must be a positive integer"),
-])
+]
+
+
+@pytest.mark.parametrize("kw, match", BAD_SHARED_OPTIONS + [
+    (dict(k=0), "k must be a positive integer")])
 def test_bad_construction(kw, match):
   with pytest.raises(ValueError, match=match):
     pgrad_jax.pgrad(optax.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize("kw, match", BAD_SHARED_OPTIONS)
+def test_bad_fish_construction(kw, match):
+  with pytest.raises(ValueError, match=match):
+    pgrad_jax.fish(optax.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(weighting="l3"), "weighting must be one of"),
+    (dict(components="middle"), "components must be one of"),
+    (dict(rtol=-1e-3), r"rtol must be None or a number in \[0, 1\)"),
+    (dict(rtol=1.0), r"rtol must be None or a number in \[0, 1\)"),
+    (dict(rtol="1e-3"), r"rtol must be None or a number in \[0, 1\)"),
+    (dict(gram_dtype=jnp.int32), "gram_dtype must be a floating-point dtype"),
+])
+def test_bad_principal_options(kw, match):
+  with pytest.raises(ValueError, match=match):
+    pgrad_jax.PrincipalOptions(**kw)
+
+
+def test_principal_must_be_principal_options():
+  with pytest.raises(TypeError, match=r"principal=pgrad_jax.PrincipalOptions\("):
+    pgrad_jax.pgrad(optax.sgd(0.1), principal={"components": "bottom"})
 
 
 def test_batch_not_divisible_by_B_names_working_sizes():
@@ -235,10 +283,10 @@ def test_non_scalar_loss():
     update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches, loss_fn=per_example)
 
 
-def test_aux_without_has_aux():
+def test_loss_with_aux_says_how_to_drop_it():
   params, batches = problem()
   with_aux = lambda p, b: (loss_fn(p, b), {"n": 1.0})
-  with pytest.raises(TypeError, match="has_aux=True"):
+  with pytest.raises(TypeError, match=r"loss_fn=lambda p, b: f\(p, b\)\[0\]"):
     update(pgrad_jax.pgrad(optax.sgd(0.1)), params, batches, loss_fn=with_aux)
 
 
@@ -291,16 +339,6 @@ def test_inner_state_carries_over_or_resets():
     _, state = update(tx, params, batches, state=state)
     # Two domains, one chunk: two inner Adam steps per outer step.
     assert int(state.inner_state[0].count) == expected
-
-
-def test_has_aux():
-  params, batches = problem()
-  with_aux = lambda p, b: (loss_fn(p, b), {"n": jnp.ones(())})
-  plain, _ = update(pgrad_jax.pgrad(optax.sgd(0.1), order="fixed"), params,
-                    batches)
-  aux, _ = update(pgrad_jax.pgrad(optax.sgd(0.1), order="fixed", has_aux=True),
-                  params, batches, loss_fn=with_aux)
-  np.testing.assert_allclose(flat(aux), flat(plain), rtol=1e-6)
 
 
 @pytest.mark.parametrize("unroll", [1, 2, True])
@@ -494,16 +532,25 @@ def test_numpy_integers_are_accepted():
   np.testing.assert_array_equal(flat(out), flat(ref))
 
 
+def jitted_update(tx, params, batches, state=None, grads=None):
+  """``update``, jitted: two transforms that compute the same operations
+  give the same bits when both are compiled (measured under
+  --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512; eager, op by op, rounds
+  differently: up to 4e-7 apart in float32)."""
+  state = tx.init(params) if state is None else state
+  return jax.jit(lambda g, s, p, b: tx.update(
+      g, s, p, loss_fn=loss_fn, batches=b))(grads, state, params, batches)
+
+
 def test_inject_hyperparams_with_static_k_and_B():
   params, batches = problem()
   tx = optax.inject_hyperparams(pgrad_jax.pgrad, static_args=("k", "B"))(
       inner_opt=optax.adam(0.1), k=2, B=3, order="fixed")
-  step = jax.jit(lambda s, p: tx.update(None, s, p, loss_fn=loss_fn,
-                                        batches=batches))
-  out, _ = step(tx.init(params), params)
-  ref, _ = update(pgrad_jax.pgrad(optax.adam(0.1), k=2, B=3, order="fixed"),
-                  params, batches)
-  np.testing.assert_allclose(flat(out), flat(ref), rtol=1e-6)
+  out, _ = jitted_update(tx, params, batches)
+  ref, _ = jitted_update(
+      pgrad_jax.pgrad(optax.adam(0.1), k=2, B=3, order="fixed"), params,
+      batches)
+  np.testing.assert_array_equal(flat(out), flat(ref))
 
 
 def test_inject_hyperparams_without_static_args_says_how():
@@ -571,17 +618,14 @@ def test_multisteps_keeps_only_the_last_calls_rollout():
   params, batches = problem()
   _, other = problem(b=6)
   other = jax.tree.map(lambda x: x[::-1], other)
-  zeros = jax.tree.map(jnp.zeros_like, params)
   inner = lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2)
   tx = optax.MultiSteps(inner(), every_k_schedule=2)
-  state = tx.init(params)
-  first, state = tx.update(zeros, state, params, loss_fn=loss_fn,
-                           batches=other)
-  second, state = tx.update(zeros, state, params, loss_fn=loss_fn,
-                            batches=batches)
-  alone, _ = update(inner(), params, batches)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  first, state = jitted_update(tx, params, other, grads=zeros)
+  second, state = jitted_update(tx, params, batches, state, grads=zeros)
+  alone, _ = jitted_update(inner(), params, batches)
   assert np.all(flat(first) == 0)
-  np.testing.assert_allclose(flat(second), flat(alone), rtol=1e-6)
+  np.testing.assert_array_equal(flat(second), flat(alone))
 
 
 def test_apply_if_finite_checks_only_the_incoming_gradients():

@@ -4,10 +4,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from experiments import augmentation
 from experiments import catalog
 from experiments import datasets
+from experiments import hparams_registry
 from experiments import input_pipeline
 from experiments import wilds
+from experiments import wilds_augmentation
 import wilds_data
 
 
@@ -74,26 +77,62 @@ def test_fmow_splits_years_regions_and_normalisation(tmp_path):
   rows = wilds_data.write_fmow(tmp_path)
   dataset = datasets.get_dataset("FMoW", data_dir=tmp_path)
   # Training domains: the years of the training split before 2013.
-  assert dataset.domain_names == ("2005", "2010", "2012") + wilds.EVAL_SPLITS
+  assert dataset.domain_names == ("2002", "2005", "2010",
+                                  "2012") + wilds.EVAL_SPLITS
   assert dataset.num_classes == 62 and dataset.input_shape == (8, 8, 3)
   assert dataset.epochs == 10
   by_name = dict(zip(dataset.domain_names, dataset.domains))
-  expected = {"2005": [0, 1], "2010": [2], "2012": [4], "id_val": [5],
-              "id_test": [6], "val": [7, 8], "test": [10, 11]}
-  for name, rows_of in expected.items():
-    np.testing.assert_array_equal(by_name[name].rows, rows_of)
+  # WILDS's splits, by UTC timestamp: the -05:00 row 17 is 2016 in UTC.
+  for name, rows_of in wilds_data.FMOW_SPLIT_ROWS.items():
+    np.testing.assert_array_equal(by_name[name].rows, rows_of, err_msg=name)
 
-  element = by_name["val"][1]  # Row 8: a country with no region.
+  element = by_name["val"][1]  # Row 11: a country with no region.
   assert element["group"] == -1
   assert by_name["val"][0]["group"] == wilds.FMOW_REGIONS.index("Americas")
-  assert element["label"] == wilds.FMOW_CATEGORIES.index(rows[8]["category"])
-  # Row 8 follows the "seq" row 3, so its image is the 8th: rgb_img_7.
+  assert element["label"] == wilds.FMOW_CATEGORIES.index(rows[11]["category"])
+  # The image of row 11 is rgb_img_11, whatever "seq" rows come before it.
   pixels = np.asarray(Image.open(tmp_path / wilds.FMOW_DIR / "images"
-                                 / "rgb_img_7.png"), np.float64) / 255
+                                 / "rgb_img_11.png"), np.float64) / 255
   np.testing.assert_allclose(
       element["image"],
       (pixels - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225], rtol=1e-5,
       atol=1e-6)
+
+
+def test_every_fmow_split_loads_the_image_of_its_own_row(tmp_path):
+  wilds_data.write_fmow(tmp_path)
+  dataset = wilds.fmow(data_dir=tmp_path)
+  by_name = dict(zip(dataset.domain_names, dataset.domains))
+  assert by_name.keys() == wilds_data.FMOW_SPLIT_ROWS.keys()
+  for name, expected_rows in wilds_data.FMOW_SPLIT_ROWS.items():
+    source = by_name[name]
+    assert len(source) == len(expected_rows), name
+    for index, row in enumerate(expected_rows):
+      # Undo the ImageNet normalisation: the pixel that holds the row.
+      red = source[index]["image"][wilds_data.FMOW_ROW_PIXEL[:2]][0]
+      stored = round(255 * (red * 0.229 + 0.485))
+      assert stored == row, (name, index)
+
+
+def test_every_poverty_map_split_loads_the_image_of_its_own_row(tmp_path):
+  rows = wilds_data.write_poverty(tmp_path)
+  dataset = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
+  countries = np.array([r["country"] for r in rows])
+  seen = []
+  for name, source in zip(dataset.domain_names, dataset.domains):
+    for index in range(len(source)):
+      row = int(source.rows[index])
+      element = source[index]
+      # Each image holds its row; so each example reads its own file.
+      np.testing.assert_array_equal(
+          element["image"][wilds_data.POVERTY_ROW_PIXEL], np.full(8, row))
+      np.testing.assert_allclose(element["label"], rows[row]["wealthpooled"],
+                                 rtol=1e-6)
+      if name not in wilds.EVAL_SPLITS:
+        assert countries[row] == name
+      seen.append(row)
+  # Every row is served exactly once.
+  assert sorted(seen) == list(range(len(rows)))
 
 
 @pytest.mark.parametrize("name, folder", [("FMoW", "fmow_v1.1"),
@@ -109,7 +148,75 @@ def test_wilds_batches_carry_labels_and_groups(tmp_path):
   dataset = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
   splits = input_pipeline.split_domains(dataset, holdout_fraction=0.0, seed=0)
   iterator = input_pipeline.make_train_iterator(
-      dataset, [0, 1, 2], splits, batch_size=2, seed=0, num_threads=0)
+      dataset, [0, 1, 2], splits, batch_size=2, seed=0, num_workers=0)
   batch = next(iterator)
   assert batch["image"].shape == (3, 2, 8, 8, 8)
   assert batch["label"].dtype == np.float32 and batch["group"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("algorithm", ["ERM", "PGrad-B"])
+def test_only_poverty_map_has_wilds_training_augmentation(tmp_path, algorithm):
+  wilds_data.write_poverty(tmp_path)
+  wilds_data.write_fmow(tmp_path)
+  poverty = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
+  assert poverty.train_transform is wilds_augmentation.augment_poverty
+  assert wilds.fmow(data_dir=tmp_path).train_transform is None
+  for name in ("PovertyMap", "PovertyMap-C"):
+    hparams = hparams_registry.default_hparams(algorithm, name)
+    assert hparams["data_augmentation"] is True
+  # WILDS augments no FMoW image: there is nothing to switch on.
+  assert "data_augmentation" not in hparams_registry.default_hparams(
+      algorithm, "FMoW")
+  with pytest.raises(ValueError, match="Unknown hparams.*data_augmentation"):
+    hparams_registry.check_hparams(algorithm, "FMoW",
+                                   {"data_augmentation": True})
+
+
+def test_poverty_map_evaluation_batches_are_the_stored_images(tmp_path):
+  wilds_data.write_poverty(tmp_path)
+  dataset = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
+  images = tmp_path / wilds.POVERTY_DIR / "images"
+  for domain in range(len(dataset.domains)):
+    source = dataset.domains[domain]
+    indices = np.arange(len(source))
+    batches = list(input_pipeline.eval_batches(dataset, domain, indices,
+                                               batch_size=4))
+    served = np.concatenate([batch["image"] for batch in batches])
+    stored = [np.moveaxis(np.load(images / f"landsat_poverty_img_{row}.npz")
+                          ["x"], 0, -1) for row in source.rows]
+    # Bit for bit: no flip and no jitter, though the dataset has a
+    # training transform.
+    np.testing.assert_array_equal(served, np.stack(stored))
+
+
+def test_poverty_map_training_batches_are_augmented(tmp_path):
+  wilds_data.write_poverty(tmp_path)
+  dataset = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
+  augment = augmentation.training_augmentation(
+      dataset, hparams_registry.default_hparams("ERM", "PovertyMap"))
+  assert augment.transform is wilds_augmentation.augment_poverty
+  assert not augment.in_evaluation
+  splits = input_pipeline.split_domains(dataset, holdout_fraction=0.0, seed=0)
+  iterator = input_pipeline.make_train_iterator(
+      augment.dataset, range(dataset.num_train_domains), splits,
+      batch_size=4, seed=3, num_workers=0, domains_per_step=5,
+      transform=augment.transform)
+  images = tmp_path / wilds.POVERTY_DIR / "images"
+  flips, jittered = set(), 0
+  for _ in range(3):
+    for image in next(iterator)["image"].reshape(-1, 8, 8, 8):
+      # The row is at a corner of every band, wherever the flips put it.
+      corners = image[[0, 0, -1, -1], [0, -1, 0, -1], 7]
+      row = int(corners[corners == np.round(corners)][0])
+      stored = np.moveaxis(np.load(images / f"landsat_poverty_img_{row}.npz")
+                           ["x"], 0, -1)
+      # The bands past RGB are the stored ones, flipped in one of 4 ways.
+      flipped = [(h, v) for h in (False, True) for v in (False, True)
+                 if np.array_equal(image[..., 3:], stored[::-1 if v else 1,
+                                                          ::-1 if h else 1,
+                                                          3:])]
+      assert len(flipped) == 1
+      flips.add(flipped[0])
+      jittered += not np.allclose(image[..., :3], stored[..., :3])
+  # 60 images: all four flips occur, and the jitter changes the colours.
+  assert len(flips) == 4 and jittered == 60

@@ -20,18 +20,37 @@ from pgrad_jax._src import validation
 Order = Literal["random", "fixed"]
 
 
+def make_schedule(
+    B: int, order: Order
+) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
+  """Checks ``order`` once; returns ``schedule(key, num_domains)``, the
+  :func:`domain_schedule` of ``B`` chunks in this order."""
+  validation.one_of("order", order, Order)
+
+  def schedule(key, num_domains):
+    if order == "fixed":
+      perms = jnp.tile(jnp.arange(num_domains, dtype=jnp.int32), (B, 1))
+    else:
+      keys = jax.random.split(key, B)
+      perms = jax.vmap(lambda k: jax.random.permutation(k, num_domains))(keys)
+    chunks = jnp.repeat(jnp.arange(B, dtype=jnp.int32), num_domains)
+    return perms.reshape(-1).astype(jnp.int32), chunks
+
+  return schedule
+
+
 def domain_schedule(
-    key: jax.Array, num_domains: int, num_chunks: int, order: Order
+    key: jax.Array, num_domains: int, B: int, order: Order
 ) -> tuple[jax.Array, jax.Array]:
   """Returns the (domain, chunk) visited at every inner step of a rollout.
 
-  Round ``i`` (``0 <= i < num_chunks``) visits every domain once, on chunk
-  ``i`` of that domain's batch (the trajectory sampling of eq. 4).
+  Round ``i`` (``0 <= i < B``) visits every domain once, on chunk ``i`` of
+  that domain's batch (the trajectory sampling of eq. 4).
 
   Args:
     key: a PRNG key; unused for ``order="fixed"``.
     num_domains: ``n``, the number of training domains.
-    num_chunks: ``B``, the number of chunks each domain's batch is split into.
+    B: the number of chunks each domain's batch is split into.
     order: ``"fixed"`` (PGrad-F): every round visits domains ``0..n-1``;
       ``"random"`` (PGrad): a fresh random permutation each round.
 
@@ -46,14 +65,7 @@ def domain_schedule(
     >>> domains.tolist(), chunks.tolist()
     ([0, 1, 2, 0, 1, 2], [0, 0, 0, 1, 1, 1])
   """
-  validation.one_of("order", order, Order)
-  if order == "fixed":
-    perms = jnp.tile(jnp.arange(num_domains, dtype=jnp.int32), (num_chunks, 1))
-  else:
-    keys = jax.random.split(key, num_chunks)
-    perms = jax.vmap(lambda k: jax.random.permutation(k, num_domains))(keys)
-  chunks = jnp.repeat(jnp.arange(num_chunks, dtype=jnp.int32), num_domains)
-  return perms.reshape(-1).astype(jnp.int32), chunks
+  return make_schedule(B, order)(key, num_domains)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,24 +73,22 @@ class RolloutOptions:
   """How a rollout steps and what it keeps; checked when built.
 
   Attributes:
-    num_chunks: ``B``; chunk ``i`` holds examples ``[i * b / B, (i + 1) * b /
-      B)`` of a domain's batch ``b``.
-    parallel, has_aux, unroll, trajectory_dtype, axis_name: as the arguments
-      of :func:`pgrad` that build them.
+    B: the number of chunks of each domain's batch ``b``; chunk ``i`` holds
+      examples ``[i * b / B, (i + 1) * b / B)``.
+    parallel, unroll, trajectory_dtype, axis_name: as the arguments of
+      :func:`pgrad` that build them.
     store_trajectory: if False, only the end point is kept (all Fish needs).
   """
 
-  num_chunks: int = 1
+  B: int = 1
   parallel: bool = False
-  has_aux: bool = False
   unroll: int | bool | None = None
   trajectory_dtype: Any = None
   axis_name: str | None = None
   store_trajectory: bool = True
 
   def __post_init__(self):
-    object.__setattr__(self, "num_chunks",
-                       validation.positive_int("B", self.num_chunks))
+    object.__setattr__(self, "B", validation.positive_int("B", self.B))
     if self.unroll is not None and self.unroll is not True:
       validation.positive_int("unroll", self.unroll)
 
@@ -105,13 +115,13 @@ class Rollout(NamedTuple):
     return trajectory_lib.point(self.displacements, step)
 
 
-def check_batches(batches: Any, num_chunks: int) -> int:
+def check_batches(batches: Any, B: int) -> int:
   """Checks ``batches`` and returns the number of domains.
 
   Raises:
     ValueError: naming the fix, unless every leaf has the same leading axes
-      ``(n_domains, per_domain_batch)``, both non-zero, ``num_chunks``
-      dividing the second.
+      ``(n_domains, per_domain_batch)``, both non-zero, ``B`` dividing the
+      second.
   """
   leaves = jax.tree_util.tree_leaves_with_path(batches)
   if not leaves:
@@ -141,20 +151,20 @@ def check_batches(batches: Any, num_chunks: int) -> int:
   if per_domain == 0:
     raise ValueError(
         f"batches hold an empty batch per domain (leading axes "
-        f"{(num_domains, 0)}); every domain needs at least B={num_chunks} "
+        f"{(num_domains, 0)}); every domain needs at least B={B} "
         "examples.")
-  if per_domain % num_chunks:
-    lower = per_domain - per_domain % num_chunks
-    options = [s for s in (lower, lower + num_chunks) if s > 0]
+  if per_domain % B:
+    lower = per_domain - per_domain % B
+    options = [s for s in (lower, lower + B) if s > 0]
     raise ValueError(
-        f"B={num_chunks} does not divide the per-domain batch size "
+        f"B={B} does not divide the per-domain batch size "
         f"{per_domain}. Use a per-domain batch that is a multiple of B (e.g. "
         f"{' or '.join(map(str, options))}), or a B that divides {per_domain}.")
   return num_domains
 
 
-def split_chunks(x: jax.Array, num_chunks: int) -> jax.Array:
-  """Reshapes ``(n, b, ...)`` to ``(n, num_chunks, b / num_chunks, ...)``.
+def split_chunks(x: jax.Array, B: int) -> jax.Array:
+  """Reshapes ``(n, b, ...)`` to ``(n, B, b / B, ...)``.
 
   Under a mesh with explicit axes, a per-domain batch axis sharded over devices
   hands its mesh axes to the within-chunk axis, so every chunk is spread over
@@ -163,7 +173,7 @@ def split_chunks(x: jax.Array, num_chunks: int) -> jax.Array:
   fraction of the devices, and JAX rejects that reshape as ambiguous).
   """
   x = jnp.asarray(x)  # A NumPy batch could not be indexed by the scan.
-  shape = (x.shape[0], num_chunks, x.shape[1] // num_chunks) + x.shape[2:]
+  shape = (x.shape[0], B, x.shape[1] // B) + x.shape[2:]
   sharding = jax.typeof(x).sharding
   spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
   if spec[1] is None:
@@ -186,8 +196,7 @@ def vary_over(tree: Any, axis_name: Any) -> Any:
 
 
 def check_loss_fn(
-    loss_fn: Any, params: optax.Params, batch: Any, has_aux: bool,
-    model_state: Any = None,
+    loss_fn: Any, params: optax.Params, batch: Any, model_state: Any = None,
 ) -> Any:
   """Checks at trace time that ``loss_fn`` returns what :func:`rollout` says.
 
@@ -200,33 +209,25 @@ def check_loss_fn(
         f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
         "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
   stateful = model_state is not None
-  if stateful and has_aux:
-    raise ValueError(
-        "has_aux=True cannot be combined with a model state: with a model "
-        "state, loss_fn(params, batch, model_state) returns "
-        "(loss, new_model_state). Build the transform with has_aux=False.")
   jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
       params, batch, *([model_state] if stateful else []))
-  if stateful or has_aux:
+  if stateful:
     if not (isinstance(out, tuple) and len(out) == 2):
       raise TypeError(
           "With a model state, loss_fn(params, batch, model_state) must return "
-          f"(loss, new_model_state); got {out}." if stateful else
-          f"With has_aux=True, loss_fn must return (loss, aux); got {out}.")
+          f"(loss, new_model_state); got {out}.")
     out, new_state = out
-  elif isinstance(out, tuple):
-    raise TypeError("loss_fn returned a tuple; if it returns (loss, aux), "
-                    "build the transform with has_aux=True.")
-  if stateful:
-    expected = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)),
-                            model_state)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), new_state)
-    if (jax.tree.structure(expected) != jax.tree.structure(got)
-        or expected != got):
+    if not same_shapes(model_state, new_state):
       raise TypeError(
           "loss_fn's new model state must have the structure, shapes and "
-          f"dtypes of the model state it was given: expected {expected}, got "
-          f"{got}.")
+          "dtypes of the model state it was given: expected "
+          f"{tree_shapes(model_state)}, got {tree_shapes(new_state)}.")
+  elif isinstance(out, tuple):
+    raise TypeError(
+        "loss_fn returned a tuple; it must return the loss alone: drop an "
+        "auxiliary output, e.g. loss_fn=lambda p, b: f(p, b)[0]. A loss that "
+        "updates a model state takes it as its third argument with the "
+        "model_state= extra and returns (loss, new_model_state).")
   if getattr(out, "shape", None) != () or not jnp.issubdtype(
       out.dtype, jnp.floating):
     raise TypeError(
@@ -234,6 +235,19 @@ def check_loss_fn(
         f"shape={getattr(out, 'shape', None)} dtype={getattr(out, 'dtype', None)}"
         ". Reduce it, e.g. with .mean(), over the batch.")
   return jaxpr
+
+
+def same_shapes(a: Any, b: Any) -> bool:
+  """Whether two pytrees have the same structure, leaf shapes and dtypes, so
+  that one can stand in for the other in a traced program."""
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      jnp.shape(x) == jnp.shape(y) and jnp.result_type(x) == jnp.result_type(y)
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def tree_shapes(tree: Any) -> Any:
+  """``tree`` with each leaf replaced by its ``(shape, dtype)``, to show."""
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
 
 
 def rollout(
@@ -252,9 +266,8 @@ def rollout(
   """Takes one inner-optimizer step per scheduled (domain, chunk).
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), or with
-      a ``model_state``, ``loss_fn(params, batch, model_state) -> (loss,
-      new_model_state)``.
+    loss_fn: ``loss_fn(params, batch) -> loss``, or with a ``model_state``,
+      ``loss_fn(params, batch, model_state) -> (loss, new_model_state)``.
     inner_opt: the Optax transform of the inner steps.
     params: ``theta_0``.
     inner_state: the inner optimizer state to start from.
@@ -270,18 +283,40 @@ def rollout(
 
   Returns:
     A :class:`Rollout`.
+
+  Raises:
+    ValueError, TypeError: when traced, naming the fix, for batches that
+      :func:`check_batches` refuses or a ``loss_fn`` that does not return
+      what is described above.
   """
-  num_chunks = options.num_chunks
-  check_batches(batches, num_chunks)
-  chunked = jax.tree.map(lambda x: split_chunks(x, num_chunks), batches)
+  check_batches(batches, options.B)
+  return take_steps(loss_fn, inner_opt, params, inner_state, batches, domains,
+                    chunks, options, layout=layout, model_state=model_state)
+
+
+def take_steps(
+    loss_fn: Callable[..., Any],
+    inner_opt: optax.GradientTransformation,
+    params: optax.Params,
+    inner_state: optax.OptState,
+    batches: Any,
+    domains: jax.Array,
+    chunks: jax.Array,
+    options: RolloutOptions,
+    *,
+    layout: layout_lib.TrajectoryLayout | None,
+    model_state: Any,
+) -> Rollout:
+  """:func:`rollout` on batches that :func:`check_batches` has accepted, as
+  ``pgrad`` and ``fish`` call it, having checked them once."""
+  chunked = jax.tree.map(lambda x: split_chunks(x, options.B), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
-  loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, options.has_aux,
-                             model_state)
+  loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, model_state)
   if layout is None:
     layout = layout_lib.default_layout(loss_jaxpr, options.unroll)
   stateful = model_state is not None
   axis_name = options.axis_name
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=options.has_aux or stateful)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=stateful)
 
   def displacement(theta):
     return jax.tree.map(lambda t, t0: t - t0, theta, params)
@@ -295,8 +330,6 @@ def rollout(
     loss, grads = grad_fn(varying, batch, *([model] if stateful else []))
     if stateful:
       loss, model = loss
-    elif options.has_aux:
-      loss = loss[0]
     if axis_name is not None:
       loss, grads = jax.lax.pmean((loss, grads), axis_name)
       # Integer state (e.g. a step counter) is the same on every device.

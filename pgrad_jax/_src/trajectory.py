@@ -126,7 +126,8 @@ def num_steps(trajectory: Any) -> int:
 
 
 def gram(trajectory: Any) -> jax.Array:
-  """``K[i, j] = <D_i, D_j>`` over the stored steps, leaf by leaf.
+  """The Gram matrix ``K[i, j] = <D_i, D_j>`` of the stored steps (without
+  theta_0's zero row and column), leaf by leaf.
 
   Accumulated in at least float32. A stacked leaf is contracted over its own
   axes, never reshaped; an interleaved leaf is a batch of tiles.

@@ -25,9 +25,11 @@ class PGradState(NamedTuple):
   Attributes:
     inner_state: the inner optimizer's state, carried from one outer step to
       the next unless ``reset_inner_state=True``.
-    model_state: None, or after an update given ``model_state=``, the model
-      state the rollout's last inner step left; read it by name,
-      ``optax.tree_utils.tree_get(state, "model_state")``.
+    model_state: the model state (e.g. BatchNorm statistics) the rollout's
+      last inner step left; read it by name,
+      ``optax.tree_utils.tree_get(state, "model_state")``. ``init`` sets it
+      to None, or, wrapped by :func:`with_model_state`, to the initial model
+      state, which fixes its structure from the start.
     key: the PRNG key of the random domain order.
     eigenvalues: ``(num_domains * B + 1,)`` spectrum of the last trajectory's
       centred Gram matrix, descending.
@@ -63,14 +65,36 @@ class FishState(NamedTuple):
   num_skipped: jax.Array
 
 
+def _check_model_state(name: str, model_state: Any, held: Any) -> None:
+  """Checks the ``model_state=`` extra against the one the state holds.
+
+  A state without one (None, as ``init`` leaves it) accepts any; a state
+  from :func:`with_model_state` needs one like its own, so that the update
+  returns a state of the same structure.
+  """
+  if held is None:
+    return
+  if model_state is None:
+    raise ValueError(
+        f"This {name} state holds a model state (from with_model_state), so "
+        "every update needs one: tx.update(..., model_state=...), e.g. "
+        "optax.tree_utils.tree_get(state, 'model_state').")
+  if not rollout_lib.same_shapes(model_state, held):
+    raise ValueError(
+        f"The model_state given to {name}.update must have the structure, "
+        "shapes and dtypes of the one given to with_model_state: expected "
+        f"{rollout_lib.tree_shapes(held)}, got "
+        f"{rollout_lib.tree_shapes(model_state)}.")
+
+
 def _rollout_transform(
     name: str,
     inner_opt: optax.GradientTransformation,
+    order: rollout_lib.Order,
     options: rollout_lib.RolloutOptions,
     from_rollout: Callable[[rollout_lib.Rollout],
                            principal_lib.PrincipalGradient],
     *,
-    order: rollout_lib.Order,
     reset_inner_state: bool,
     nonfinite: NonFinite,
     num_domains: int | None,
@@ -79,14 +103,13 @@ def _rollout_transform(
   """The machinery :func:`pgrad` and :func:`fish` share around a rollout.
 
   ``from_rollout`` turns the rollout into the update and its diagnostics
-  (``eigenvalues`` None for fish).
+  (``eigenvalues`` None for fish). Every option is checked here, once.
   """
-  validation.one_of("order", order, rollout_lib.Order)
+  schedule = rollout_lib.make_schedule(options.B, order)
   validation.one_of("nonfinite", nonfinite, NonFinite)
   if num_domains is not None:
     num_domains = validation.positive_int("num_domains", num_domains)
-  num_chunks = options.num_chunks
-  num_steps = 0 if num_domains is None else num_domains * num_chunks
+  num_steps = 0 if num_domains is None else num_domains * options.B
 
   def make_state(eigenvalues, losses, **fields):
     # Absent diagnostics are None, not empty arrays, which checkpointers
@@ -126,7 +149,8 @@ def _rollout_transform(
       raise ValueError(
           f"{name}.update needs params: "
           "tx.update(grads, state, params, loss_fn=..., batches=...).")
-    n = rollout_lib.check_batches(batches, num_chunks)
+    _check_model_state(name, model_state, state.model_state)
+    n = rollout_lib.check_batches(batches, options.B)
     if num_domains is not None and n != num_domains:
       raise ValueError(
           f"batches hold {n} domains but {name} was built with "
@@ -134,13 +158,12 @@ def _rollout_transform(
 
     # Step 1: roll out.
     key, order_key = jax.random.split(state.key)
-    domains, chunks = rollout_lib.domain_schedule(order_key, n, num_chunks,
-                                                  order)
+    domains, chunks = schedule(order_key, n)
     inner_state = inner_opt.init(params) if reset_inner_state else (
         state.inner_state)
-    rolled = rollout_lib.rollout(
+    rolled = rollout_lib.take_steps(
         loss_fn, inner_opt, params, inner_state, batches, domains, chunks,
-        options, model_state=model_state)
+        options, layout=None, model_state=model_state)
     # Steps 2 to 6 (pgrad), or the end point (fish).
     step = from_rollout(rolled)
     update = jax.tree.map(lambda u, p: u.astype(p.dtype), step.update, params)
@@ -178,17 +201,12 @@ def pgrad(
     B: int = 1,
     *,
     order: rollout_lib.Order = "random",
-    weighting: principal_lib.Weighting = "l2",
-    calibrate_length: bool = True,
-    components: principal_lib.Components = "top",
+    principal: principal_lib.PrincipalOptions = principal_lib.PrincipalOptions(),
     parallel: bool = False,
     reset_inner_state: bool = False,
-    has_aux: bool = False,
     nonfinite: NonFinite = "skip",
     unroll: int | bool | None = None,
     trajectory_dtype: Any = None,
-    gram_dtype: Any = None,
-    rtol: float | None = None,
     axis_name: str | None = None,
     num_domains: int | None = None,
     seed: int = 0,
@@ -204,16 +222,16 @@ def pgrad(
 
   Args:
     inner_opt: the Optax transform of the inner steps (the paper: Adam).
-    k, weighting, calibrate_length, components, rtol: as in
-      :func:`principal_gradient`.
+    k: how many principal components to use; more than available uses all.
     B: chunks per domain batch (PGrad-B uses 3); must divide the batch size.
     order: ``"random"`` (PGrad) or ``"fixed"`` (PGrad-F): see
       :func:`domain_schedule`.
+    principal: a :class:`PrincipalOptions`, how the principal gradient is
+      weighted, cut off and computed; its defaults are the paper's.
     parallel: every inner step starts from ``theta_0`` (PGradParallel), the
       inner state still threading through; the reference becomes ``theta_0``
       minus the mean of the rollout's points.
     reset_inner_state: re-initialise the inner optimizer every outer step.
-    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is dropped.
     nonfinite: ``"skip"``: if an inner loss, the update or the new model
       state is not finite, the update is zero, the inner and model states are
       kept and ``num_skipped`` counts it; ``"propagate"``: no check.
@@ -221,7 +239,6 @@ def pgrad(
       pick it for the devices and the loss.
     trajectory_dtype: dtype of the stored displacements, e.g. ``jnp.bfloat16``
       to halve their memory; None keeps the params' dtypes.
-    gram_dtype: the ``dtype`` of :func:`principal_gradient`.
     axis_name: inside ``shard_map``/``pmap`` with the batch split over this
       axis, average gradients, losses and a floating model state over it.
     num_domains: the number of training domains, checked against
@@ -256,20 +273,22 @@ def pgrad(
     Generalization <https://openreview.net/forum?id=CgCmwcfgEdH>`_, ICLR 2023.
   """
   k = validation.positive_int("k", k)
-  validation.one_of("weighting", weighting, principal_lib.Weighting)
-  validation.one_of("components", components, principal_lib.Components)
+  if not isinstance(principal, principal_lib.PrincipalOptions):
+    raise TypeError(
+        "principal must be a pgrad_jax.PrincipalOptions, e.g. "
+        f"principal=pgrad_jax.PrincipalOptions(components='bottom'); got "
+        f"{principal!r}.")
   options = rollout_lib.RolloutOptions(
-      num_chunks=B, parallel=parallel, has_aux=has_aux, unroll=unroll,
-      trajectory_dtype=trajectory_dtype, axis_name=axis_name)
+      B=B, parallel=parallel, unroll=unroll, trajectory_dtype=trajectory_dtype,
+      axis_name=axis_name)
+  reference = "mean" if parallel else "end"
 
   def principal_step(rolled):
     return principal_lib.principal_gradient(
-        rolled.displacements, k, weighting=weighting,
-        calibrate_length=calibrate_length, components=components,
-        reference="mean" if parallel else "end", rtol=rtol, dtype=gram_dtype)
+        rolled.displacements, k, principal, reference=reference)
 
   return _rollout_transform(
-      "pgrad", inner_opt, options, principal_step, order=order,
+      "pgrad", inner_opt, order, options, principal_step,
       reset_inner_state=reset_inner_state, nonfinite=nonfinite,
       num_domains=num_domains, seed=seed)
 
@@ -280,7 +299,6 @@ def fish(
     *,
     order: rollout_lib.Order = "random",
     reset_inner_state: bool = False,
-    has_aux: bool = False,
     nonfinite: NonFinite = "skip",
     unroll: int | bool | None = None,
     axis_name: str | None = None,
@@ -295,8 +313,8 @@ def fish(
 
   Args:
     inner_opt: the Optax transform of the inner steps (Fish uses Adam).
-    B, order, reset_inner_state, has_aux, nonfinite, unroll, axis_name,
-      num_domains, seed: as in :func:`pgrad`.
+    B, order, reset_inner_state, nonfinite, unroll, axis_name, num_domains,
+      seed: as in :func:`pgrad`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`FishState`;
@@ -319,8 +337,7 @@ def fish(
     <https://arxiv.org/abs/2104.09937>`_, ICLR 2022.
   """
   options = rollout_lib.RolloutOptions(
-      num_chunks=B, has_aux=has_aux, unroll=unroll, axis_name=axis_name,
-      store_trajectory=False)
+      B=B, unroll=unroll, axis_name=axis_name, store_trajectory=False)
 
   def end_point(rolled):
     update = jax.tree.map(lambda d: -d, rolled.point(-1))
@@ -328,6 +345,50 @@ def fish(
     return principal_lib.PrincipalGradient(update, None, ref_norm)
 
   return _rollout_transform(
-      "fish", inner_opt, options, end_point, order=order,
+      "fish", inner_opt, order, options, end_point,
       reset_inner_state=reset_inner_state, nonfinite=nonfinite,
       num_domains=num_domains, seed=seed)
+
+
+def with_model_state(
+    tx: optax.GradientTransformation, model_state: Any,
+) -> optax.GradientTransformationExtraArgs:
+  """``tx`` whose ``init`` puts ``model_state`` in its state from the start.
+
+  ``init`` sees only the params, so a :func:`pgrad` or :func:`fish` state
+  holds None as its ``model_state`` until the first update given
+  ``model_state=``; its structure then changes, which makes a jitted step
+  trace twice and ``flax.nnx.Optimizer`` fail. Wrapped, the state holds the
+  initial model state (e.g. ``nnx.state(model, nnx.BatchStat)``) from
+  ``init`` on, and every update must be given a model state like it.
+
+  Args:
+    tx: ``pgrad`` or ``fish``, alone or in a chain (the field is found by
+      name, as ``optax.tree_utils.tree_set`` finds it).
+    model_state: the initial model state.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``: ``tx`` with that ``init``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import pgrad_jax
+    >>> params = {"w": jnp.zeros(2)}
+    >>> tx = pgrad_jax.with_model_state(
+    ...     optax.chain(pgrad_jax.fish(optax.sgd(0.1)), optax.sgd(0.5)),
+    ...     {"mean": jnp.zeros(2)})
+    >>> optax.tree_utils.tree_get(tx.init(params), "model_state")
+    {'mean': Array([0., 0.], dtype=float32)}
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def init_fn(params):
+    state = tx.init(params)
+    try:
+      return optax.tree_utils.tree_set(state, model_state=model_state)
+    except KeyError:
+      raise ValueError(
+          "with_model_state needs a transform whose state has a model_state "
+          "field: pgrad or fish, alone or in an optax.chain.") from None
+
+  return optax.GradientTransformationExtraArgs(init_fn, tx.update)

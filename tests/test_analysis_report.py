@@ -3,6 +3,7 @@ and a tiny real sweep."""
 
 import json
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,12 +13,13 @@ from matplotlib.figure import Figure
 
 from experiments import catalog
 from experiments import convergence
-from experiments import model_selection
-from experiments import plots
-from experiments import report
+from experiments.analysis import model_selection
+from experiments.analysis import plots
+from experiments import records as records_lib
+from experiments.analysis import report
 from experiments import sweep
 from test_convergence import _run as converging_run
-from test_model_selection import make_record, write_runs
+from test_analysis_model_selection import make_record, write_runs
 
 # {(dataset, algorithm): {held-out env: {trial: test accuracy}}}, one hparam
 # draw. ColoredDigits has 3 domains; "Toy" (not registered) has 2.
@@ -166,6 +168,29 @@ def test_training_table_gives_the_steps_the_runs_trained():
   assert row[header.index("steps (median; most)")] == "30; 50"
 
 
+def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys):
+  write_runs(tmp_path / "sweep", sweep_records())
+  damaged = sorted((tmp_path / "sweep").iterdir())[0]
+  lines = (damaged / "results.jsonl").read_text().splitlines(keepends=True)
+  (damaged / "results.jsonl").write_text("".join(reversed(lines)))
+  (damaged / "done").write_text("")
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  why = (f"{damaged / 'results.jsonl'} (a finished run): line 2 is of step "
+         f"{STEPS[0]}, after step {STEPS[1]}")
+  assert f"Skipped {damaged}, its records damaged: {why}" in (
+      capsys.readouterr().err)
+  total = len(sweep_records())
+  assert (f"{total - len(STEPS)} records; 1 runs skipped, their records "
+          f"damaged: {damaged}. Cells:") in (
+              tmp_path / "out" / "results.md").read_text()
+
+
+def test_plots_name_domains_as_the_records_do():
+  assert plots.domain_name(1, ["0°", "15°"]) == "env1 (15°)"
+  assert plots.domain_name(1, None) == "env1"  # Records before names.
+
+
 def test_missing_input_fails(tmp_path):
   assert report.main(["--input_dir", str(tmp_path),
                       "--output_dir", str(tmp_path / "out")]) == 1
@@ -208,6 +233,7 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
           extra = {}  # Records of an older run: no losses.
         records.append(make_record("ColoredDigits", algorithm, 0, 0, trial,
                                    step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                                   domains=DOMAIN_NAMES["ColoredDigits"],
                                    **extra))
   written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
   plots_by_caption = {plot.caption: plot for plot in written}
@@ -219,10 +245,16 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
   for plot in written:
     assert plot.path.read_bytes().startswith(b"\x89PNG")
 
+  # Every figure names the dataset and the held-out domain, and domains go
+  # by their names.
+  held_out = "ColoredDigits, held out env0 (+90%)"
+  accuracy = plots_by_caption["held-out accuracy"].figure.axes[0]
+  assert accuracy.get_title() == held_out
   loss = plots_by_caption["training loss per domain"].figure
+  assert loss.get_suptitle() == held_out
   panels = loss.axes
-  assert [a.get_title() for a in panels] == ["training domain 1",
-                                             "training domain 2"]
+  assert [a.get_title() for a in panels] == [
+      "training domain env1 (+80%)", "training domain env2 (-90%)"]
   assert [a.get_xlabel() for a in panels] == ["step", "step"]
   assert panels[0].get_ylabel() == "training loss"
   # The records came as ERM, PGrad-B, PGrad-F; the legend follows the
@@ -236,7 +268,7 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
       np.testing.assert_allclose(line.get_ydata(), expected)
 
   spectrum = plots_by_caption["PGrad-B eigenvalue spectrum"].figure.axes[0]
-  assert spectrum.get_title() == "PGrad-B"
+  assert spectrum.get_title() == f"PGrad-B: {held_out}"
   assert spectrum.get_ylabel() == "normalised eigenvalue"
   assert [line.get_label() for line in spectrum.get_lines()] == [
       "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
@@ -304,7 +336,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   assert "(plots/ColoredDigits_env0_loss.png)" in text
 
   # The training table: a row per algorithm, each over its one run.
-  records = model_selection.load_records(tiny_sweep)
+  records = records_lib.load_runs(tiny_sweep).records
   training = text.split("## Training\n")[1].split("\n## ")[0]
   table = [line for line in training.splitlines() if line.startswith("|")]
   rows = [line.split("|")[1:-1] for line in table[2:]]  # Header, alignment.
@@ -323,8 +355,9 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   loss = figures["training loss per domain"].axes
-  assert [a.get_title() for a in loss] == ["training domain 1",
-                                           "training domain 2"]
+  # The records of a real run name the domains.
+  assert [a.get_title() for a in loss] == ["training domain env1 (+80%)",
+                                           "training domain env2 (-90%)"]
   assert sorted(t.get_text() for t in loss[0].get_legend().get_texts()) == (
       sorted(TINY_ALGORITHMS))
   spectrum = figures["PGrad-B eigenvalue spectrum"].axes[0]
@@ -407,3 +440,24 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
     (0.0, "0"), (1.133e-5, "1.133e-05"), (999.96, "1000")])
 def test_claim_numbers_keep_four_digits_and_counts_whole(value, text):
   assert report.claim_number(value) == text
+
+
+def test_training_imports_nothing_of_the_analysis():
+  # A fresh interpreter: this one has imported the analysis already.
+  script = ("import sys\n"
+            "from experiments import study, sweep, train, training\n"
+            "print(sorted(m for m in sys.modules if m == 'matplotlib' or "
+            "m.startswith('experiments.analysis')))")
+  out = subprocess.run([sys.executable, "-c", script], check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip() == "[]"
+
+
+def test_the_short_command_runs_the_report(tmp_path):
+  # `python -m experiments.report` stays the command the docs give.
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.report", "--input_dir",
+       str(tmp_path), "--output_dir", str(tmp_path / "report")],
+      capture_output=True, text=True)
+  assert result.returncode == 1
+  assert f"No results.jsonl records under {tmp_path}" in result.stderr

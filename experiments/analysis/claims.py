@@ -1,15 +1,17 @@
 """The paper's claims, measured on the runs of a sweep.
 
-Each claim becomes one number per algorithm in ``claims.json`` and one figure,
-written by ``python -m experiments.report`` next to the tables:
+Each claim becomes one number per algorithm in ``claims.json`` and one figure
+(`experiments.analysis.plots.plot_claims`), written by
+``python -m experiments.analysis.report`` next to the tables:
 
 * Smooth training (PGrad's Q3, Figure 3): the roughness of every training
   domain's loss curve ``env{i}_in_loss`` (see `curve_roughness`) and how
   often one domain's loss rises between evaluations (`rising_rate`), for
   `SMOOTHNESS_ALGORITHMS`.
 * Trajectories (its appendix A.4): the params saved by runs trained with
-  ``--trajectory_freq``, projected to 2-D by PCA and by t-SNE, and the length
-  and straightness of each path (`path_lengths`).
+  ``--trajectory_freq`` (`catalog.TRAJECTORY_ALGORITHMS`), projected to 2-D
+  by PCA and by t-SNE, and the length and straightness of each path
+  (`path_lengths`).
 * Bottom eigenvectors (its Q5, appendix A.7): the mean training loss of
   ``PGrad-Bottom`` against ``PGrad`` over training, and its relative change
   (`loss_changes`).
@@ -28,24 +30,20 @@ run's end, and the trajectory-length comparison reads each run's end.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from experiments import plots
-from experiments.model_selection import Record, by_run, group_by, held_out_env
-from experiments.model_selection import train_envs
+from experiments.analysis.model_selection import by_run, group_by
+from experiments.catalog import TRAJECTORY_ALGORITHMS
+from experiments.records import Record, env_key, held_out_env, train_envs
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
-TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")
 BOTTOM_ALGORITHMS = ("PGrad", "PGrad-Bottom")
 LENGTH_ALGORITHMS = ("PGrad-k1", "PGrad-k2", "PGrad", "PGrad-kall", "PGrad-B")
 MEASURED_HPARAMS_SEED = 0
-TRAJECTORY_DIR = "trajectory"  # As experiments.train writes it.
 # The report's subdirectory for the claims' numbers and figures.
 CLAIMS_DIR = "claims"
 CLAIMS_FILE = "claims.json"
@@ -76,7 +74,7 @@ def curve_roughness(values: Sequence[float]) -> dict[str, float]:
 
 def loss_curves(run: Sequence[Record]) -> np.ndarray:
   """``(training domains, evaluations)``: every training domain's loss."""
-  return np.array([[r[f"env{i}_in_loss"] for r in run]
+  return np.array([[r[env_key(i, "in", "loss")] for r in run]
                    for i in train_envs(run[0])], np.float64)
 
 
@@ -120,19 +118,19 @@ def smoothness(records: Sequence[Record]) -> dict[str, dict[str, float]]:
   return summary
 
 
-def load_trajectory(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+def load_trajectory(
+    files: Mapping[int, Path]
+) -> tuple[np.ndarray, np.ndarray]:
   """The params snapshots of a run trained with ``--trajectory_freq``.
 
   Args:
-    run_dir: the run's output directory.
+    files: its snapshot files by step (`records.trajectory_files`).
 
   Returns:
     ``(steps (T,), points (T, P))`` in step order.
   """
-  files = sorted(p for p in (Path(run_dir) / TRAJECTORY_DIR).glob("*.npy")
-                 if p.stem.isdigit())
-  return (np.array([int(p.stem) for p in files]),
-          np.stack([np.load(p).astype(np.float64) for p in files]))
+  return (np.array(list(files)),
+          np.stack([np.load(p).astype(np.float64) for p in files.values()]))
 
 
 def path_lengths(points: np.ndarray) -> dict[str, float]:
@@ -150,56 +148,6 @@ def path_lengths(points: np.ndarray) -> dict[str, float]:
   displacement = float(np.linalg.norm(points[-1] - points[0]))
   return {"length": length, "displacement": displacement,
           "straightness": displacement / length if length else 1.0}
-
-
-def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
-  """Projects ``(N, P)`` points to ``(N, 2)`` by ``"pca"`` or ``"tsne"``.
-
-  PCA uses the top two principal axes of the centred points; t-SNE is
-  scikit-learn's, initialised by PCA, with a perplexity below the point
-  count as it requires.
-  """
-  if method == "pca":
-    centred = points - points.mean(axis=0)
-    _, _, axes = np.linalg.svd(centred, full_matrices=False)
-    return centred @ axes[:2].T
-  if method == "tsne":
-    from sklearn.manifold import TSNE  # Slow import; only needed here.
-    perplexity = min(30.0, (len(points) - 1) / 3)
-    return TSNE(n_components=2, perplexity=perplexity, init="pca",
-                random_state=seed).fit_transform(points)
-  raise ValueError(f"method must be 'pca' or 'tsne', got {method!r}.")
-
-
-def plot_trajectories(
-    paths: Mapping[str, np.ndarray], path: str | Path
-) -> Figure:
-  """Params paths projected jointly to 2-D, by PCA and by t-SNE.
-
-  Args:
-    paths: ``{label: (T, P) snapshots}``; all share ``P``.
-    path: the PNG to write.
-
-  Returns:
-    The figure: one panel per projection, one line per path, its start
-    marked with a circle.
-  """
-  labels = list(paths)
-  stacked = np.concatenate([paths[label] for label in labels])
-  bounds = np.cumsum([0] + [len(paths[label]) for label in labels])
-  fig = Figure(figsize=(9, 4), layout="constrained")
-  for axes, method in zip(fig.subplots(1, 2), ("pca", "tsne")):
-    projected = project(stacked, method)
-    for label, start, end in zip(labels, bounds[:-1], bounds[1:]):
-      (line,) = axes.plot(*projected[start:end].T, marker=".", label=label)
-      axes.plot(*projected[start], marker="o", markersize=9,
-                color=line.get_color())
-    axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
-    axes.set_xlabel(f"{method} 1")
-    axes.set_ylabel(f"{method} 2")
-    axes.legend()
-  fig.savefig(path, dpi=120)
-  return fig
 
 
 def mean_training_loss(run: Sequence[Record]) -> tuple[np.ndarray, np.ndarray]:
@@ -238,64 +186,9 @@ def loss_changes(records: Sequence[Record]) -> dict[str, dict[str, float]]:
       "runs": len(runs)} for name, runs in whole.items()}
 
 
-def plot_mean_training_loss(
-    records: Sequence[Record], path: str | Path
-) -> Figure:
-  """The mean training-domain loss of every run, one colour per algorithm,
-  on a log scale (it spans several decades)."""
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
-  axes = fig.subplots()
-  colours = {}
-  for run in by_run(records):
-    algorithm = run[0]["args"]["algorithm"]
-    label = None if algorithm in colours else algorithm
-    (line,) = axes.plot(*mean_training_loss(run), label=label,
-                        color=colours.get(algorithm))
-    colours.setdefault(algorithm, line.get_color())
-  axes.set_yscale("log")
-  axes.set_xlabel("step")
-  axes.set_ylabel("mean training-domain loss")
-  axes.legend()
-  fig.savefig(path, dpi=120)
-  return fig
-
-
 def held_out_accuracy(run: Sequence[Record]) -> float:
   """The final held-out domain accuracy of a run (its ``in`` split)."""
-  return float(run[-1][f"env{held_out_env(run[0])}_in_acc"])
-
-
-def plot_roughness_bars(
-    summary: Mapping[str, Mapping[str, float]], path: str | Path
-) -> Figure:
-  """Per algorithm, the excess variation and rising rate of `smoothness`."""
-  names = list(summary)
-  fig = Figure(figsize=(8, 3.5), layout="constrained")
-  for axes, measure_name, label in zip(
-      fig.subplots(1, 2), ("excess_variation", "rising_rate"),
-      ("excess variation of a domain's loss",
-       "intervals where a domain's loss rose")):
-    axes.bar(names, [summary[n][measure_name] for n in names])
-    axes.set_xlabel("algorithm")
-    axes.set_ylabel(label)
-  fig.savefig(path, dpi=120)
-  return fig
-
-
-def plot_accuracy_bars(
-    summary: Mapping[str, Mapping[str, float]], path: str | Path
-) -> Figure:
-  """Mean ± standard error of the final held-out accuracy per algorithm."""
-  names = list(summary)
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
-  axes = fig.subplots()
-  axes.bar(names, [100 * summary[n]["accuracy"] for n in names],
-           yerr=[100 * summary[n]["accuracy_se"] for n in names], capsize=4)
-  axes.set_xlabel("algorithm")
-  axes.set_ylabel("final held-out accuracy (%)")
-  axes.tick_params(axis="x", labelrotation=30)
-  fig.savefig(path, dpi=120)
-  return fig
+  return float(run[-1][env_key(held_out_env(run[0]), "in", "acc")])
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
@@ -336,64 +229,95 @@ def common_steps(records: Sequence[Record]) -> list[Record]:
   return [r for run in runs for r in run if r["step"] <= end]
 
 
-def measure(
-    records: Sequence[Record], input_dir: str | Path, plots_dir: Path
-) -> tuple[dict[str, Any], list[tuple[str, Path]]]:
-  """Measures every claim on a sweep's records and draws its figures.
+class ClaimRecords(NamedTuple):
+  """What the claims read on one dataset (`select`).
+
+  Attributes:
+    smoothness: the records of `SMOOTHNESS_ALGORITHMS`, up to the last step
+      every run reached (`common_steps`).
+    bottom: the records of `BOTTOM_ALGORITHMS` on the held-out domains both
+      have (`same_held_out`); empty without a ``PGrad-Bottom`` run.
+    trajectory_length: the records of `LENGTH_ALGORITHMS` on the held-out
+      domains all of them have.
+    trajectories: ``{(held-out domain, trial_seed): {algorithm: (T, P)
+      params snapshots}}`` of the runs of `catalog.TRAJECTORY_ALGORITHMS`
+      that saved them, in that key order.
+  """
+
+  smoothness: list[Record]
+  bottom: list[Record]
+  trajectory_length: list[Record]
+  trajectories: dict[tuple[int, int], dict[str, np.ndarray]]
+
+
+def select(
+    records: Sequence[Record],
+    trajectories: Sequence[tuple[Record, Mapping[int, Path]]],
+) -> dict[str, ClaimRecords]:
+  """The records and params paths each claim reads, per dataset.
 
   Args:
-    records: all records of the sweep.
-    input_dir: the sweep's directory, searched for runs' ``trajectory/``.
-    plots_dir: where the PNGs go.
+    records: every record of a sweep; those of the default hparams with one
+      held-out domain are read.
+    trajectories: for every run that saved params snapshots, one of its
+      records and its snapshot files (`records.trajectory_files`).
 
   Returns:
-    ``(claims, figures)``: ``{dataset: {claim: numbers}}``, and
-    ``(caption, path)`` of every figure written. Claims whose runs are
-    missing are left out.
+    ``{dataset: ClaimRecords}``, in the records' dataset order.
   """
-  records = [r for r in records if len(r["args"]["test_envs"]) == 1
+  records = [r for r in records
+             if len(r["args"]["test_envs"]) == 1
              and r["args"]["hparams_seed"] == MEASURED_HPARAMS_SEED]
-  trajectories = {}
-  for results in sorted(Path(input_dir).rglob("results.jsonl")):
-    if (results.parent / TRAJECTORY_DIR).is_dir():
-      with results.open() as f:
-        try:
-          args = json.loads(f.readline())["args"]
-        except json.JSONDecodeError:  # Killed before its first record.
-          continue
-      if args["hparams_seed"] != MEASURED_HPARAMS_SEED:
-        continue
-      trajectories[args["dataset"], args["algorithm"],
-                   args["test_envs"][0], args["trial_seed"]] = results.parent
-  claims, figures = {}, []
+  # A later run of the same key replaces an earlier one, in path order.
+  saved = {}
+  for record, files in trajectories:
+    args = record["args"]
+    if (args["hparams_seed"] == MEASURED_HPARAMS_SEED
+        and args["algorithm"] in TRAJECTORY_ALGORITHMS):
+      saved[args["dataset"], args["algorithm"], args["test_envs"][0],
+            args["trial_seed"]] = files
+  selected = {}
   for dataset, recs in group_by(records,
                                 lambda r: r["args"]["dataset"]).items():
+    bottom = same_held_out(_select(recs, BOTTOM_ALGORITHMS))
+    if not any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
+      bottom = []
+    paths = {}
+    for (d, algorithm, env, trial), files in saved.items():
+      if d == dataset:
+        paths.setdefault((env, trial), {})[algorithm] = load_trajectory(
+            files)[1]
+    selected[dataset] = ClaimRecords(
+        smoothness=common_steps(_select(recs, SMOOTHNESS_ALGORITHMS)),
+        bottom=bottom,
+        trajectory_length=same_held_out(_select(recs, LENGTH_ALGORITHMS)),
+        trajectories=dict(sorted(paths.items())))
+  return selected
+
+
+def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
+  """Measures every claim.
+
+  Args:
+    selected: what the claims read, per dataset (`select`).
+
+  Returns:
+    ``{dataset: {claim: {algorithm: numbers}}}``. Claims whose runs are
+    missing are left out, and datasets without any claim.
+  """
+  claims = {}
+  for dataset, inputs in selected.items():
     found = {}
-    smooth = common_steps(_select(recs, SMOOTHNESS_ALGORITHMS))
-    if smooth:
-      measured = smoothness(smooth)
+    if inputs.smoothness:
+      measured = smoothness(inputs.smoothness)
       found["smoothness"] = {a: measured[a] for a in SMOOTHNESS_ALGORITHMS
                              if a in measured}
-      path = plots_dir / f"{dataset}_roughness.png"
-      plot_roughness_bars(found["smoothness"], path)
-      figures.append((f"{dataset}: roughness of the training-domain losses",
-                      path))
-      for env, env_recs in sorted(group_by(smooth, held_out_env).items()):
-        path = plots_dir / f"{dataset}_env{env}_smoothness.png"
-        plots.plot_loss_curves(env_recs, path)
-        figures.append((f"{dataset}, held-out env{env}: training loss per "
-                        "domain (smoothness)", path))
-    bottom = same_held_out(_select(recs, BOTTOM_ALGORITHMS))
-    if any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
-      found["bottom"] = loss_changes(bottom)
-      path = plots_dir / f"{dataset}_bottom_loss.png"
-      plot_mean_training_loss(bottom, path)
-      figures.append((f"{dataset}: mean training loss, bottom against top "
-                      "eigenvectors", path))
-    lengths = same_held_out(_select(recs, LENGTH_ALGORITHMS))
-    if lengths:
+    if inputs.bottom:
+      found["bottom"] = loss_changes(inputs.bottom)
+    if inputs.trajectory_length:
       accuracy = group_by(((run[0]["args"]["algorithm"], held_out_accuracy(run))
-                           for run in by_run(lengths)), lambda p: p[0])
+                           for run in by_run(inputs.trajectory_length)),
+                          lambda p: p[0])
       summary = {}
       for algorithm in LENGTH_ALGORITHMS:
         if algorithm in accuracy:
@@ -401,24 +325,10 @@ def measure(
           summary[algorithm] = {"accuracy": mean, "accuracy_se": se,
                                 "runs": len(accuracy[algorithm])}
       found["trajectory_length"] = summary
-      path = plots_dir / f"{dataset}_trajectory_length.png"
-      plot_accuracy_bars(summary, path)
-      figures.append((f"{dataset}: final held-out accuracy against k and B",
-                      path))
-    paths = {}
-    for (d, algorithm, env, trial), run_dir in trajectories.items():
-      if d == dataset and algorithm in TRAJECTORY_ALGORITHMS:
-        paths.setdefault((env, trial), {})[algorithm] = load_trajectory(
-            run_dir)[1]
     shapes = {}
-    for (env, trial), by_algorithm in sorted(paths.items()):
+    for by_algorithm in inputs.trajectories.values():
       for algorithm, points in by_algorithm.items():
         shapes.setdefault(algorithm, []).append(path_lengths(points))
-      if len(by_algorithm) == len(TRAJECTORY_ALGORITHMS):
-        path = plots_dir / f"{dataset}_env{env}_trial{trial}_trajectory.png"
-        plot_trajectories(by_algorithm, path)
-        figures.append((f"{dataset}, held-out env{env}, trial {trial}: params "
-                        "paths", path))
     if shapes:
       found["trajectories"] = {
           algorithm: {**{m: float(np.mean([s[m] for s in runs]))
@@ -426,4 +336,4 @@ def measure(
           for algorithm, runs in shapes.items()}
     if found:
       claims[dataset] = found
-  return claims, figures
+  return claims

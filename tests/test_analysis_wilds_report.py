@@ -1,10 +1,10 @@
-"""Tests for experiments/wilds_report.py and the report's WILDS section."""
+"""Tests for experiments/analysis/wilds_report.py and the report's WILDS section."""
 
 import numpy as np
 
-from experiments import report
+from experiments.analysis import report
 from experiments import wilds
-from experiments import wilds_report
+from experiments.analysis import wilds_report
 
 DOMAINS = ["a", "b", *wilds.EVAL_SPLITS]  # val is env4, test env5.
 

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from experiments import model_selection as ms
+from experiments.analysis import model_selection as ms
+from experiments import records as records_lib
 
 
 def make_record(dataset, algorithm, test_env, hparams_seed, trial_seed, step,
@@ -26,8 +27,9 @@ def make_record(dataset, algorithm, test_env, hparams_seed, trial_seed, step,
 
 
 def write_runs(root, records):
-  """Writes records to ``root/<run>/results.jsonl``, a directory per run."""
-  for r in records:
+  """Writes records to ``root/<run>/results.jsonl``, a directory per run, in
+  step order."""
+  for r in sorted(records, key=lambda r: r["step"]):
     a = r["args"]
     run = (f"{a['dataset']}_{a['algorithm']}_{a['test_envs']}"
            f"_h{a['hparams_seed']}_t{a['trial_seed']}")
@@ -102,7 +104,7 @@ def test_selected_accuracies_from_results_files(tmp_path, method):
   # A truncated last line, as a killed run leaves, is skipped.
   with open(next(tmp_path.glob("*/results.jsonl")), "a") as f:
     f.write('{"args": {"dat')
-  records = ms.load_records(tmp_path)
+  records = records_lib.load_runs(tmp_path).records
   assert len(records) == 12
 
   selected = ms.selected_accuracies(records, method)

@@ -1,4 +1,4 @@
-"""Tests for experiments/claims.py.
+"""Tests for experiments/analysis/claims.py.
 
 The numbers are checked against float64 NumPy loops on hand-made records;
 `test_report.py` checks the figures the report command draws from them.
@@ -8,9 +8,9 @@ The numbers are checked against float64 NumPy loops on hand-made records;
 import numpy as np
 import pytest
 
-from experiments import claims
-from experiments import sweep
-from test_model_selection import make_record
+from experiments.analysis import claims
+from experiments.analysis import plots
+from test_analysis_model_selection import make_record
 
 def _roughness_by_loop(values):
   total = 0.0
@@ -80,23 +80,14 @@ def test_path_lengths_and_pca_projection_as_numpy():
   np.testing.assert_allclose(
       [lengths["length"], lengths["displacement"], lengths["straightness"]],
       [length, displacement, displacement / length], rtol=1e-12)
-  projected = claims.project(points, "pca")
+  projected = plots.project(points, "pca")
   distances = lambda x: np.linalg.norm(x[:, None] - x[None], axis=-1)
   np.testing.assert_allclose(distances(projected), distances(coordinates),
                              atol=1e-9)
-  embedded = claims.project(points, "tsne")
+  embedded = plots.project(points, "tsne")
   assert embedded.shape == (12, 2) and np.all(np.isfinite(embedded))
   with pytest.raises(ValueError, match="pca"):
-    claims.project(points, "umap")
-
-
-def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
-  runs = sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
-                         algorithms=["ERM", "Fish"], n_hparams=2, n_trials=1,
-                         test_envs=[0], trajectory_freq=5)
-  saved = {(r.args["algorithm"], r.args["hparams_seed"])
-           for r in runs if "trajectory_freq" in r.args}
-  assert saved == {("ERM", 0)}
+    plots.project(points, "umap")
 
 
 def test_comparisons_keep_the_held_out_domains_every_algorithm_has():

@@ -1,8 +1,8 @@
 """DomainBed's model selection over the records of a sweep.
 
-A *record* is one line of a run's ``results.jsonl``: the run's ``args`` and
-``hparams`` plus the accuracies of one evaluation (``env{i}_in_acc`` and
-``env{i}_out_acc`` for every domain ``i``). A *run* is one
+A *record* is one evaluation of a run (`experiments.records`): the run's
+``args`` and ``hparams`` plus the accuracies of every domain ``i``,
+``env{i}_in_acc`` and ``env{i}_out_acc``. A *run* is one
 ``(dataset, algorithm, test env, hparams_seed, trial_seed)`` training job.
 
 As in DomainBed (Gulrajani & Lopez-Paz, ICLR 2021), a selection method first
@@ -22,16 +22,12 @@ from __future__ import annotations
 import abc
 import collections
 import json
-import re
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-Record = dict[str, Any]
-
-_OUT_ACC_KEY = re.compile(r"env(\d+)_out_acc")
+from experiments.records import Record, env_key, held_out_env, train_envs
 
 
 class RunAccuracy(NamedTuple):
@@ -39,26 +35,6 @@ class RunAccuracy(NamedTuple):
 
   val_acc: float
   test_acc: float
-
-
-def load_records(input_dir: str | Path) -> list[Record]:
-  """Reads every ``results.jsonl`` below a directory, at any depth.
-
-  Args:
-    input_dir: the directory, typically a sweep's output directory.
-
-  Returns:
-    All records, in path order and then line order.
-  """
-  records = []
-  for path in sorted(Path(input_dir).rglob("results.jsonl")):
-    for line in path.read_text().splitlines():
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        # A run killed while writing leaves a truncated last line.
-        continue
-  return records
 
 
 def group_by(
@@ -77,23 +53,6 @@ def by_run(records: Sequence[Record]) -> list[list[Record]]:
       {k: v for k, v in r["args"].items() if k != "output_dir"},
       sort_keys=True))
   return [sorted(run, key=lambda r: r["step"]) for run in runs.values()]
-
-
-def held_out_env(record: Record) -> int:
-  """The single held-out domain of a record's run."""
-  (env,) = record["args"]["test_envs"]
-  return env
-
-
-def train_envs(record: Record) -> list[int]:
-  """The training domains of a record's run: all but the held-out ones."""
-  held_out = record["args"]["test_envs"]
-  return [i for i in range(num_envs(record)) if i not in held_out]
-
-
-def num_envs(record: Record) -> int:
-  """The number of domains a record has accuracies for."""
-  return sum(bool(_OUT_ACC_KEY.fullmatch(key)) for key in record)
 
 
 class SelectionMethod(abc.ABC):
@@ -150,9 +109,9 @@ class TrainingDomainValidation(SelectionMethod):
   @classmethod
   def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
     def checkpoint_acc(record: Record) -> RunAccuracy:
-      val = [record[f"env{i}_out_acc"] for i in train_envs(record)]
+      val = [record[env_key(i, "out", "acc")] for i in train_envs(record)]
       return RunAccuracy(float(np.mean(val)),
-                         record[f"env{held_out_env(record)}_in_acc"])
+                         record[env_key(held_out_env(record), "in", "acc")])
 
     return max(map(checkpoint_acc, run_records), key=lambda acc: acc.val_acc)
 
@@ -170,9 +129,8 @@ class OracleSelection(SelectionMethod):
   def run_acc(cls, run_records: Sequence[Record]) -> RunAccuracy:
     last = max(run_records, key=lambda r: r["step"])
     held_out = held_out_env(last)
-    return RunAccuracy(
-        last[f"env{held_out}_out_acc"], last[f"env{held_out}_in_acc"]
-    )
+    return RunAccuracy(last[env_key(held_out, "out", "acc")],
+                       last[env_key(held_out, "in", "acc")])
 
 
 SELECTION_METHODS: tuple[type[SelectionMethod], ...] = (

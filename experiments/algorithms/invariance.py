@@ -1,0 +1,356 @@
+"""Invariant features: IRM, MMD, DANN and CORAL, as DomainBed's.
+
+Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
+unless another file is named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from experiments import models
+from experiments import tasks
+from experiments.algorithms import base
+
+# The bandwidths of MMD's Gaussian kernels (``gaussian_kernel``, line 994).
+MMD_GAMMAS = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0)
+
+
+def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+  """IRMv1's penalty of every domain, as DomainBed computes it.
+
+  The penalty is the squared gradient of the domain's risk with respect to a
+  scalar multiplier ``s`` of the outputs, at ``s = 1``. DomainBed estimates the
+  square without bias as the product of the gradients of two halves of the
+  batch: the even and the odd examples (``_irm_penalty``, lines 590-598).
+
+  Args:
+    outputs: ``(n, b, C)`` logits, or ``(n, b, 1)`` predicted values.
+    labels: ``(n, b)`` classes or regression targets.
+
+  Returns:
+    ``(n,)`` penalties, one per domain.
+  """
+
+  def risk(scale, outputs, labels):
+    return tasks.example_loss(outputs * scale, {"label": labels}).mean()
+
+  def domain_penalty(outputs, labels):
+    grad = jax.grad(risk)
+    return (grad(1.0, outputs[::2], labels[::2])
+            * grad(1.0, outputs[1::2], labels[1::2]))
+
+  return jax.vmap(domain_penalty)(outputs, labels)
+
+
+def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+        seed: int) -> base.Algorithm:
+  """IRMv1 (Arjovsky et al., 2019) as in DomainBed (lines 581-634).
+
+  The objective is the mean over domains of the risk plus ``irm_lambda``
+  times the mean of `irm_penalty` (lines 608-618), of one forward pass over
+  all domains (line 609). Before step ``irm_penalty_anneal_iters`` the
+  penalty's weight is 1 (DomainBed's warm-up, not 0; lines 602-604); at that
+  step it becomes ``irm_lambda`` and Adam restarts (`base.restart_at_anneal`,
+  lines 620-626).
+  """
+  del num_domains, seed
+  tx = base.adam(hparams)
+  weight, anneal = hparams["irm_lambda"], hparams["irm_penalty_anneal_iters"]
+
+  def objective(params, stats, batches, count):
+    n, b = batches["label"].shape
+    batch = base.merge_domains(batches)
+    outputs, stats = network.logits(params, stats, batch["image"],
+                                    batch["key"][0])
+    nll = tasks.example_loss(outputs, batch).mean()
+    penalty = irm_penalty(outputs.reshape(n, b, -1), batches["label"]).mean()
+    objective = nll + jnp.where(count >= anneal, weight, 1.0) * penalty
+    return objective, (stats, {"loss": objective, "nll": nll,
+                               "penalty": penalty})
+
+  def update(params, stats, state, batches, key):
+    batches = base.with_example_keys(batches, key)
+    grads, (stats, metrics) = jax.grad(objective, has_aux=True)(
+        params, stats, batches, state.count)
+    opt_state = base.restart_at_anneal(tx, params, state.opt_state,
+                                       state.count, anneal)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, stats, base.AnnealState(opt_state, state.count + 1), metrics
+
+  return base.Algorithm(
+      lambda params: base.AnnealState(tx.init(params),
+                                      jnp.zeros((), jnp.int32)),
+      update)
+
+
+def coral_penalty(features: jax.Array) -> jax.Array:
+  """DomainBed's CORAL penalty: feature mean and covariance gaps of domains.
+
+  For every pair of domains ``i < j``, the mean over features of the squared
+  difference of their feature means, plus the mean over feature pairs of the
+  squared difference of their covariances (unbiased, ``1 / (b - 1)``),
+  averaged over the ``n (n - 1) / 2`` pairs (``mmd``'s ``mean_cov`` branch,
+  lines 1011-1021; the average, lines 1032-1039).
+
+  Args:
+    features: ``(n, b, F)``, every domain's batch of features.
+
+  Returns:
+    The scalar penalty; 0 with one domain.
+  """
+  n, b, _ = features.shape
+  if n < 2:
+    return jnp.zeros((), features.dtype)
+  means = features.mean(axis=1)
+  centered = features - means[:, None]
+  covariances = jnp.einsum("nbi,nbj->nij", centered, centered) / (b - 1)
+  first, second = jnp.triu_indices(n, k=1)
+  mean_gaps = ((means[first] - means[second]) ** 2).mean(axis=-1)
+  covariance_gaps = ((covariances[first] - covariances[second]) ** 2).mean(
+      axis=(-2, -1))
+  return (mean_gaps + covariance_gaps).mean()
+
+
+def mmd_penalty(features: jax.Array) -> jax.Array:
+  """DomainBed's MMD penalty: Gaussian-kernel MMD of every pair of domains.
+
+  The kernel sums ``exp(-gamma * d)`` over the bandwidths `MMD_GAMMAS`
+  (``gaussian_kernel``, lines 994-1002), ``d`` the squared distance computed
+  as DomainBed's ``my_cdist`` does, ``|x|^2 + |y|^2 - 2 x.y`` clamped below
+  at 1e-30 (lines 986-992). A pair's MMD is ``mean K(x, x) + mean K(y, y) -
+  2 mean K(x, y)`` (lines 1004-1009), averaged over the ``n (n - 1) / 2``
+  pairs ``i < j`` (lines 1032-1039).
+
+  An example's distance to itself is set to its exact 0 (then clamped):
+  the expansion cancels there, leaving float32 rounding of ``1e-7 |x|^2``,
+  which the ``gamma = 1000`` kernel magnifies to 1e-4 of the penalty.
+
+  Args:
+    features: ``(n, b, F)``, every domain's batch of features.
+
+  Returns:
+    The scalar penalty; 0 with one domain.
+  """
+  n, b, _ = features.shape
+  if n < 2:
+    return jnp.zeros((), features.dtype)
+  norms = (features**2).sum(axis=-1)
+  # Every pair of domains (i, j): (n, n, b, b) squared distances.
+  distances = (norms[:, None, :, None] + norms[None, :, None, :]
+               - 2 * jnp.einsum("ibf,jcf->ijbc", features, features))
+  itself = jnp.eye(n, dtype=bool)[:, :, None, None] & jnp.eye(b, dtype=bool)
+  distances = jnp.maximum(jnp.where(itself, 0.0, distances), 1e-30)
+  kernel_means = sum(jnp.exp(-gamma * distances)
+                     for gamma in MMD_GAMMAS).mean(axis=(-2, -1))
+  first, second = jnp.triu_indices(n, k=1)
+  return (kernel_means[first, first] + kernel_means[second, second]
+          - 2 * kernel_means[first, second]).mean()
+
+
+def _feature_matching(
+    network: base.Network,
+    hparams: base.HParams,
+    penalty_fn: Callable[[jax.Array], jax.Array],
+) -> base.Algorithm:
+  """Adam on the mean risk plus ``mmd_gamma`` times a penalty of features.
+
+  DomainBed's ``AbstractMMD.update`` (lines 1023-1048): the mean over domains
+  of the risk, plus ``mmd_gamma`` times ``penalty_fn`` of every domain's
+  featurizer outputs. The featurizer runs once over all domains pooled
+  (DomainBed runs it per domain, line 1028: the same outputs, as long as
+  BatchNorm is frozen, the default).
+  """
+
+  def objective(params, stats, batches, key):
+    del key
+    n, b = batches["label"].shape
+    batch = base.merge_domains(batches)
+    model = network.bind(params, stats)
+    features = model.features(batch["image"], rngs=batch["key"][0])
+    nll = tasks.example_loss(model.head(features), batch).mean()
+    penalty = penalty_fn(features.reshape(n, b, -1))
+    objective = nll + hparams["mmd_gamma"] * penalty
+    return objective, ({"loss": objective, "nll": nll, "penalty": penalty},
+                       nnx.state(model, nnx.BatchStat))
+
+  return base.gradient_algorithm(hparams, objective)
+
+
+def coral(network: base.Network, hparams: base.HParams, *, num_domains: int,
+          seed: int) -> base.Algorithm:
+  """Deep CORAL (Sun & Saenko, 2016) as in DomainBed (lines 1061-1068).
+
+  Adam on the mean risk of the domains plus ``mmd_gamma`` times
+  `coral_penalty` of the featurizer's outputs (`_feature_matching`).
+  """
+  del num_domains, seed
+  return _feature_matching(network, hparams, coral_penalty)
+
+
+def mmd(network: base.Network, hparams: base.HParams, *, num_domains: int,
+        seed: int) -> base.Algorithm:
+  """MMD (Li et al., CVPR 2018) as in DomainBed (lines 1051-1058).
+
+  Adam on the mean risk of the domains plus ``mmd_gamma`` times
+  `mmd_penalty` of the featurizer's outputs (`_feature_matching`).
+  """
+  del num_domains, seed
+  return _feature_matching(network, hparams, mmd_penalty)
+
+
+class DANNState(NamedTuple):
+  """DANN's state.
+
+  Attributes:
+    gen_opt_state: the generator's Adam, over the model's params.
+    disc_params: the discriminator's params (a `models.MLP`).
+    disc_opt_state: the discriminator's Adam.
+    count: the number of updates taken (DomainBed's ``update_count``).
+  """
+
+  gen_opt_state: optax.OptState
+  disc_params: nnx.State
+  disc_opt_state: optax.OptState
+  count: jax.Array
+
+
+def dann_step_kind(count: jax.Array, d_steps_per_g_step: int) -> jax.Array:
+  """Whether update number ``count`` (1 for the first) trains the discriminator.
+
+  DomainBed's rule (lines 546-547): ``count % (1 + d) < d``. With ``d = 1``
+  the first update trains the generator, then they alternate.
+  """
+  return count % (1 + d_steps_per_g_step) < d_steps_per_g_step
+
+
+def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """Unconditional DANN (Ganin et al., JMLR 2016) as in DomainBed.
+
+  DomainBed's ``AbstractDANN`` with ``conditional=False,
+  class_balance=False`` (``DANN``, lines 567-571; the class, lines 477-565):
+
+  * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
+    the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
+    of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
+    ``seed``. It and its Adam live in the algorithm's state.
+  * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
+    with ``weight_decay_d`` (lines 502-507) and the generator's, over the
+    featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
+    (lines 509-514). ``lr`` and ``weight_decay`` are unused, as in
+    DomainBed.
+  * Every update counts itself first (line 518), runs the featurizer once
+    over all domains pooled (lines 519-521) and the discriminator on its
+    outputs (line 526), whose labels are the domains (lines 527-530). The
+    discriminator's loss is its mean cross-entropy (line 538) plus
+    ``grad_penalty`` times the mean over examples of the squared norm of the
+    gradient of its summed cross-entropy with respect to its input (lines
+    540-544).
+  * `dann_step_kind` (lines 546-547) picks the step: the discriminator
+    descends its loss (lines 549-552), or the generator descends the
+    classifier's mean cross-entropy minus ``lambda`` times the
+    discriminator's loss, penalty included (lines 554-562).
+
+  The metrics are the classifier's loss (``loss``), the discriminator's
+  (``disc_loss``) and the gradient penalty (``penalty``), every step.
+  """
+  d_steps = hparams["d_steps_per_g_step"]
+  gen_tx = base.torch_adam(hparams["lr_g"], hparams["weight_decay_g"],
+                           hparams["beta1"], 0.9)
+  disc_tx = base.torch_adam(hparams["lr_d"], hparams["weight_decay_d"],
+                            hparams["beta1"], 0.9)
+
+  def discriminator(num_features):
+    return models.MLP(num_features, num_domains, width=hparams["mlp_width"],
+                      depth=hparams["mlp_depth"],
+                      dropout=hparams["mlp_dropout"], rngs=nnx.Rngs(seed))
+
+  def num_features(params):
+    return params["head"]["kernel"][...].shape[0]
+
+  def init(params):
+    disc_params = nnx.state(discriminator(num_features(params)), nnx.Param)
+    return DANNState(gen_tx.init(params), disc_params,
+                     disc_tx.init(disc_params), jnp.zeros((), jnp.int32))
+
+  def update(params, stats, state, batches, key):
+    data_key, disc_key = jax.random.split(key)
+    n, b = batches["label"].shape
+    batch = base.merge_domains(base.with_example_keys(batches, data_key))
+    domains = jnp.repeat(jnp.arange(n), b)
+    disc_def = nnx.graphdef(nnx.eval_shape(
+        lambda: discriminator(num_features(params))))
+
+    def disc_loss_fn(disc_params, features):
+      disc = nnx.merge(disc_def, disc_params)
+
+      def summed_loss(inputs):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            disc(inputs, rngs=disc_key), domains).sum()
+
+      total, input_grads = jax.value_and_grad(summed_loss)(features)
+      penalty = (input_grads**2).sum(axis=1).mean()
+      return total / len(domains) + hparams["grad_penalty"] * penalty, penalty
+
+    def featurize(params):
+      model = network.bind(params, stats)
+      return (model.features(batch["image"], rngs=batch["key"][0]),
+              nnx.state(model, nnx.BatchStat))
+
+    def head_loss(params, features):
+      logits = network.bind(params, stats).head(features)
+      return tasks.example_loss(logits, batch).mean()
+
+    def generator_objective(params, features):
+      nll = head_loss(params, features)
+      disc_loss, penalty = disc_loss_fn(state.disc_params, features)
+      return nll - hparams["lambda"] * disc_loss, (nll, disc_loss, penalty)
+
+    def generator_step():
+      (head_grads, feature_grads), losses = jax.grad(
+          generator_objective, argnums=(0, 1), has_aux=True)(params, features)
+      return (head_grads, feature_grads, state.disc_params,
+              state.disc_opt_state, losses)
+
+    def discriminator_step():
+      (disc_loss, penalty), grads = jax.value_and_grad(
+          disc_loss_fn, has_aux=True)(state.disc_params, features)
+      updates, disc_opt_state = disc_tx.update(
+          grads, state.disc_opt_state, state.disc_params)
+      return (jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(features),
+              optax.apply_updates(state.disc_params, updates), disc_opt_state,
+              (head_loss(params, features), disc_loss, penalty))
+
+    def generator_update(grads):
+      updates, gen_opt_state = gen_tx.update(grads, state.gen_opt_state,
+                                             params)
+      return optax.apply_updates(params, updates), gen_opt_state
+
+    # The featurizer's pass and its backward stay outside the branches, as
+    # XLA:CPU runs convolutions inside a conditional several times slower.
+    # (DomainBed's discriminator step also backpropagates into the
+    # featurizer, line 550, and discards it.)
+    features, featurizer_vjp, stats = jax.vjp(featurize, params, has_aux=True)
+    count = state.count + 1
+    train_discriminator = dann_step_kind(count, d_steps)
+    head_grads, feature_grads, disc_params, disc_opt_state, losses = (
+        jax.lax.cond(train_discriminator, discriminator_step, generator_step))
+    grads = jax.tree.map(jnp.add, head_grads,
+                         featurizer_vjp(feature_grads)[0])
+    params, gen_opt_state = jax.lax.cond(
+        train_discriminator, lambda _: (params, state.gen_opt_state),
+        generator_update, grads)
+    nll, disc_loss, penalty = losses
+    metrics = {"loss": nll, "disc_loss": disc_loss, "penalty": penalty}
+    return params, stats, DANNState(gen_opt_state, disc_params,
+                                    disc_opt_state, count), metrics
+
+  return base.Algorithm(init, update)

@@ -1,0 +1,195 @@
+"""Optimization: ERM, GroupDRO and MLDG, as DomainBed's.
+
+Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
+unless another file is named.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments.algorithms import base
+
+# How MLDG pairs meta-train with meta-test domains (see `meta_pairs`).
+MLDG_PAIRS = ("meta_test_split", "random_pairs")
+
+
+def erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+        seed: int) -> base.Algorithm:
+  """Empirical risk minimisation: Adam on the loss of all domains pooled.
+
+  DomainBed's ``ERM`` (lines 92-125): Adam at ``lr`` with ``weight_decay``
+  (lines 107-111) on the mean loss of one forward pass over all domains
+  (lines 113-122).
+  """
+  del num_domains, seed
+
+  def objective(params, stats, batches, key):
+    del key
+    loss, stats = base.batch_loss(network)(params,
+                                           base.merge_domains(batches), stats)
+    return loss, ({"loss": loss}, stats)
+
+  return base.gradient_algorithm(hparams, objective)
+
+
+class GroupDROState(NamedTuple):
+  """GroupDRO's state.
+
+  Attributes:
+    opt_state: Adam's state.
+    q: ``(num_domains,)``, the weights of the domains' losses.
+  """
+
+  opt_state: optax.OptState
+  q: jax.Array
+
+
+def group_dro(network: base.Network, hparams: base.HParams, *,
+              num_domains: int, seed: int) -> base.Algorithm:
+  """GroupDRO (Sagawa et al., ICLR 2020) as in DomainBed (lines 823-854).
+
+  The weights ``q`` start at 1 per domain (lines 836-837). Every update
+  computes each domain's mean loss from its own forward pass (lines 841-843,
+  `base.domain_losses`), multiplies ``q`` by ``exp(groupdro_eta * loss)``
+  with the loss held constant (line 844), normalises ``q`` to sum to 1 (line
+  846), and takes an Adam step (ERM's) on ``q . losses`` (lines 848-852).
+
+  ``q`` has one weight per minibatch of a step, in their order: per domain
+  when every step draws every training domain, as DomainBed's protocol does.
+  The metrics are the weighted loss (``loss``) and ``q`` after the step.
+  """
+  del seed
+  tx = base.adam(hparams)
+  eta = hparams["groupdro_eta"]
+
+  def objective(params, stats, batches, q):
+    losses, stats = base.domain_losses(network, params, stats, batches)
+    q = q * jnp.exp(eta * jax.lax.stop_gradient(losses))
+    q = q / q.sum()
+    loss = jnp.dot(losses, q)
+    return loss, (q, stats, {"loss": loss, "q": q})
+
+  def update(params, stats, state, batches, key):
+    batches = base.with_example_keys(batches, key)
+    grads, (q, stats, metrics) = jax.grad(objective, has_aux=True)(
+        params, stats, batches, state.q)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    return (optax.apply_updates(params, updates), stats,
+            GroupDROState(opt_state, q), metrics)
+
+  return base.Algorithm(
+      lambda params: GroupDROState(tx.init(params), jnp.ones(num_domains)),
+      update)
+
+
+def meta_pairs(
+    key: jax.Array, num_domains: int, n_meta_test: int, rule: str
+) -> tuple[jax.Array, jax.Array]:
+  """MLDG's (meta-train, meta-test) pairs of domains for one update.
+
+  Both rules put the domains in a random order ``perm`` first:
+
+  * ``"meta_test_split"``, DomainBed's ``split_meta_train_test`` at
+    b93c22a1 (``lib/misc.py`` lines 196-210): the last ``n_meta_test``
+    domains of ``perm`` are meta-test, and the others, in order, are paired
+    with them cyclically; ``num_domains - n_meta_test`` pairs.
+  * ``"random_pairs"``, ``random_pairs_of_minibatches`` (``lib/misc.py``
+    lines 180-194), which DomainBed's MLDG used before commit 960f6a2
+    (April 2022): every domain of ``perm`` with the next one, cyclically;
+    ``num_domains`` pairs.
+
+  Args:
+    key: the update's pairing key.
+    num_domains: the number of training domains.
+    n_meta_test: meta-test domains of ``"meta_test_split"``.
+    rule: one of `MLDG_PAIRS`.
+
+  Returns:
+    ``(meta_train, meta_test)`` domain indices, one entry per pair.
+  """
+  perm = jax.random.permutation(key, num_domains)
+  if rule == "random_pairs":
+    return perm, jnp.roll(perm, -1)
+  num_train = num_domains - n_meta_test
+  return perm[:num_train], perm[num_train:][jnp.arange(num_train)
+                                            % n_meta_test]
+
+
+def mldg(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """First-order MLDG (Li et al., AAAI 2018) as in DomainBed (lines 857-939).
+
+  For every pair ``(i, j)`` of `meta_pairs` (line 893; ``mldg_pairs`` picks
+  the rule, ``n_meta_test`` its meta-test count), from the current params
+  ``theta``:
+
+  * ``G_i``, the gradient of domain ``i``'s loss at ``theta`` (lines
+    903-906);
+  * one step of a fresh Adam at ``lr`` with ``weight_decay`` (lines
+    895-907), which moves every parameter by ``lr * g / (|g| + eps)``, ``g =
+    G_i + weight_decay * theta``: about ``lr`` each, since a first Adam
+    step is normalised;
+  * ``G_j``, the gradient of domain ``j``'s loss at those inner params
+    (lines 920-922), held as a gradient at ``theta``: first order, no
+    second derivatives.
+
+  The update is ERM's Adam step on ``sum over pairs of (G_i + mldg_beta *
+  G_j) / num_domains`` (lines 911-914, 927-930, 937). The ``loss`` metric is
+  ``sum of (L_i + mldg_beta * L_j) / num_domains`` (lines 917, 925, 935).
+  The inner passes are of DomainBed's throw-away copies of the network (line
+  895), so trained BatchNorm statistics stay as they were.
+
+  The pairs come from the update's key: ``pairs_key`` of
+  ``data_key, pairs_key = jax.random.split(key)``.
+
+  Raises:
+    ValueError: ``mldg_pairs`` is unknown, or ``"meta_test_split"`` leaves no
+      meta-train domain (``n_meta_test >= num_domains``; DomainBed would
+      then step on a zero gradient forever).
+  """
+  del seed
+  rule, n_meta_test, beta = (hparams["mldg_pairs"], hparams["n_meta_test"],
+                             hparams["mldg_beta"])
+  if rule not in MLDG_PAIRS:
+    raise ValueError(f"mldg_pairs must be one of {MLDG_PAIRS}, got {rule!r}.")
+  if rule == "meta_test_split" and n_meta_test >= num_domains:
+    raise ValueError(
+        f"MLDG with n_meta_test = {n_meta_test} and {num_domains} training "
+        "domains has no meta-train domain: set hparam n_meta_test below "
+        f"{num_domains}, or mldg_pairs to 'random_pairs'.")
+  # The outer Adam, and each pair's fresh inner one.
+  tx = base.adam(hparams)
+  loss_and_grad = jax.value_and_grad(base.batch_loss(network), has_aux=True)
+
+  def update(params, stats, state, batches, key):
+    data_key, pairs_key = jax.random.split(key)
+    batches = base.with_example_keys(batches, data_key)
+
+    def add_pair(totals, pair):
+      grads, objective = totals
+      domain = lambda d: jax.tree.map(lambda x: x[d], batches)
+      (loss_i, _), grads_i = loss_and_grad(params, domain(pair[0]), stats)
+      step, _ = tx.update(grads_i, tx.init(params), params)
+      inner_params = optax.apply_updates(params, step)
+      (loss_j, _), grads_j = loss_and_grad(inner_params, domain(pair[1]),
+                                           stats)
+      grads = jax.tree.map(lambda g, g_i, g_j: g + (g_i + beta * g_j),
+                           grads, grads_i, grads_j)
+      return (grads, objective + loss_i + beta * loss_j), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    # Unrolled, as `base.domain_losses` is: at most num_domains pairs.
+    (grads, objective), _ = jax.lax.scan(
+        add_pair, (zeros, jnp.zeros(())),
+        meta_pairs(pairs_key, num_domains, n_meta_test, rule), unroll=True)
+    grads = jax.tree.map(lambda g: g / num_domains, grads)
+    updates, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, updates), stats, state,
+            {"loss": objective / num_domains})
+
+  return base.Algorithm(tx.init, update)

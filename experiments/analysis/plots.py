@@ -1,0 +1,356 @@
+"""The report's figures: training dynamics, and the paper's claims.
+
+Every training-dynamics function takes records (see `experiments.records`)
+of one dataset and held-out domain and writes one PNG, titled with the
+dataset and the held-out domain; `plot_claims` draws what
+`experiments.analysis.claims` measures. Domains are named as ``env{i} (name)`` where the records carry their
+names. Curves are averaged over the runs in the records, which are meant to
+differ only in ``trial_seed``. The figures are drawn on
+`matplotlib.figure.Figure`, which renders with the Agg backend without
+touching pyplot's global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from experiments import catalog
+from experiments.analysis import claims
+from experiments.analysis.model_selection import by_run, group_by
+from experiments.records import Record, env_key, held_out_env, train_envs
+
+
+def domain_name(env: int, names: Sequence[str] | None) -> str:
+  """Domain ``env`` as ``env{i} (name)``, or ``env{i}`` without ``names``
+  (records written before domains were named).
+
+  >>> domain_name(1, ["0°", "15°"]), domain_name(1, None)
+  ('env1 (15°)', 'env1')
+  """
+  return f"env{env}" if names is None else f"env{env} ({names[env]})"
+
+
+def held_out_title(record: Record) -> str:
+  """The dataset and held-out domain of a record's run, for a title."""
+  return (f"{record['args']['dataset']}, held out "
+          f"{domain_name(held_out_env(record), record.get('domains'))}")
+
+
+def _values_over_runs(
+    records: Sequence[Record], key: str
+) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The sorted steps with a ``record[key]``, and the runs' values at each."""
+  by_step = group_by((r for r in records if key in r), lambda r: r["step"])
+  steps = np.array(sorted(by_step))
+  return steps, [np.array([r[key] for r in by_step[s]], np.float64)
+                 for s in steps]
+
+
+def mean_std_over_runs(
+    records: Sequence[Record], key: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Mean and standard deviation of ``record[key]`` at every step.
+
+  Args:
+    records: records of one or more runs.
+    key: a scalar metric, e.g. ``"env0_in_loss"``.
+
+  Returns:
+    ``(steps, mean, std)``: the sorted steps with a value, and the mean and
+    (population) standard deviation over the runs at each.
+  """
+  steps, values = _values_over_runs(records, key)
+  return (
+      steps,
+      np.array([v.mean() for v in values]),
+      np.array([v.std() for v in values]),
+  )
+
+
+def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str,
+               *, spread: str = "std"):
+  """Plots a mean curve over runs with a band: +-1 standard deviation, or
+  with ``spread="range"`` from the lowest run to the highest (on a log
+  scale, where the mean minus a standard deviation can be negative)."""
+  steps, mean, std = mean_std_over_runs(records, key)
+  if spread == "range":
+    _, values = _values_over_runs(records, key)
+    low, high = (np.array([v.min() for v in values]),
+                 np.array([v.max() for v in values]))
+  else:
+    low, high = mean - std, mean + std
+  (line,) = axes.plot(steps, mean, label=label)
+  axes.fill_between(steps, low, high, alpha=0.25, color=line.get_color(),
+                    linewidth=0)
+
+
+def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
+  """The records of each algorithm, in the registry's order (the legends')."""
+  runs = group_by(records, lambda r: r["args"]["algorithm"])
+  return {name: runs[name] for name in catalog.ALGORITHMS.in_order(runs)}
+
+
+def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
+  """Per-domain training loss of each algorithm (PGrad's Figure 3).
+
+  One panel per training domain ``i`` shows ``env{i}_in_loss`` against the
+  step on a log scale (a converged run's loss falls by decades and its tail
+  only shows so), one curve per algorithm: the mean over trials, with a band
+  from the lowest trial to the highest (over those still training, where
+  the trials stopped at different steps).
+
+  Args:
+    records: records of one dataset and held-out domain, with
+      ``env{i}_in_loss``, typically of ERM and PGrad runs.
+    path: the PNG to write.
+
+  Returns:
+    The figure.
+  """
+  envs = train_envs(records[0])
+  fig = Figure(figsize=(3.2 * len(envs), 3.3), layout="constrained")
+  fig.suptitle(held_out_title(records[0]))
+  panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
+  for env, axes in zip(envs, panels):
+    for algorithm, runs in _by_algorithm(records).items():
+      _plot_band(axes, runs, env_key(env, "in", "loss"), algorithm,
+                 spread="range")
+    axes.set_title(
+        f"training domain {domain_name(env, records[0].get('domains'))}",
+        fontsize="medium")
+    axes.set_xlabel("step")
+    axes.set_yscale("log")
+  panels[0].set_ylabel("training loss")
+  panels[0].legend()
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_eigenvalue_spectrum(
+    records: Sequence[Record], path: str | Path, *, num_intervals: int = 10
+) -> Figure:
+  """PGrad's normalised trajectory spectrum over training (its Figure 9).
+
+  The steps are cut into ``num_intervals`` equal intervals; in each, the
+  normalised eigenvalues (``record["eigenvalues"]``, descending) are averaged
+  over the records that fall in it. Each spectral component is one line,
+  on a log scale.
+
+  Args:
+    records: records of runs of one PGrad variant; those without eigenvalues
+      are ignored.
+    path: the PNG to write.
+    num_intervals: how many intervals of steps to average over.
+
+  Returns:
+    The figure, titled with the algorithm, dataset and held-out domain.
+  """
+  records = [r for r in records if r.get("eigenvalues")]
+  steps = np.array([r["step"] for r in records], np.float64)
+  spectra = np.array([r["eigenvalues"] for r in records], np.float64)
+  edges = np.linspace(steps.min(), steps.max(), num_intervals + 1)
+  # The last interval is closed so the final step belongs to it.
+  interval = np.minimum(np.searchsorted(edges, steps, side="right") - 1,
+                        num_intervals - 1)
+  used = np.unique(interval)
+  centres = (edges[used] + edges[used + 1]) / 2
+  means = np.array([spectra[interval == i].mean(axis=0) for i in used])
+
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  axes = fig.subplots()
+  for k, component in enumerate(means.T):
+    axes.plot(centres, component, marker="o", label=f"$\\lambda_{{{k + 1}}}$")
+  axes.set_yscale("log")
+  axes.set_xlabel("step (interval centre)")
+  axes.set_ylabel("normalised eigenvalue")
+  axes.set_title(f"{', '.join(_by_algorithm(records))}: "
+                 f"{held_out_title(records[0])}", fontsize="medium")
+  axes.legend(fontsize="small")
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_heldout_accuracy(
+    records: Sequence[Record], path: str | Path
+) -> Figure:
+  """Accuracy on the held-out domain over training, per algorithm.
+
+  The accuracy is ``env{t}_in_acc`` of the held-out domain ``t``, the test
+  accuracy of model selection, with a band of +-1 standard deviation over
+  trials.
+
+  Args:
+    records: records of one dataset and held-out domain.
+    path: the PNG to write.
+
+  Returns:
+    The figure.
+  """
+  held_out = held_out_env(records[0])
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  axes = fig.subplots()
+  for algorithm, runs in _by_algorithm(records).items():
+    _plot_band(axes, runs, env_key(held_out, "in", "acc"), algorithm)
+  axes.set_title(held_out_title(records[0]), fontsize="medium")
+  axes.set_xlabel("step")
+  axes.set_ylabel("held-out domain accuracy")
+  axes.legend()
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_trajectories(
+    paths: Mapping[str, np.ndarray], path: str | Path
+) -> Figure:
+  """Params paths projected jointly to 2-D, by PCA and by t-SNE.
+
+  Args:
+    paths: ``{label: (T, P) snapshots}``; all share ``P``.
+    path: the PNG to write.
+
+  Returns:
+    The figure: one panel per projection, one line per path, its start
+    marked with a circle.
+  """
+  labels = list(paths)
+  stacked = np.concatenate([paths[label] for label in labels])
+  bounds = np.cumsum([0] + [len(paths[label]) for label in labels])
+  fig = Figure(figsize=(9, 4), layout="constrained")
+  for axes, method in zip(fig.subplots(1, 2), ("pca", "tsne")):
+    projected = project(stacked, method)
+    for label, start, end in zip(labels, bounds[:-1], bounds[1:]):
+      (line,) = axes.plot(*projected[start:end].T, marker=".", label=label)
+      axes.plot(*projected[start], marker="o", markersize=9,
+                color=line.get_color())
+    axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
+    axes.set_xlabel(f"{method} 1")
+    axes.set_ylabel(f"{method} 2")
+    axes.legend()
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
+  """Projects ``(N, P)`` points to ``(N, 2)`` by ``"pca"`` or ``"tsne"``.
+
+  PCA uses the top two principal axes of the centred points; t-SNE is
+  scikit-learn's, initialised by PCA, with a perplexity below the point
+  count as it requires.
+  """
+  if method == "pca":
+    centred = points - points.mean(axis=0)
+    _, _, axes = np.linalg.svd(centred, full_matrices=False)
+    return centred @ axes[:2].T
+  if method == "tsne":
+    from sklearn.manifold import TSNE  # Slow import; only needed here.
+    perplexity = min(30.0, (len(points) - 1) / 3)
+    return TSNE(n_components=2, perplexity=perplexity, init="pca",
+                random_state=seed).fit_transform(points)
+  raise ValueError(f"method must be 'pca' or 'tsne', got {method!r}.")
+
+
+def plot_mean_training_loss(
+    records: Sequence[Record], path: str | Path
+) -> Figure:
+  """The mean training-domain loss of every run, one colour per algorithm,
+  on a log scale (it spans several decades)."""
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  axes = fig.subplots()
+  colours = {}
+  for run in by_run(records):
+    algorithm = run[0]["args"]["algorithm"]
+    label = None if algorithm in colours else algorithm
+    (line,) = axes.plot(*claims.mean_training_loss(run), label=label,
+                        color=colours.get(algorithm))
+    colours.setdefault(algorithm, line.get_color())
+  axes.set_yscale("log")
+  axes.set_xlabel("step")
+  axes.set_ylabel("mean training-domain loss")
+  axes.legend()
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_roughness_bars(
+    summary: Mapping[str, Mapping[str, float]], path: str | Path
+) -> Figure:
+  """Per algorithm, the excess variation and rising rate of `smoothness`."""
+  names = list(summary)
+  fig = Figure(figsize=(8, 3.5), layout="constrained")
+  for axes, measure_name, label in zip(
+      fig.subplots(1, 2), ("excess_variation", "rising_rate"),
+      ("excess variation of a domain's loss",
+       "intervals where a domain's loss rose")):
+    axes.bar(names, [summary[n][measure_name] for n in names])
+    axes.set_xlabel("algorithm")
+    axes.set_ylabel(label)
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_accuracy_bars(
+    summary: Mapping[str, Mapping[str, float]], path: str | Path
+) -> Figure:
+  """Mean ± standard error of the final held-out accuracy per algorithm."""
+  names = list(summary)
+  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  axes = fig.subplots()
+  axes.bar(names, [100 * summary[n]["accuracy"] for n in names],
+           yerr=[100 * summary[n]["accuracy_se"] for n in names], capsize=4)
+  axes.set_xlabel("algorithm")
+  axes.set_ylabel("final held-out accuracy (%)")
+  axes.tick_params(axis="x", labelrotation=30)
+  fig.savefig(path, dpi=120)
+  return fig
+
+
+def plot_claims(selected: Mapping[str, claims.ClaimRecords],
+                measured: Mapping[str, Any],
+                plots_dir: Path) -> list[tuple[str, Path]]:
+  """Draws the figure of every claim measured.
+
+  Args:
+    selected: what the claims read, per dataset (`claims.select`).
+    measured: their numbers (`claims.measure`).
+    plots_dir: where the PNGs go.
+
+  Returns:
+    ``(caption, path)`` of every figure written, dataset by dataset.
+  """
+  figures = []
+  for dataset, found in measured.items():
+    inputs = selected[dataset]
+    if "smoothness" in found:
+      path = plots_dir / f"{dataset}_roughness.png"
+      plot_roughness_bars(found["smoothness"], path)
+      figures.append((f"{dataset}: roughness of the training-domain losses",
+                      path))
+      for env, env_recs in sorted(group_by(inputs.smoothness,
+                                           held_out_env).items()):
+        path = plots_dir / f"{dataset}_env{env}_smoothness.png"
+        plot_loss_curves(env_recs, path)
+        figures.append((f"{dataset}, held-out env{env}: training loss per "
+                        "domain (smoothness)", path))
+    if "bottom" in found:
+      path = plots_dir / f"{dataset}_bottom_loss.png"
+      plot_mean_training_loss(inputs.bottom, path)
+      figures.append((f"{dataset}: mean training loss, bottom against top "
+                      "eigenvectors", path))
+    if "trajectory_length" in found:
+      path = plots_dir / f"{dataset}_trajectory_length.png"
+      plot_accuracy_bars(found["trajectory_length"], path)
+      figures.append((f"{dataset}: final held-out accuracy against k and B",
+                      path))
+    for (env, trial), by_algorithm in inputs.trajectories.items():
+      if len(by_algorithm) == len(catalog.TRAJECTORY_ALGORITHMS):
+        path = plots_dir / f"{dataset}_env{env}_trial{trial}_trajectory.png"
+        plot_trajectories(by_algorithm, path)
+        figures.append((f"{dataset}, held-out env{env}, trial {trial}: params "
+                        "paths", path))
+  return figures

@@ -1,0 +1,456 @@
+"""Markdown tables and plots of a sweep, in DomainBed's layout.
+
+For every model selection method there is one table per dataset, with a row per
+algorithm and a column per held-out domain plus their average, and a summary
+table with a column per dataset. A cell is the selected test accuracy as mean ±
+standard error over trials, in percent; ``X`` marks a missing result. A
+training table per dataset says where the runs ended
+(`experiments.convergence`): final training loss and accuracy, whether the
+validation accuracy had plateaued, and the training time. Training curves of
+the runs with default hparams (``hparams_seed`` 0) are plotted next to the
+tables: held-out accuracy and per-domain training loss of every algorithm, and
+the eigenvalue spectrum of every algorithm that records one (the PGrad
+variants). A plot that cannot be drawn is named, with the reason, in the report
+and on stderr.
+
+Usage::
+
+    python -m experiments.analysis.report --input_dir sweeps/digits \\
+        --output_dir results/digits
+
+writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
+the paper's claims measured by `experiments.analysis.claims` to
+``results/digits/claims/`` (``claims.json`` and a PNG per figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from experiments import catalog
+from experiments.analysis import claims as claims_lib
+from experiments import convergence
+from experiments.analysis import model_selection
+from experiments.analysis import plots
+from experiments import records as records_lib
+from experiments.analysis import wilds_report
+from experiments.analysis.model_selection import SelectedAccuracies
+from experiments.records import Record
+
+PLOTS_DIR = "plots"
+# The runs whose training curves are plotted: DomainBed's default hparams.
+PLOTTED_HPARAMS_SEED = 0
+
+
+class Plot(NamedTuple):
+  """A figure written by `write_plots`.
+
+  Attributes:
+    caption: what it shows.
+    path: the PNG.
+    figure: the drawn figure, for inspection.
+  """
+
+  caption: str
+  path: Path
+  figure: Figure
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  """A Markdown table with a left-aligned first column, the rest centred.
+
+  >>> print(markdown_table(["a", "b"], [["x", "1"]]))
+  | a | b |
+  | :-- | :-: |
+  | x | 1 |
+  """
+  lines = [header, [":--"] + [":-:"] * (len(header) - 1), *rows]
+  return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def table_row(label: str, columns: Sequence[Sequence[float]]) -> list[str]:
+  """A row of accuracies over trials per column, then DomainBed's "Avg".
+
+  Args:
+    label: the first cell.
+    columns: per column, one accuracy in [0, 1] per trial (maybe none).
+
+  Returns:
+    The cells: the label, "mean ± error" per column ("X" when empty), and the
+    mean of the column means ("X" when any column is empty).
+
+  >>> table_row("ERM", [[0.5, 0.7], [0.8]])
+  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0', '70.0']
+  """
+  cells = [model_selection.format_mean(accs) for accs in columns]
+  if all(len(accs) for accs in columns):
+    means = [model_selection.mean_and_error(accs)[0] for accs in columns]
+    average = f"{np.mean(means):.1f}"
+  else:
+    average = "X"
+  return [label, *cells, average]
+
+
+def dataset_table(
+    selected: SelectedAccuracies,
+    dataset: str,
+    algorithms: Sequence[str],
+    num_domains: int,
+    domain_names: Sequence[str] | None = None,
+) -> str:
+  """One dataset's table: an algorithm per row, a held-out domain per column.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    dataset: the dataset.
+    algorithms: the rows, in order.
+    num_domains: the dataset's number of domains.
+    domain_names: their names, shown next to the env indices; None shows the
+      indices alone (records written before names were recorded).
+
+  Returns:
+    The Markdown table.
+  """
+  rows = [
+      table_row(algorithm, [
+          list(selected.get((dataset, algorithm, env), {}).values())
+          for env in range(num_domains)
+      ])
+      for algorithm in algorithms
+  ]
+  envs = [plots.domain_name(i, domain_names) for i in range(num_domains)]
+  header = ["Algorithm", *envs, "Avg"]
+  return markdown_table(header, rows)
+
+
+def trial_averages(
+    selected: SelectedAccuracies, dataset: str, algorithm: str, num_domains: int
+) -> list[float]:
+  """Per trial, the selected test accuracy averaged over held-out domains.
+
+  DomainBed averages whatever domains a trial has; only the trials with a
+  result for every domain are kept here, so that all averages are over the
+  same domains.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    dataset: the dataset.
+    algorithm: the algorithm.
+    num_domains: the dataset's number of domains.
+
+  Returns:
+    One average accuracy in [0, 1] per complete trial.
+  """
+  per_env = [selected.get((dataset, algorithm, env), {})
+             for env in range(num_domains)]
+  trials = set.intersection(*(set(accs) for accs in per_env))
+  return [float(np.mean([accs[t] for accs in per_env])) for t in sorted(trials)]
+
+
+def summary_table(
+    selected: SelectedAccuracies,
+    algorithms: Sequence[str],
+    num_domains: dict[str, int],
+) -> str:
+  """The summary table: an algorithm per row, a dataset per column.
+
+  Args:
+    selected: the selected accuracies of one selection method.
+    algorithms: the rows, in order.
+    num_domains: the columns, in order, with their numbers of domains.
+
+  Returns:
+    The Markdown table.
+  """
+  rows = [
+      table_row(algorithm, [
+          trial_averages(selected, dataset, algorithm, n)
+          for dataset, n in num_domains.items()
+      ])
+      for algorithm in algorithms
+  ]
+  return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
+
+
+def _mean_se_text(values: Sequence[float], number: str) -> str:
+  mean, se = claims_lib.mean_se(values)
+  return f"{number.format(mean)} ± {number.format(se)}"
+
+
+def training_table(records: Sequence[Record],
+                   algorithms: Sequence[str]) -> str:
+  """Where one dataset's runs ended: a row per algorithm, over all its runs.
+
+  Args:
+    records: the dataset's records, with ``env{i}_in_loss``.
+    algorithms: the rows, in order; those without runs are left out.
+
+  Returns:
+    The Markdown table: mean ± standard error over runs of the final
+    training-domain loss and accuracy and of the validation accuracy's change
+    over the last steps, how many runs plateaued, of all and of those that
+    training-domain validation selects (the runs behind the results table),
+    the median and largest number of steps the runs trained (runs that stop
+    at their plateau differ), and the median training time per run.
+  """
+  runs = model_selection.group_by(model_selection.by_run(records),
+                                  lambda run: run[0]["args"]["algorithm"])
+  selected = model_selection.group_by(
+      ((algorithm, convergence.run_end(
+          model_selection.TrainingDomainValidation.selected_run(group)))
+       for (_, algorithm, _, _), group
+       in model_selection.trial_groups(records).items()),
+      lambda pair: pair[0])
+  rows = []
+  for algorithm in (a for a in algorithms if a in runs):
+    found = [convergence.run_end(run) for run in runs[algorithm]]
+    steps = [run[-1]["step"] for run in runs[algorithm]]
+    chosen = [end for _, end in selected.get(algorithm, [])]
+    rows.append([
+        algorithm, str(len(found)),
+        f"{sum(end.plateaued for end in found)}/{len(found)}",
+        f"{sum(end.plateaued for end in chosen)}/{len(chosen)}",
+        _mean_se_text([end.loss for end in found], "{:.4f}"),
+        _mean_se_text([100 * end.accuracy for end in found], "{:.1f}"),
+        _mean_se_text([100 * end.validation_change for end in found],
+                      "{:.1f}"),
+        f"{np.median(steps):,.0f}; {max(steps):,}",
+        f"{np.median([end.seconds for end in found]):.0f}"])
+  return markdown_table(
+      ["Algorithm", "runs", "plateaued", "selected runs plateaued",
+       "final training loss",
+       "training acc. (%)",
+       f"validation change, last {convergence.WINDOW:.0%} of steps (pts)",
+       "steps (median; most)", "training time per run (s, median)"], rows)
+
+
+def _has_loss_curves(record: Record) -> bool:
+  return any(key.endswith("_in_loss") for key in record)
+
+
+def write_plots(
+    records: Sequence[Record], dataset: str, env: int, plots_dir: Path
+) -> tuple[list[Plot], list[str]]:
+  """Plots the default-hparams runs of one dataset and held-out domain.
+
+  Args:
+    records: all records of the dataset with that single held-out domain.
+    dataset: the dataset.
+    env: the held-out domain.
+    plots_dir: where the PNGs go.
+
+  Returns:
+    The plots written, and for every plot not drawn, why.
+  """
+  runs = [r for r in records
+          if r["args"]["hparams_seed"] == PLOTTED_HPARAMS_SEED]
+  if not runs:
+    return [], [f"no plots: no run has hparams_seed {PLOTTED_HPARAMS_SEED}"]
+  by_algorithm = model_selection.group_by(runs,
+                                          lambda r: r["args"]["algorithm"])
+  algorithms = catalog.ALGORITHMS.in_order(by_algorithm)
+  loss_runs = [r for r in runs if _has_loss_curves(r)]
+  # (caption, file suffix, plot function, records or [] with the reason).
+  figures = [
+      ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs, ""),
+      ("training loss per domain", "loss", plots.plot_loss_curves, loss_runs,
+       "no run records env{i}_in_loss"),
+  ]
+  skipped = []
+  without_loss = [a for a in algorithms
+                  if not any(map(_has_loss_curves, by_algorithm[a]))]
+  if loss_runs and without_loss:
+    skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
+                   "record no env{i}_in_loss")
+  spectra = [a for a in algorithms
+             if any(r.get("eigenvalues") for r in by_algorithm[a])]
+  figures += [(f"{a} eigenvalue spectrum", f"{a}_eigenvalues",
+               plots.plot_eigenvalue_spectrum, by_algorithm[a], "")
+              for a in spectra]
+  if not spectra:
+    skipped.append(f"no eigenvalue spectrum: none of {', '.join(algorithms)} "
+                   "records eigenvalues (the PGrad variants do)")
+  written = []
+  for caption, suffix, plot, selection, why_not in figures:
+    if not selection:
+      skipped.append(f"no {caption} plot: {why_not}")
+      continue
+    path = plots_dir / f"{dataset}_env{env}_{suffix}.png"
+    written.append(Plot(caption, path, plot(selection, path)))
+  return written, skipped
+
+
+def render(records: Sequence[Record], output_dir: Path,
+           scope: str = "") -> str:
+  """Builds the Markdown report and writes its plots.
+
+  Args:
+    records: all records of a sweep.
+    output_dir: the report's directory; plots go to its ``plots/``.
+    scope: which runs the records were chosen from, said after their count,
+      e.g. ``" (runs with hparams_seed 0)"``.
+
+  Returns:
+    The Markdown text; plots are linked relative to ``output_dir``.
+  """
+  wilds_table = wilds_report.wilds_table(records)
+  records = [r for r in records if len(r["args"]["test_envs"]) == 1]
+  by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
+  datasets = catalog.DATASETS.in_order(by_dataset)
+  algorithms = catalog.ALGORITHMS.in_order(
+      r["args"]["algorithm"] for r in records)
+  num_domains = {d: records_lib.num_envs(by_dataset[d][0])
+                 for d in datasets}
+  domain_names = {d: next((r["domains"] for r in by_dataset[d]
+                           if "domains" in r), None) for d in datasets}
+
+  lines = [
+      "# Results",
+      "",
+      f"{len(records)} records{scope}. Cells: the selected model's held-out"
+      " domain accuracy (%), mean ± standard error over trials; X: missing.",
+  ]
+  for method in model_selection.SELECTION_METHODS:
+    selected = model_selection.selected_accuracies(records, method)
+    lines += ["", f"## Model selection: {method.name}"]
+    for dataset in datasets:
+      lines += ["", f"### {dataset}", "",
+                dataset_table(selected, dataset, algorithms,
+                              num_domains[dataset], domain_names[dataset])]
+    lines += ["", "### Averages", "",
+              summary_table(selected, algorithms, num_domains)]
+
+  lines += ["", "## Training", "",
+            "Where the runs ended (`experiments.convergence`): a run has "
+            "plateaued when its training-domain validation accuracy moved by "
+            "at most one standard error over the last "
+            f"{convergence.WINDOW:.0%} of its steps. The selected runs are "
+            "those that training-domain validation picks, one per trial and "
+            "held-out domain: the runs behind the accuracy tables. Training "
+            "time excludes evaluation and includes compilation."]
+  for dataset in datasets:
+    with_loss = [r for r in by_dataset[dataset] if _has_loss_curves(r)]
+    if with_loss:
+      lines += ["", f"### {dataset}", "", training_table(with_loss,
+                                                        algorithms)]
+
+  if wilds_table:
+    lines += ["", "## WILDS", "",
+              "The paper's layout: every run's checkpoint selected on the OOD "
+              "validation split; mean ± standard deviation over runs "
+              "(PovertyMap: every fold and seed).", "",
+              markdown_table(*wilds_table)]
+
+  plots_dir = output_dir / PLOTS_DIR
+  plots_dir.mkdir(parents=True, exist_ok=True)
+  lines += ["", f"## Training curves (hparams_seed {PLOTTED_HPARAMS_SEED})"]
+  for dataset in datasets:
+    by_env = model_selection.group_by(by_dataset[dataset],
+                                      records_lib.held_out_env)
+    for env in sorted(by_env):
+      written, skipped = write_plots(by_env[env], dataset, env, plots_dir)
+      for plot in written:
+        link = plot.path.relative_to(output_dir).as_posix()
+        lines += ["", f"{dataset}, held-out env{env}: {plot.caption}", "",
+                  f"![{dataset} env{env} {plot.caption}]({link})"]
+      for reason in skipped:
+        print(f"{dataset}, held-out env{env}: {reason}.", file=sys.stderr)
+        lines += ["", f"{dataset}, held-out env{env}: {reason}."]
+  return "\n".join(lines) + "\n"
+
+
+def claim_number(value: float) -> str:
+  """A claim's number in a table: four significant digits, and counts such
+  as steps in full (``11,333``, not ``1.133e+04``)."""
+  return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def claims_section(
+    runs: Mapping[Path, Sequence[Record]], output_dir: Path
+) -> str:
+  """Measures the paper's claims; writes them and their plots to ``claims/``.
+
+  Args:
+    runs: the sweep's run directories with their records.
+    output_dir: the report's directory.
+
+  Returns:
+    The Markdown section: a table per dataset and claim, then the figures.
+  """
+  claims_dir = output_dir / claims_lib.CLAIMS_DIR
+  claims_dir.mkdir(parents=True, exist_ok=True)
+  selected = claims_lib.select(
+      [record for run in runs.values() for record in run],
+      [(run[0], files) for run_dir, run in runs.items()
+       if (files := records_lib.trajectory_files(run_dir))])
+  claims = claims_lib.measure(selected)
+  figures = plots.plot_claims(selected, claims, claims_dir)
+  numbers = claims_dir / claims_lib.CLAIMS_FILE
+  numbers.write_text(json.dumps(claims, indent=1) + "\n")
+  link = numbers.relative_to(output_dir).as_posix()
+  lines = ["", "## The paper's claims (hparams_seed 0)", "",
+           f"Numbers: [{link}]({link}); see experiments/analysis/claims.py for what "
+           "each measures."]
+  for dataset, found in claims.items():
+    for claim, per_algorithm in found.items():
+      measures = list(next(iter(per_algorithm.values())))
+      rows = [[algorithm, *(claim_number(numbers[m]) for m in measures)]
+              for algorithm, numbers in per_algorithm.items()]
+      lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
+                markdown_table(["Algorithm", *measures], rows)]
+  for caption, path in figures:
+    link = path.relative_to(output_dir).as_posix()
+    lines += ["", caption, "", f"![{caption}]({link})"]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+      "--input_dir", required=True,
+      help=f"Searched recursively for runs' {records_lib.RESULTS_FILE} files.")
+  parser.add_argument("--output_dir", required=True)
+  parser.add_argument(
+      "--hparams_seeds", type=int, nargs="+", metavar="SEED",
+      help="Report only the runs with these hparams_seed, e.g. 0 for the "
+      "default hparams alone (a sweep whose random draws are unfinished); "
+      "default: every run.")
+  args = parser.parse_args(argv)
+
+  found = records_lib.load_runs(args.input_dir)
+  for run_dir, why in found.skipped.items():
+    print(f"Skipped {run_dir}, its records damaged: {why}.", file=sys.stderr)
+  runs = found.runs
+  scope = ""
+  if args.hparams_seeds is not None:
+    runs = {run_dir: run for run_dir, run in runs.items()
+            if run[0]["args"]["hparams_seed"] in args.hparams_seeds}
+    scope = (" (runs with hparams_seed "
+             f"{', '.join(map(str, sorted(set(args.hparams_seeds))))})")
+  records = [record for run in runs.values() for record in run]
+  if not records:
+    print(f"No {records_lib.RESULTS_FILE} records under {args.input_dir}"
+          f"{scope}.", file=sys.stderr)
+    return 1
+  if found.skipped:
+    scope += (f"; {len(found.skipped)} runs skipped, their records damaged: "
+              + ", ".join(str(p) for p in found.skipped))
+  output_dir = Path(args.output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  report = output_dir / "results.md"
+  report.write_text(render(records, output_dir, scope)
+                    + claims_section(runs, output_dir))
+  print(f"Wrote {report}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
