@@ -135,10 +135,11 @@ class Config:
       "chunks). The run's results are the same up to the order of "
       "floating-point sums, and it resumes on any number.")
   num_workers: int | None = _field(
-      None, "Threads that read, decode and augment the images of a batch, "
-      "ahead of training, and of evaluation; 0 reads each batch when it is "
-      "needed. The results do not depend on it. Default: the CPU cores of "
-      "this host.")
+      None, "Worker processes that build the training batches (read, "
+      "decode and augment their images; the digits, in memory, need none) "
+      "ahead of the training step, and threads that read the evaluation "
+      "batches; 0 builds every batch when it is needed. The results do not "
+      "depend on it. Default: the CPU cores of this host.")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked.

@@ -259,8 +259,9 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
 
   Ctrl-C interrupts the training run, which stops its workers (Grain's
   ``close``): the workers ignore it. A run killed with SIGKILL cannot stop
-  them; on Linux the kernel then kills them (``PR_SET_PDEATHSIG``), so none
-  is left behind.
+  them; on Linux the kernel then kills them (``PR_SET_PDEATHSIG``, sent
+  when the thread that started them ends: the one that asked for the first
+  batch), so none is left behind.
   """
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -271,12 +272,18 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
 class _WorkerBatches(grain.DatasetIterator):
   """A map dataset's elements in order, built by Grain worker processes.
 
-  The workers start with the first batch asked for, so a program that
-  starts them must guard its main code with ``if __name__ == "__main__"``
-  (they are spawned). The state is the number of elements returned
+  Worker ``i`` of ``n`` builds elements ``i, i + n, ...`` of the rest of the
+  dataset, one ahead in its queue, and the elements are taken from the
+  workers in turn. (A worker per Grain pipeline, rather than Grain's
+  interleaving of several, holds no element in this process that it has
+  not returned, so stopping the workers frees everything they read ahead.)
+
+  The workers start with the first element asked for: a program that
+  starts them must guard its main code with ``if __name__ == "__main__"``,
+  as they are spawned. The state is the number of elements returned
   (``{"next_index": k}``, as Grain's own iterator over a map dataset has
   it), whatever the number of workers; setting it starts them afresh from
-  there. ``close`` stops them and frees the batches they read ahead.
+  there. ``close`` stops them.
   """
 
   def __init__(self, batches: grain.MapDataset, num_workers: int):
@@ -285,20 +292,26 @@ class _WorkerBatches(grain.DatasetIterator):
     self._num_workers = num_workers
     self._next_index = 0
     self._workers = None
+    self._first_index = 0  # The element the workers started at.
+
+  def _start_workers(self) -> list[grain.DatasetIterator]:
+    if not flags.FLAGS.is_parsed():
+      # Grain reads an absl flag of its own when it starts workers; this
+      # program parses none, which leaves them at their defaults.
+      flags.FLAGS.mark_as_parsed()
+    rest = self._batches[self._next_index:]
+    return [
+        iter(rest[i::self._num_workers].to_iter_dataset(_read_ahead(0))
+             .mp_prefetch(grain.MultiprocessingOptions(num_workers=1),
+                          worker_init_fn=_init_worker))
+        for i in range(self._num_workers)]
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._workers is None:
-      if not flags.FLAGS.is_parsed():
-        # Grain reads an absl flag of its own when it starts workers; this
-        # program parses none, which leaves them at their defaults.
-        flags.FLAGS.mark_as_parsed()
-      # Each worker builds its batches one after the other, one ahead.
-      remaining = self._batches[self._next_index:].to_iter_dataset(
-          _read_ahead(0))
-      self._workers = iter(remaining.mp_prefetch(
-          grain.MultiprocessingOptions(num_workers=self._num_workers),
-          worker_init_fn=_init_worker))
-    batch = next(self._workers)
+      self._workers = self._start_workers()
+      self._first_index = self._next_index
+    turn = (self._next_index - self._first_index) % self._num_workers
+    batch = next(self._workers[turn])
     self._next_index += 1
     return batch
 
@@ -310,9 +323,9 @@ class _WorkerBatches(grain.DatasetIterator):
     self._next_index = state["next_index"]
 
   def _stop_workers(self) -> None:
-    if self._workers is not None:
-      self._workers.close()
-      self._workers = None
+    for worker in self._workers or ():
+      worker.close()
+    self._workers = None
 
   def close(self) -> None:
     self._stop_workers()
