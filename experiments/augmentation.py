@@ -24,7 +24,7 @@ torchvision's defaults for what DomainBed leaves out (pytorch/vision,
 * ``RandomHorizontalFlip``: with probability 0.5.
 * ``ColorJitter``: brightness, contrast and saturation factors from
   ``U(0.7, 1.3)``, a hue shift from ``U(-0.3, 0.3)``, applied in a uniformly
-  random order of the four.
+  random order of the four (`experiments.color_jitter`).
 * ``RandomGrayscale``: with probability 0.1 (torchvision's default ``p``),
   luma copied to all three channels.
 
@@ -54,6 +54,7 @@ import numpy as np
 from PIL import Image
 from PIL import ImageEnhance
 
+from experiments import color_jitter
 from experiments import datasets
 from experiments import input_pipeline
 
@@ -65,8 +66,6 @@ FLIP_PROBABILITY = 0.5
 # ColorJitter(0.3, 0.3, 0.3, 0.3): factors 1 +- 0.3, hue shift +-0.3.
 JITTER = 0.3
 GRAYSCALE_PROBABILITY = 0.1
-# The order of the colour adjustments in `PhotoAugmentation.jitter_order`.
-BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
 class PhotoAugmentation(NamedTuple):
@@ -75,22 +74,13 @@ class PhotoAugmentation(NamedTuple):
   Attributes:
     crop: ``(top, left, height, width)`` of the crop, in pixels.
     flip: whether the crop is flipped left to right.
-    jitter_order: the colour adjustments in the order applied, a permutation
-      of ``(BRIGHTNESS, CONTRAST, SATURATION, HUE)``.
-    brightness: the brightness factor.
-    contrast: the contrast factor.
-    saturation: the saturation factor.
-    hue: the hue shift, in turns of the colour wheel.
+    jitter: the colour jitter.
     grayscale: whether the result is made grey.
   """
 
   crop: tuple[int, int, int, int]
   flip: bool
-  jitter_order: tuple[int, int, int, int]
-  brightness: float
-  contrast: float
-  saturation: float
-  hue: float
+  jitter: color_jitter.ColorJitter
   grayscale: bool
 
 
@@ -140,13 +130,9 @@ def draw(width: int, height: int, rng: np.random.Generator
   """
   crop = draw_crop(width, height, rng)
   flip = bool(rng.random() < FLIP_PROBABILITY)
-  jitter_order = tuple(int(i) for i in rng.permutation(4))
-  brightness, contrast, saturation = rng.uniform(1 - JITTER, 1 + JITTER, 3)
-  hue = rng.uniform(-JITTER, JITTER)
+  jitter = color_jitter.draw(rng, JITTER, JITTER)
   grayscale = bool(rng.random() < GRAYSCALE_PROBABILITY)
-  return PhotoAugmentation(crop, flip, jitter_order, float(brightness),
-                           float(contrast), float(saturation), float(hue),
-                           grayscale)
+  return PhotoAugmentation(crop, flip, jitter, grayscale)
 
 
 def blend(degenerate: int | np.ndarray, pixels: np.ndarray,
@@ -235,13 +221,11 @@ def apply(image: Image.Image, augmentation: PhotoAugmentation,
                       .resize((size, size), Image.Resampling.BILINEAR))
   if augmentation.flip:
     pixels = pixels[:, ::-1]
-  adjust = {BRIGHTNESS: (adjust_brightness, augmentation.brightness),
-            CONTRAST: (adjust_contrast, augmentation.contrast),
-            SATURATION: (adjust_saturation, augmentation.saturation),
-            HUE: (adjust_hue, augmentation.hue)}
-  for adjustment in augmentation.jitter_order:
-    function, factor = adjust[adjustment]
-    pixels = function(np.ascontiguousarray(pixels), factor)
+  # Contiguous, so each adjustment reads it fast (their results are).
+  pixels = color_jitter.apply(
+      augmentation.jitter, np.ascontiguousarray(pixels),
+      brightness=adjust_brightness, contrast=adjust_contrast,
+      saturation=adjust_saturation, hue=adjust_hue)
   if augmentation.grayscale:
     pixels = grayscale(pixels)
   return datasets.normalize(pixels)

@@ -29,11 +29,14 @@ import numpy as np
 
 from experiments import catalog
 
-# Algorithms built on a PGrad rollout, which use the paper's search space.
-PGRAD_ALGORITHMS = ("PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix",
-                    "PGradParallel")
-# Chunks per domain batch of the "-B" variants.
+# Chunks per domain batch of the "-B" variants
+# (`catalog.AlgorithmEntry.chunked`).
 PGRAD_B = 3
+
+
+def _family(algorithm: str) -> str:
+  """The algorithm whose hparams ``algorithm`` has (`catalog`'s family)."""
+  return catalog.ALGORITHMS[algorithm].family or algorithm
 
 
 def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
@@ -50,14 +53,15 @@ def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   PovertyMap's training flips and colour jitter, on by default as in WILDS
   1.x's examples and Fish (`wilds_augmentation`); FMoW has none to toggle.
   """
+  entry = catalog.ALGORITHMS[algorithm]
   poverty = catalog.DATASETS[dataset].wilds == "PovertyMap"
   hparams = {"lr": 1e-3 if poverty else 1e-4, "weight_decay": 0.0,
              "batch_size": 8, "domains_per_step": 8, "bn_mode": "train",
              "resnet_dropout": 0.0}
   if poverty:
     hparams["data_augmentation"] = True
-  if algorithm in PGRAD_ALGORITHMS:
-    b = PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1
+  if _family(algorithm) == "PGrad":
+    b = PGRAD_B if entry.chunked else 1
     hparams.update(outer_lr=0.1 if poverty else 0.01,
                    outer_lr_per_domain=True, k=4, B=b,
                    batch_size=round_to_multiple(8, b))
@@ -70,7 +74,7 @@ def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
     hparams.update(irm_lambda=1.0, irm_penalty_anneal_iters=500)
   elif algorithm == "CORAL":
     hparams["mmd_gamma"] = 10.0 if poverty else 0.1
-  if algorithm in ("MixUp", "PGrad-BMix"):
+  if entry.mixup:
     hparams["mixup_alpha"] = 0.2
   return hparams
 
@@ -203,46 +207,55 @@ class HParam(NamedTuple):
 
 def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
   """Every hyperparameter of ``algorithm`` on ``dataset``, by name."""
-  variant_of = catalog.ALGORITHMS[algorithm].variant_of
-  if variant_of:
-    hp = _hparams(variant_of, dataset)
-    for name, value in catalog.ALGORITHMS[algorithm].fixed_hparams.items():
+  entry = catalog.ALGORITHMS[algorithm]
+  if entry.variant_of:
+    hp = _hparams(entry.variant_of, dataset)
+    for name, value in entry.fixed_hparams.items():
       hp[name] = HParam(value, None, hp[name].allowed)
     return hp
   facts = catalog.DATASETS[dataset]
-  if facts.wilds:
-    # Every name and its allowed values as on DomainBed's photo datasets
-    # (PACS here), WILDS's values fixed: the paper does not search there.
-    hp = _hparams(algorithm, "PACS")
-    del hp["image_size"]  # WILDS's images keep their own sizes.
-    allowed = {"domains_per_step": POSITIVE_INT,
-               "outer_lr_per_domain": Allowed(bool),
-               "data_augmentation": Allowed(bool)}
-    wilds_values = _wilds_hparams(algorithm, dataset)
-    if "data_augmentation" not in wilds_values:
-      # WILDS augments no training images of this dataset (FMoW).
-      hp.pop("data_augmentation", None)
-    for name, value in wilds_values.items():
-      allowed.setdefault(name, hp[name].allowed if name in hp else None)
-      hp[name] = HParam(value, None, allowed[name])
-    return {name: hparam._replace(search=None) for name, hparam in hp.items()}
+  hp = _searched_hparams(algorithm, facts)
+  if not facts.wilds:
+    return hp
+  # WILDS's are photos: every name and its allowed values are those of
+  # DomainBed's photo datasets, with WILDS's values fixed, since the paper
+  # does not search there.
+  del hp["image_size"]  # WILDS's images keep their own sizes.
+  allowed = {"domains_per_step": POSITIVE_INT,
+             "outer_lr_per_domain": Allowed(bool),
+             "data_augmentation": Allowed(bool)}
+  wilds_values = _wilds_hparams(algorithm, dataset)
+  if "data_augmentation" not in wilds_values:
+    # WILDS augments no training images of this dataset (FMoW).
+    hp.pop("data_augmentation", None)
+  for name, value in wilds_values.items():
+    allowed.setdefault(name, hp[name].allowed if name in hp else None)
+    hp[name] = HParam(value, None, allowed[name])
+  return {name: hparam._replace(search=None) for name, hparam in hp.items()}
+
+
+def _searched_hparams(
+    algorithm: str, facts: catalog.DatasetEntry
+) -> dict[str, HParam]:
+  """DomainBed's search space of ``algorithm`` on a dataset of ``facts``, or
+  the paper's for PGrad's family."""
+  entry = catalog.ALGORITHMS[algorithm]
   small = facts.small_images
-  pgrad = algorithm in PGRAD_ALGORITHMS
+  family = _family(algorithm)
   hp: dict[str, HParam] = {}
 
   def add(name: str, default: Any, allowed: Allowed,
           search: Search | None = None) -> None:
     hp[name] = HParam(default, search, allowed)
 
-  if pgrad:
+  if family == "PGrad":
     # Inner (Adam) learning rate; the paper does not search it.
     add("lr", 1e-3 if small else 5e-5, POSITIVE)
     add("outer_lr", 0.1, POSITIVE)
     add("k", 4, Allowed(int, low=1, choices=("all",)))
     add("components", "top", Allowed(str, choices=("top", "bottom")))
-    add("B", PGRAD_B if algorithm in ("PGrad-B", "PGrad-BMix") else 1,
-        POSITIVE_INT)
-    batch = round_to_multiple(64 if small else 24 if dataset == "DomainNet"
+    add("B", PGRAD_B if entry.chunked else 1, POSITIVE_INT)
+    batch = round_to_multiple(64 if small else 24 if facts.small_batches
                               else 32, hp["B"].default)
     add("batch_size", batch, POSITIVE_INT)
     add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -4))
@@ -253,7 +266,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
       add("weight_decay", 0.0, NON_NEGATIVE)
     else:
       add("lr", 5e-5, POSITIVE, log_uniform(-5, -3.5))
-      top = 5 if dataset == "DomainNet" else 5.5
+      top = 5 if facts.small_batches else 5.5
       if algorithm == "ARM":
         # ARM's support sets are its batches: 8 images on photos.
         add("batch_size", 8, POSITIVE_INT)
@@ -293,7 +306,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     add("irm_lambda", 1e2, NON_NEGATIVE, log_uniform(-1, 5))
     add("irm_penalty_anneal_iters", 500, NON_NEGATIVE_INT,
         int_log_uniform(0, 4, base=10))
-  elif algorithm in ("CORAL", "MMD"):
+  elif family == "MMD":
     add("mmd_gamma", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
   elif algorithm == "GroupDRO":
     add("groupdro_eta", 1e-2, NON_NEGATIVE, log_uniform(-3, -1))
@@ -317,7 +330,7 @@ def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
     for name in ("lr_g", "lr_d"):
       add(name, hp["lr"].default, POSITIVE, hp["lr"].search)
     add("weight_decay_g", 0.0, NON_NEGATIVE, hp["weight_decay"].search)
-  if algorithm in ("MixUp", "PGrad-BMix"):
+  if entry.mixup:
     add("mixup_alpha", 0.2, POSITIVE, log_uniform(-1, 1))
   return hp
 

@@ -20,6 +20,9 @@ Usage::
         --output_dir sweeps/digits --jobs 2
     python -m experiments.sweep list --datasets RotatedDigits ...
     python -m experiments.sweep delete_incomplete --datasets RotatedDigits ...
+    python -m experiments.sweep reproduce --datasets RotatedDigits ...
+
+``reproduce`` and ``longer`` retrain finished runs (`experiments.rerun`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import hashlib
+import inspect
 import json
 import shlex
 import os
@@ -43,9 +47,9 @@ import tqdm
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets as datasets_lib
 from experiments import hparams_registry
 from experiments import records
+from experiments import rerun
 
 # The datasets that ship with the code, so a default sweep needs no downloads.
 DEFAULT_DATASETS = ("RotatedDigits", "ColoredDigits")
@@ -129,6 +133,33 @@ class Run:
       command += [f"--{name}", *map(str, values)]
     return command
 
+  @property
+  def log_file(self) -> Path:
+    """Where training writes the run's stdout and stderr."""
+    return self.output_dir / LOG_FILE
+
+  def train(self, train_command: str = DEFAULT_TRAIN_COMMAND,
+            data_dir: str | None = None) -> int:
+    """Trains the run in a subprocess, logging to its directory.
+
+    Returns:
+      The training command's exit status.
+    """
+    self.output_dir.mkdir(parents=True, exist_ok=True)
+    # Runs that differ only in seeds or held-out domain compile the same
+    # programs: a persistent compilation cache shared by the sweep compiles
+    # each once.
+    env = {"JAX_COMPILATION_CACHE_DIR":
+               str(self.output_dir.parent / ".jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           **os.environ}
+    # Appends, so the logs of a resumed run follow those of its earlier tries.
+    with open(self.log_file, "a") as log:
+      process = subprocess.run(self.command(train_command, data_dir),
+                               stdout=log, stderr=subprocess.STDOUT,
+                               check=False, env=env)
+    return process.returncode
+
   def __str__(self) -> str:
     a = self.args
     return (
@@ -154,14 +185,13 @@ def report_damaged(runs: Sequence[Run]) -> list[Run]:
 
 
 def _held_out_envs(
-    dataset: str, test_envs: Sequence[int] | None, data_dir: str | None
+    dataset: str, test_envs: Sequence[int] | None
 ) -> list[int]:
-  """The given test envs, or else every domain of the dataset."""
+  """The given test envs, or else every domain of the dataset, counted in
+  the catalog (as DomainBed counts its ``ENVIRONMENTS``) without its data."""
   if test_envs is not None:
     return list(test_envs)
-  num_domains = len(
-      datasets_lib.get_dataset(dataset, data_dir=data_dir).domain_names)
-  return list(range(num_domains))
+  return list(range(len(catalog.DATASETS[dataset].domains)))
 
 
 def make_runs(
@@ -176,7 +206,6 @@ def make_runs(
     checkpoint_freq: int | None = None,
     plateau_check_freq: int | None = None,
     hparams: str | None = None,
-    data_dir: str | None = None,
     trajectory_freq: int | None = None,
 ) -> list[Run]:
   """Lists the runs of a sweep, trial by trial.
@@ -197,8 +226,6 @@ def make_runs(
     hparams: a JSON object of fixed hparams. Each run gets the ones its
       algorithm has (so ``penalty_anneal_iters`` reaches only Fishr's runs);
       a name that no swept algorithm has is an error.
-    data_dir: where the datasets are, to count their domains. It is no part
-      of a run's identity, so a sweep whose data moves still resumes.
     trajectory_freq: passed on to the default-hparams runs (hparams_seed 0)
       of the algorithms whose paths the claims compare
       (`catalog.TRAJECTORY_ALGORITHMS`), unless ``None``.
@@ -220,7 +247,7 @@ def make_runs(
   unknown = sorted(set(fixed).difference(*known.values()))
   if unknown:
     raise ValueError(f"No swept algorithm has the hparams {unknown}.")
-  envs = {d: _held_out_envs(d, test_envs, data_dir) for d in datasets}
+  envs = {d: _held_out_envs(d, test_envs) for d in datasets}
   runs = []
   for trial_seed in range(n_trials):
     for dataset in datasets:
@@ -248,32 +275,6 @@ def make_runs(
   return runs
 
 
-def train_run(run: Run, train_command: str = DEFAULT_TRAIN_COMMAND,
-              data_dir: str | None = None) -> int:
-  """Trains one run in a subprocess, logging to its directory.
-
-  Returns:
-    The training command's exit status.
-  """
-  run.output_dir.mkdir(parents=True, exist_ok=True)
-  # Runs that differ only in seeds or held-out domain compile the same
-  # programs: a persistent compilation cache shared by the sweep compiles
-  # each once.
-  env = {"JAX_COMPILATION_CACHE_DIR": str(run.output_dir.parent / ".jax_cache"),
-         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-         **os.environ}
-  # Appends, so the logs of a resumed run follow those of its earlier tries.
-  with open(run.output_dir / LOG_FILE, "a") as log:
-    process = subprocess.run(
-        run.command(train_command, data_dir),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        check=False,
-        env=env,
-    )
-  return process.returncode
-
-
 def launch(
     runs: Sequence[Run],
     *,
@@ -298,7 +299,7 @@ def launch(
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
   try:
     futures = {
-        pool.submit(train_run, run, train_command, data_dir): run for run in todo
+        pool.submit(run.train, train_command, data_dir): run for run in todo
     }
     with tqdm.tqdm(
         total=len(runs), initial=len(runs) - len(todo), unit="run"
@@ -332,15 +333,18 @@ def delete_incomplete(runs: Sequence[Run]) -> list[Run]:
   return incomplete
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
+  """The sweep's command line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
       "command", nargs="?", default="launch",
-      choices=["launch", "list", "delete_incomplete"],
+      choices=["launch", "list", "delete_incomplete", *rerun.COMMANDS],
       help="launch: train every run that is not done; list: the status of "
       "every run; delete_incomplete: delete the directories of started but "
-      "unfinished runs, and of runs whose records are damaged. Default: "
-      "launch.")
+      "unfinished runs, and of runs whose records are damaged; reproduce: "
+      "retrain a sample of the done runs and compare their records; longer: "
+      "train one run for more steps and say when it plateaus "
+      "(experiments/rerun.py). Default: launch.")
   parser.add_argument(
       "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
       choices=list(catalog.DATASETS), metavar="DATASET",
@@ -384,25 +388,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       help="The training program; each run's flags are appended to it.")
   parser.add_argument("--yes", action="store_true",
                       help="Delete without asking for confirmation.")
-  return parser.parse_args(argv)
+  rerun.add_arguments(parser)
+  return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The sweep's flags, as given on the command line."""
+  parser = make_parser()
+  args = parser.parse_args(argv)
+  rerun.check_arguments(parser, args)
+  return args
 
 
 def runs_for(args: argparse.Namespace) -> list[Run]:
-  """The runs of the sweep that parsed command-line flags describe."""
-  return make_runs(
-      output_dir=args.output_dir,
-      datasets=args.datasets,
-      algorithms=args.algorithms,
-      n_hparams=args.n_hparams,
-      n_trials=args.n_trials,
-      test_envs=args.test_envs,
-      steps=args.steps,
-      checkpoint_freq=args.checkpoint_freq,
-      plateau_check_freq=args.plateau_check_freq,
-      hparams=args.hparams,
-      data_dir=args.data_dir,
-      trajectory_freq=args.trajectory_freq,
-  )
+  """The runs of the sweep that parsed command-line flags describe: every
+  parameter of `make_runs` is the flag of its name."""
+  return make_runs(**{name: getattr(args, name)
+                      for name in inspect.signature(make_runs).parameters})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as e:  # A usage error, as argparse's: status 2.
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if args.command in rerun.COMMANDS:
+    return rerun.main(make_parser(), args, runs, args.output_dir)
   if args.command == "list":
     for run in runs:
       print(run)
@@ -427,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr)
       return 130
     for run in failed:
-      print(f"Failed (see {run.output_dir / LOG_FILE}): {run}")
+      print(f"Failed (see {run.log_file}): {run}")
     print(summary(runs))
     return 1 if failed or damaged else 0
 

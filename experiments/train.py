@@ -16,7 +16,7 @@ step's, which no model selection has chosen.
 
 On a WILDS dataset (``experiments.wilds``) the held-out domains are WILDS's
 evaluation splits and the training domains are not split (see
-`training.wilds_protocol`); every step trains on ``domains_per_step``
+`wilds.protocol`); every step trains on ``domains_per_step``
 sampled domains; an epoch is a pass over the whole training split; and the
 metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 ``env{i}_in_worst_r`` for PovertyMap's regression, ``env{i}_in_acc`` and

@@ -9,7 +9,6 @@ its records in `experiments.records`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,8 +69,7 @@ def build_model(
     except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
       raise config_lib.UsageError(f"--pretrained: {e}") from None
   elif (model_facts.imagenet and not config.init_params
-        # WILDS trains PovertyMap's 8-band ResNet-18 from scratch.
-        and catalog.DATASETS[config.dataset].wilds != "PovertyMap"):
+        and not catalog.DATASETS[config.dataset].from_scratch):
     print(f"Warning: training {config.model} from scratch; DomainBed starts "
           "from ImageNet weights (--pretrained).", file=sys.stderr)
   return model
@@ -365,29 +363,6 @@ def load_params(
   return params, stats
 
 
-def wilds_protocol(
-    config: config_lib.Config, dataset: datasets.MultiDomainDataset,
-    hparams: dict[str, Any]
-) -> config_lib.Config:
-  """WILDS's protocol for a `wilds.WildsDataset`; other datasets unchanged.
-
-  Its evaluation splits are the test domains, its training domains are not
-  split (WILDS has its own in-distribution splits), and without ``--steps``
-  the run lasts the dataset's epochs (PovertyMap 200, FMoW 10) of its
-  training split, at ``batch_size * domains_per_step`` examples per step.
-  """
-  if not isinstance(dataset, wilds.WildsDataset):
-    return config
-  steps = config.steps
-  if steps is None:
-    train_examples = sum(len(dataset.domains[d])
-                         for d in range(dataset.num_train_domains))
-    per_step = hparams["batch_size"] * hparams["domains_per_step"]
-    steps = max(1, -(-dataset.epochs * train_examples // per_step))
-  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
-                             holdout_fraction=0.0, steps=steps)
-
-
 def _start_run_directory(
     config: config_lib.Config, hparams: dict[str, Any]
 ) -> None:
@@ -475,7 +450,9 @@ def train(config: config_lib.Config) -> records.Record:
   # The run directory records the configuration as requested: the protocol's
   # changes follow from it.
   requested = config
-  config = wilds_protocol(config, dataset, hparams)
+  is_wilds = catalog.DATASETS[config.dataset].wilds is not None
+  if is_wilds:
+    config = wilds.protocol(config, dataset, hparams)
   num_domains = len(dataset.domains)
   if not set(config.test_envs) <= set(range(num_domains)):
     raise config_lib.UsageError(
@@ -542,12 +519,11 @@ def train(config: config_lib.Config) -> records.Record:
       algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)))
   eval_step = sharder.on_mesh(make_eval_step(network, algorithm.predict))
   sets = eval_sets(splits, config)
-  steps_per_epoch = min(len(splits[d][0]) for d in train_domains) / (
-      hparams["batch_size"])
-  if isinstance(dataset, wilds.WildsDataset):
-    # WILDS's epoch: one pass over the whole training split.
-    steps_per_epoch = sum(len(splits[d][0]) for d in train_domains) / (
-        hparams["batch_size"] * domains_per_step)
+  sizes = [len(splits[d][0]) for d in train_domains]
+  # DomainBed's epoch is a pass over the smallest training domain, WILDS's
+  # (wilds.protocol) over the whole training split.
+  steps_per_epoch = (sum(sizes) / images_per_step if is_wilds
+                     else min(sizes) / hparams["batch_size"])
   meter = MetricMeter()
   step = int(state.step)
   if config.trajectory_freq and step == 0:
@@ -580,7 +556,8 @@ def train(config: config_lib.Config) -> records.Record:
         manager = _checkpoint_manager(output_dir)
       record = {
           "args": config.record_args(), "hparams": hparams,
-          "domains": list(dataset.domain_names), "step": step, "epoch": step / steps_per_epoch,
+          "domains": list(dataset.domain_names), "step": step,
+          "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
           "data_wait_time": data_wait / meter.count,
           **evaluate(eval_step, state, dataset, sets, config, sharder,

@@ -13,13 +13,15 @@ same definitions without importing it (it needs PyTorch)::
     <data_dir>/fmow_v1.1/images/rgb_img_<row>.png     # "seq" rows too
 
 A `WildsDataset` is a `MultiDomainDataset` whose domains are the training
-domains (PovertyMap: the fold's training countries; FMoW: the years of the
-training split), followed by WILDS's four evaluation splits ``id_val``,
-``id_test``, ``val`` and ``test`` (``val`` and ``test`` are out of
-distribution). Its ``test_envs`` are the evaluation splits. Every element
-carries ``"group"``, the evaluation group of WILDS's worst-group metric
-(PovertyMap: 0 rural, 1 urban; FMoW: the region, -1 for "Other", which WILDS
-leaves out of the worst region).
+domains that have rows (PovertyMap: the fold's training countries, of
+`catalog.POVERTY_FOLDS`; FMoW: the years of the training split), followed by
+WILDS's four evaluation splits, `catalog.WILDS_EVAL_SPLITS` (``val`` and
+``test`` are out of distribution): the catalog's ``domains``, where the data
+are whole. Its ``test_envs`` are the evaluation splits; its training length,
+in epochs, is the catalog's too. Every element carries ``"group"``, the
+evaluation group of WILDS's worst-group metric (PovertyMap: 0 rural, 1 urban;
+FMoW: the region, -1 for "Other", which WILDS leaves out of the worst
+region).
 
 Normalisation, as WILDS: PovertyMap's arrays are stored already normalised per
 band (WILDS's ``_MEANS_2009_17`` / ``_STD_DEVS_2009_17``) and are used as they
@@ -37,18 +39,20 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from experiments import catalog
+from experiments import config as config_lib
 from experiments import datasets
 from experiments import wilds_augmentation
 
 POVERTY_DIR = "poverty_v1.1"
 FMOW_DIR = "fmow_v1.1"
-EVAL_SPLITS = ("id_val", "id_test", "val", "test")
 # The split whose metric selects the model (WILDS's OOD validation split).
 SELECTION_SPLIT = "val"
 
@@ -58,37 +62,6 @@ _DOWNLOAD_HINT = (
     " a machine with network access and copy the {folder} folder to"
     " <data_dir>. Nothing is downloaded at run time.")
 
-# WILDS's country folds (poverty_dataset.py, SURVEY_NAMES['2009-17<fold>']):
-# fold -> (train, val, test) countries.
-POVERTY_FOLDS = {
-    "A": (("cameroon", "democratic_republic_of_congo", "ghana", "kenya",
-           "lesotho", "malawi", "mozambique", "nigeria", "senegal", "togo",
-           "uganda", "zambia", "zimbabwe"),
-          ("benin", "burkina_faso", "guinea", "sierra_leone", "tanzania"),
-          ("angola", "cote_d_ivoire", "ethiopia", "mali", "rwanda")),
-    "B": (("angola", "cote_d_ivoire", "democratic_republic_of_congo",
-           "ethiopia", "kenya", "lesotho", "mali", "mozambique", "nigeria",
-           "rwanda", "senegal", "togo", "uganda", "zambia"),
-          ("cameroon", "ghana", "malawi", "zimbabwe"),
-          ("benin", "burkina_faso", "guinea", "sierra_leone", "tanzania")),
-    "C": (("angola", "benin", "burkina_faso", "cote_d_ivoire", "ethiopia",
-           "guinea", "kenya", "lesotho", "mali", "rwanda", "senegal",
-           "sierra_leone", "tanzania", "zambia"),
-          ("democratic_republic_of_congo", "mozambique", "nigeria", "togo",
-           "uganda"),
-          ("cameroon", "ghana", "malawi", "zimbabwe")),
-    "D": (("angola", "benin", "burkina_faso", "cameroon", "cote_d_ivoire",
-           "ethiopia", "ghana", "guinea", "malawi", "mali", "rwanda",
-           "sierra_leone", "tanzania", "zimbabwe"),
-          ("kenya", "lesotho", "senegal", "zambia"),
-          ("democratic_republic_of_congo", "mozambique", "nigeria", "togo",
-           "uganda")),
-    "E": (("benin", "burkina_faso", "cameroon", "democratic_republic_of_congo",
-           "ghana", "guinea", "malawi", "mozambique", "nigeria",
-           "sierra_leone", "tanzania", "togo", "uganda", "zimbabwe"),
-          ("angola", "cote_d_ivoire", "ethiopia", "mali", "rwanda"),
-          ("kenya", "lesotho", "senegal", "zambia")),
-}
 # WILDS takes 2,000 examples of the training countries for id_val (the first
 # half) and id_test, shuffled by numpy's default_rng(ord(fold) + 541433)
 # (its subsample_idxs).
@@ -128,8 +101,6 @@ class WildsDataset(datasets.MultiDomainDataset):
   Attributes:
     num_train_domains: the number of training domains, which come first.
     group_names: the names of the evaluation groups of ``"group"``.
-    epochs: the paper's training length in epochs of the training split
-      (PovertyMap 200, FMoW 10).
     train_transform: WILDS's training augmentation of one example,
       ``(example, rng) -> example`` with ``rng`` a NumPy Generator seeded
       per (seed, step, example); ``None`` where WILDS augments nothing.
@@ -138,7 +109,6 @@ class WildsDataset(datasets.MultiDomainDataset):
 
   num_train_domains: int
   group_names: tuple[str, ...]
-  epochs: int
   train_transform: Callable[[datasets.Element, np.random.Generator],
                             datasets.Element] | None = None
 
@@ -203,14 +173,14 @@ def _dataset_root(name: str, folder: str, wilds_name: str,
 
 
 def _make_dataset(name, load, splits, train_domains, labels, groups, *,
-                  num_classes, group_names, epochs, train_transform=None):
+                  num_classes, group_names, train_transform=None):
   """Builds a `WildsDataset` from row indices of every domain and split."""
   if not train_domains:
     raise ValueError(f"{name} has no training examples: every row is in an "
                      "evaluation split.")
-  domain_names = tuple(train_domains) + EVAL_SPLITS
+  domain_names = tuple(train_domains) + catalog.WILDS_EVAL_SPLITS
   row_sets = [train_domains[d] for d in train_domains] + [
-      splits[s] for s in EVAL_SPLITS]
+      splits[s] for s in catalog.WILDS_EVAL_SPLITS]
   return WildsDataset(
       name=name,
       domain_names=domain_names,
@@ -220,7 +190,6 @@ def _make_dataset(name, load, splits, train_domains, labels, groups, *,
       input_shape=tuple(load(int(row_sets[0][0])).shape),
       num_train_domains=len(train_domains),
       group_names=group_names,
-      epochs=epochs,
       train_transform=train_transform,
   )
 
@@ -243,10 +212,10 @@ def poverty_splits(
   Returns:
     ``split name -> row indices``, ``train`` included.
   """
-  if fold not in POVERTY_FOLDS:
-    raise ValueError(f"PovertyMap fold must be one of {sorted(POVERTY_FOLDS)},"
-                     f" got {fold!r}.")
-  _, val, test = POVERTY_FOLDS[fold]
+  if fold not in catalog.POVERTY_FOLDS:
+    raise ValueError("PovertyMap fold must be one of "
+                     f"{sorted(catalog.POVERTY_FOLDS)}, got {fold!r}.")
+  _, val, test = catalog.POVERTY_FOLDS[fold]
   countries = np.asarray(countries)
   rows = np.arange(len(countries))
   is_test, is_val = np.isin(countries, test), np.isin(countries, val)
@@ -309,10 +278,10 @@ def poverty_map(
 
   train_countries = np.asarray(countries)[splits["train"]]
   train_domains = {c: splits["train"][train_countries == c]
-                   for c in POVERTY_FOLDS[fold][0]
+                   for c in catalog.POVERTY_FOLDS[fold][0]
                    if np.any(train_countries == c)}
   return _make_dataset(name, load, splits, train_domains, labels, groups,
-                       num_classes=1, group_names=POVERTY_GROUPS, epochs=200,
+                       num_classes=1, group_names=POVERTY_GROUPS,
                        train_transform=wilds_augmentation.augment_poverty)
 
 
@@ -413,5 +382,25 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
                    for y in sorted(set(train_years.tolist()))}
   return _make_dataset("FMoW", load, splits, train_domains, labels, groups,
                        num_classes=len(FMOW_CATEGORIES),
-                       group_names=FMOW_REGIONS, epochs=10)
+                       group_names=FMOW_REGIONS)
 
+
+def protocol(
+    config: config_lib.Config, dataset: WildsDataset, hparams: Mapping[str, Any]
+) -> config_lib.Config:
+  """WILDS's protocol: ``config`` as a run on ``dataset`` follows it.
+
+  Its evaluation splits are the test domains, its training domains are not
+  split (WILDS has its own in-distribution splits), and without ``--steps``
+  the run lasts the catalog's ``epochs`` (PovertyMap 200, FMoW 10) of its
+  training split, at ``batch_size * domains_per_step`` examples per step.
+  """
+  steps = config.steps
+  if steps is None:
+    train_examples = sum(len(dataset.domains[d])
+                         for d in range(dataset.num_train_domains))
+    per_step = hparams["batch_size"] * hparams["domains_per_step"]
+    epochs = catalog.DATASETS[config.dataset].epochs
+    steps = max(1, -(-epochs * train_examples // per_step))
+  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
+                             holdout_fraction=0.0, steps=steps)

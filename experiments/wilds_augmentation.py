@@ -57,6 +57,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from experiments import color_jitter
 from experiments import datasets
 
 # The bands of PovertyMap's images, in their stored order
@@ -76,8 +77,6 @@ JITTER = 0.8
 HUE_JITTER = 0.1
 # torchvision's luma weights of red, green and blue (rgb_to_grayscale).
 LUMA_WEIGHTS = np.array([0.2989, 0.587, 0.114])
-# The colour adjustments, as ordered in `PovertyAugmentation.jitter_order`.
-BRIGHTNESS, CONTRAST, SATURATION, HUE = range(4)
 
 
 class PovertyAugmentation(NamedTuple):
@@ -86,21 +85,12 @@ class PovertyAugmentation(NamedTuple):
   Attributes:
     flip_horizontal: whether the image is flipped left to right.
     flip_vertical: whether the image is flipped top to bottom.
-    jitter_order: the colour adjustments in the order applied, a permutation
-      of ``(BRIGHTNESS, CONTRAST, SATURATION, HUE)``.
-    brightness: the brightness factor.
-    contrast: the contrast factor.
-    saturation: the saturation factor.
-    hue: the hue shift, in turns of the colour wheel.
+    jitter: the colour jitter of the RGB bands.
   """
 
   flip_horizontal: bool
   flip_vertical: bool
-  jitter_order: tuple[int, int, int, int]
-  brightness: float
-  contrast: float
-  saturation: float
-  hue: float
+  jitter: color_jitter.ColorJitter
 
 
 def draw(rng: np.random.Generator) -> PovertyAugmentation:
@@ -108,12 +98,8 @@ def draw(rng: np.random.Generator) -> PovertyAugmentation:
   the jitter's order and its four factors (``ColorJitter.get_params``)."""
   flip_horizontal = bool(rng.random() < FLIP_PROBABILITY)
   flip_vertical = bool(rng.random() < FLIP_PROBABILITY)
-  jitter_order = tuple(int(i) for i in rng.permutation(4))
-  brightness, contrast, saturation = rng.uniform(1 - JITTER, 1 + JITTER, 3)
-  hue = rng.uniform(-HUE_JITTER, HUE_JITTER)
-  return PovertyAugmentation(flip_horizontal, flip_vertical, jitter_order,
-                             float(brightness), float(contrast),
-                             float(saturation), float(hue))
+  return PovertyAugmentation(flip_horizontal, flip_vertical,
+                             color_jitter.draw(rng, JITTER, HUE_JITTER))
 
 
 def luma(rgb: np.ndarray) -> np.ndarray:
@@ -201,22 +187,6 @@ def adjust_hue(rgb: np.ndarray, shift: float) -> np.ndarray:
   return hsv_to_rgb(hsv)
 
 
-def color_jitter(rgb: np.ndarray,
-                 augmentation: PovertyAugmentation) -> np.ndarray:
-  """Applies the four colour adjustments to ``(3, H, W)`` RGB in [0, 1], in
-  ``augmentation``'s order."""
-  for adjustment in augmentation.jitter_order:
-    if adjustment == BRIGHTNESS:
-      rgb = adjust_brightness(rgb, augmentation.brightness)
-    elif adjustment == CONTRAST:
-      rgb = adjust_contrast(rgb, augmentation.contrast)
-    elif adjustment == SATURATION:
-      rgb = adjust_saturation(rgb, augmentation.saturation)
-    else:
-      rgb = adjust_hue(rgb, augmentation.hue)
-  return rgb
-
-
 def apply(image: np.ndarray, augmentation: PovertyAugmentation) -> np.ndarray:
   """Augments a normalised ``(H, W, 8)`` PovertyMap image.
 
@@ -239,7 +209,9 @@ def apply(image: np.ndarray, augmentation: PovertyAugmentation) -> np.ndarray:
   rgb = np.ascontiguousarray(np.moveaxis(image[..., RGB_BANDS], -1, 0),
                              np.float64)
   reflectance = np.clip(rgb * _RGB_STD + _RGB_MEAN, 0.0, 1.0)
-  jittered = color_jitter(reflectance, augmentation)
+  jittered = color_jitter.apply(
+      augmentation.jitter, reflectance, brightness=adjust_brightness,
+      contrast=adjust_contrast, saturation=adjust_saturation, hue=adjust_hue)
   augmented = np.array(image, np.float32)
   augmented[..., RGB_BANDS] = np.moveaxis(
       (jittered - _RGB_MEAN) / _RGB_STD, 0, -1)

@@ -3,10 +3,10 @@
 import numpy as np
 
 from experiments.analysis import report
-from experiments import wilds
+from experiments import catalog
 from experiments.analysis import wilds_report
 
-DOMAINS = ["a", "b", *wilds.EVAL_SPLITS]  # val is env4, test env5.
+DOMAINS = ["a", "b", *catalog.WILDS_EVAL_SPLITS]  # val is env4, test env5.
 
 
 def _record(dataset, algorithm, seed, step, val, test):

@@ -19,6 +19,7 @@ from PIL import Image
 from PIL import ImageEnhance
 
 from experiments import augmentation
+from experiments import color_jitter
 from experiments import datasets
 from experiments import input_pipeline
 
@@ -141,7 +142,7 @@ def test_flip_and_grayscale_rates(draws):
 def test_jitter_factors_are_uniform_on_their_ranges(draws):
   for name, low, high in (("brightness", 0.7, 1.3), ("contrast", 0.7, 1.3),
                           ("saturation", 0.7, 1.3), ("hue", -0.3, 0.3)):
-    values = np.sort([getattr(d, name) for d in draws])
+    values = np.sort([getattr(d.jitter, name) for d in draws])
     assert low <= values[0] < low + 0.01 and high - 0.01 < values[-1] < high
     uniform_cdf = (values - low) / (high - low)
     empirical = np.arange(1, DRAWS + 1) / DRAWS
@@ -151,7 +152,7 @@ def test_jitter_factors_are_uniform_on_their_ranges(draws):
 def test_jitter_order_is_a_uniformly_random_permutation(draws):
   counts = {order: 0 for order in itertools.permutations(range(4))}
   for d in draws:
-    counts[d.jitter_order] += 1
+    counts[d.jitter.order] += 1
   assert len(counts) == 24
   for order, count in counts.items():
     assert abs(count / DRAWS - 1 / 24) < _sigma_bound(1 / 24, DRAWS), order
@@ -220,8 +221,10 @@ def test_normalize_is_torchvisions_to_tensor_and_normalize():
 
 def _identity_jitter(crop, flip):
   return augmentation.PhotoAugmentation(
-      crop=crop, flip=flip, jitter_order=(0, 1, 2, 3), brightness=1.0,
-      contrast=1.0, saturation=1.0, hue=0.0, grayscale=False)
+      crop=crop, flip=flip,
+      jitter=color_jitter.ColorJitter(order=(0, 1, 2, 3), brightness=1.0,
+                                      contrast=1.0, saturation=1.0, hue=0.0),
+      grayscale=False)
 
 
 @pytest.mark.parametrize("flip", [False, True])

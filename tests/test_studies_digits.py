@@ -7,7 +7,7 @@ import pytest
 
 from experiments import config as config_lib
 from experiments import records
-from experiments import study
+from experiments import rerun
 from experiments.studies import digits
 
 
@@ -75,11 +75,10 @@ def test_every_committed_run_is_found_under_its_name(results_dir):
     if results_dir == "study":
       run = planned[run_dir.name]
     else:
-      run = study.longer_run(
+      run = rerun.longer_run(
           list(planned.values()), dataset=args["dataset"],
           algorithm=args["algorithm"], hparams_seed=args["hparams_seed"],
           trial_seed=args["trial_seed"], test_env=args["test_envs"][0],
-          steps=args["steps"], min_steps=digits.STEPS,
-          output_dir=run_dir.parent)
+          longer_steps=args["steps"], output_dir=run_dir.parent)
     assert run.output_dir == run_dir
     assert _resolved(run) == stored, run_dir

@@ -203,3 +203,14 @@ def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
   saved = {(r.args["algorithm"], r.args["hparams_seed"])
            for r in runs if "trajectory_freq" in r.args}
   assert saved == {("ERM", 0)}
+
+
+def test_make_runs_counts_domains_in_the_catalog_without_data(tmp_path):
+  # Neither dataset's data is here; DomainBed's sweep holds out its 6 and 4
+  # ENVIRONMENTS in turn.
+  runs = sweep.make_runs(output_dir=tmp_path,
+                         datasets=["RotatedMNIST", "TerraIncognita"],
+                         algorithms=["ERM"], n_hparams=1, n_trials=1)
+  assert [(r.args["dataset"], r.args["test_envs"]) for r in runs] == [
+      ("RotatedMNIST", [env]) for env in range(6)] + [
+          ("TerraIncognita", [env]) for env in range(4)]

@@ -1,4 +1,4 @@
-"""The TFDS loaders of experiments/datasets.py on tiny datasets prepared here.
+"""The datasets read from TFDS, on tiny TFDS datasets prepared here.
 
 The fixtures prepare small ``mnist`` and ``domainnet/<domain>`` datasets in a
 temporary data_dir with tfds's own writer (array_record files, dataset_info.json
@@ -13,6 +13,8 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from experiments import datasets
+from experiments import digit_datasets
+from experiments import photo_datasets
 
 NUM_MNIST = 36  # Divisible by the 6 rotated and the 3 coloured domains.
 NUM_MNIST_TRAIN = 24
@@ -132,7 +134,7 @@ def test_rotated_mnist_reads_the_prepared_records(mnist_dir, seed):
   assert [len(d) for d in ds.domains] == [NUM_MNIST // 6] * 6
 
   order = _source_ids(mnist_dir)
-  parts = datasets._deal(NUM_MNIST, 6, seed)
+  parts = digit_datasets._deal(NUM_MNIST, 6, seed)
   # The deal shuffles: it is not the plain round robin of the source order.
   assert not np.array_equal(parts[0], np.arange(0, NUM_MNIST, 6))
   seen = []
@@ -152,7 +154,7 @@ def test_rotated_mnist_reads_the_prepared_records(mnist_dir, seed):
   assert sorted(seen) == list(range(NUM_MNIST))
 
   # Domain "0°" holds the written pixels unchanged; the others are rotated.
-  for domain, angle in zip(ds.domains, datasets.ROTATION_ANGLES):
+  for domain, angle in zip(ds.domains, digit_datasets.ROTATION_ANGLES):
     for k in range(len(domain)):
       image = domain[k]["image"][..., 0]
       written = images[_digit_id(image), ..., 0] / np.float32(255.0)
@@ -187,7 +189,7 @@ def test_colored_mnist_reads_the_prepared_records(mnist_dir):
   assert [len(d) for d in ds.domains] == [NUM_MNIST // 3] * 3
 
   seen = []
-  envs = datasets.COLOR_ENVIRONMENTS.values()
+  envs = digit_datasets.COLOR_ENVIRONMENTS.values()
   for i, (domain, env) in enumerate(zip(ds.domains, envs)):
     digits, binary, colors = [], [], []
     for k in range(len(domain)):
@@ -208,7 +210,7 @@ def test_colored_mnist_reads_the_prepared_records(mnist_dir):
     # The documented recipe, on the digit labels that were written.
     rng = np.random.default_rng([seed, i + 1])
     expected = (labels[digits] < 5) ^ (
-        rng.random(len(digits)) < datasets.COLOR_LABEL_NOISE
+        rng.random(len(digits)) < digit_datasets.COLOR_LABEL_NOISE
     )
     np.testing.assert_array_equal(binary, expected.astype(np.int32))
     np.testing.assert_array_equal(
@@ -238,7 +240,7 @@ def _domainnet_arrays(d: int) -> dict[str, tuple[list, np.ndarray]]:
 def domainnet_dir(tmp_path_factory):
   """A data_dir with every DomainNet domain prepared, a few photos each."""
   data_dir = tmp_path_factory.mktemp("tfds_domainnet")
-  for d, domain in enumerate(datasets.DOMAINNET_DOMAINS):
+  for d, domain in enumerate(photo_datasets.DOMAINNET_DOMAINS):
     _prepare(_TinyDomainnet, data_dir, _domainnet_arrays(d), config=domain)
   return data_dir
 
@@ -246,7 +248,7 @@ def domainnet_dir(tmp_path_factory):
 def test_domainnet_reads_the_prepared_records(domainnet_dir):
   ds = datasets.get_dataset("DomainNet", data_dir=domainnet_dir)
   assert ds.name == "DomainNet"
-  assert ds.domain_names == datasets.DOMAINNET_DOMAINS
+  assert ds.domain_names == photo_datasets.DOMAINNET_DOMAINS
   assert ds.num_classes == DOMAINNET_CLASSES
   assert ds.input_shape == (224, 224, 3)
   for d, (name, source) in enumerate(zip(ds.domain_names, ds.domains)):
@@ -254,7 +256,7 @@ def test_domainnet_reads_the_prepared_records(domainnet_dir):
         f"domainnet/{name}", data_dir=str(domainnet_dir), try_gcs=False
     ).version
     assert (domainnet_dir / "domainnet" / name / str(version)).is_dir()
-    assert isinstance(source, datasets.TfdsPhotoSource)
+    assert isinstance(source, photo_datasets.TfdsPhotoSource)
     written = {
         tuple(int(c) for c in photo[0, 0]): label
         for photos, labels in _domainnet_arrays(d).values()
@@ -279,7 +281,7 @@ def test_domainnet_reads_the_prepared_records(domainnet_dir):
 
 
 def test_domainnet_names_only_the_unprepared_domains(tmp_path):
-  for d, domain in enumerate(datasets.DOMAINNET_DOMAINS):
+  for d, domain in enumerate(photo_datasets.DOMAINNET_DOMAINS):
     if domain in ("real", "sketch"):
       _prepare(_TinyDomainnet, tmp_path, _domainnet_arrays(d), config=domain)
   assert tfds.builder(

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from experiments import catalog
 from experiments import config as config_lib
+from experiments import datasets
 from experiments import training
 from experiments import wilds
 from test_train import kill_at_first_checkpoint
@@ -44,7 +46,7 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
       "--hparams", '{"domains_per_step": 3, "batch_size": 4}', *SMALL]))
   assert record["args"]["test_envs"] == [13, 14, 15, 16]
   assert record["args"]["holdout_fraction"] == 0.0
-  assert record["domains"][13:] == list(wilds.EVAL_SPLITS)
+  assert record["domains"][13:] == list(catalog.WILDS_EVAL_SPLITS)
   assert record["hparams"]["outer_lr_per_domain"] is True
   # Regression metrics with WILDS's urban/rural worst group, per split.
   for split in range(13, 17):
@@ -107,10 +109,39 @@ def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
   dataset = wilds.poverty_map(data_dir=tmp_path)
   config = config_lib.Config(dataset="PovertyMap", algorithm="PGrad")
   hparams = config.hyperparameters()
-  resolved = training.wilds_protocol(config, dataset, hparams)
+  resolved = wilds.protocol(config, dataset, hparams)
   # 39 in-distribution rows - 6 evaluated = 33 training rows.
   assert resolved.steps == -(-200 * 33 // (hparams["batch_size"] * 8))
   assert resolved.test_envs == [13, 14, 15, 16]
+
+
+def test_fmow_default_length_is_10_epochs(tmp_path):
+  wilds_data.write_fmow(tmp_path)
+  dataset = wilds.fmow(data_dir=tmp_path)
+  config = config_lib.Config(
+      dataset="FMoW", algorithm="ERM",
+      hparams='{"batch_size": 1, "domains_per_step": 2}').resolve()
+  resolved = wilds.protocol(config, dataset, config.hyperparameters())
+  # 5 training rows (wilds_data.FMOW_SPLIT_ROWS), 2 a step: 10 * 5 / 2.
+  assert resolved.steps == 25 and resolved.holdout_fraction == 0.0
+  assert resolved.test_envs == [4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("dataset, warned", [("FMoW", True),
+                                             ("PovertyMap", False)])
+def test_only_poverty_maps_imagenet_network_starts_from_scratch_unwarned(
+    dataset, warned, tmp_path, small_id_eval, capsys):
+  # WILDS trains PovertyMap's 8-band ResNet from scratch; the others start
+  # from ImageNet weights, which a run without --pretrained is told.
+  del small_id_eval
+  wilds_data.write_poverty(tmp_path)
+  wilds_data.write_fmow(tmp_path)
+  config = config_lib.parse_args(["--dataset", dataset, "--data_dir",
+                                  str(tmp_path), "--model", "resnet18"])
+  training.build_model(config, datasets.get_dataset(dataset,
+                                                    data_dir=tmp_path),
+                       config.hyperparameters())
+  assert ("from scratch" in capsys.readouterr().err) == warned
 
 
 def test_fmow_erm_phase_then_pgrad(tmp_path):

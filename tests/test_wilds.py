@@ -17,12 +17,12 @@ import wilds_data
 def test_poverty_map_splits_domains_channels_and_labels(tmp_path):
   rows = wilds_data.write_poverty(tmp_path)
   dataset = wilds.poverty_map(data_dir=tmp_path, id_eval_size=6)
-  train, val, test = wilds.POVERTY_FOLDS["A"]
-  assert dataset.domain_names == train + wilds.EVAL_SPLITS
+  train, val, test = catalog.POVERTY_FOLDS["A"]
+  assert dataset.domain_names == train + catalog.WILDS_EVAL_SPLITS
   assert dataset.num_train_domains == 13 and dataset.num_classes == 1
   assert dataset.test_envs == tuple(range(13, 17))
   assert dataset.domain_names[dataset.selection_env] == "val"
-  assert dataset.input_shape == (8, 8, 8) and dataset.epochs == 200
+  assert dataset.input_shape == (8, 8, 8)
 
   by_name = dict(zip(dataset.domain_names, dataset.domains))
   countries = np.array([r["country"] for r in rows])
@@ -59,10 +59,10 @@ def test_poverty_map_splits_domains_channels_and_labels(tmp_path):
 def test_poverty_map_folds_move_the_countries(tmp_path):
   rows = wilds_data.write_poverty(tmp_path)
   countries = np.array([r["country"] for r in rows])
-  train, val, test = wilds.POVERTY_FOLDS["C"]
+  train, val, test = catalog.POVERTY_FOLDS["C"]
   dataset = wilds.poverty_map(data_dir=tmp_path, fold="C", id_eval_size=6)
   assert dataset.name == "PovertyMap-C" and "PovertyMap-C" in catalog.DATASETS
-  assert dataset.domain_names == train + wilds.EVAL_SPLITS
+  assert dataset.domain_names == train + catalog.WILDS_EVAL_SPLITS
   by_name = dict(zip(dataset.domain_names, dataset.domains))
   assert sorted(set(countries[by_name["test"].rows])) == sorted(test)
   assert sorted(set(countries[by_name["val"].rows])) == sorted(val)
@@ -78,9 +78,8 @@ def test_fmow_splits_years_regions_and_normalisation(tmp_path):
   dataset = datasets.get_dataset("FMoW", data_dir=tmp_path)
   # Training domains: the years of the training split before 2013.
   assert dataset.domain_names == ("2002", "2005", "2010",
-                                  "2012") + wilds.EVAL_SPLITS
+                                  "2012") + catalog.WILDS_EVAL_SPLITS
   assert dataset.num_classes == 62 and dataset.input_shape == (8, 8, 3)
-  assert dataset.epochs == 10
   by_name = dict(zip(dataset.domain_names, dataset.domains))
   # WILDS's splits, by UTC timestamp: the -05:00 row 17 is 2016 in UTC.
   for name, rows_of in wilds_data.FMOW_SPLIT_ROWS.items():
@@ -128,7 +127,7 @@ def test_every_poverty_map_split_loads_the_image_of_its_own_row(tmp_path):
           element["image"][wilds_data.POVERTY_ROW_PIXEL], np.full(8, row))
       np.testing.assert_allclose(element["label"], rows[row]["wealthpooled"],
                                  rtol=1e-6)
-      if name not in wilds.EVAL_SPLITS:
+      if name not in catalog.WILDS_EVAL_SPLITS:
         assert countries[row] == name
       seen.append(row)
   # Every row is served exactly once.

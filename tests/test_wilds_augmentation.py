@@ -8,6 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
+from experiments import color_jitter
 from experiments import wilds_augmentation as aug
 
 # Draws of the statistical tests, from fixed seeds. Each checks a rate or a
@@ -43,7 +44,7 @@ def test_flips_are_independent_fair_coins(draws):
 
 @pytest.mark.parametrize("name", ["brightness", "contrast", "saturation"])
 def test_jitter_factors_are_uniform_on_0_2_to_1_8(draws, name):
-  factors = np.array([getattr(d, name) for d in draws])
+  factors = np.array([getattr(d.jitter, name) for d in draws])
   # ColorJitter(0.8): U(1 - 0.8, 1 + 0.8), mean 1, standard deviation
   # 1.6 / sqrt(12).
   assert factors.min() >= 0.2 and factors.max() <= 1.8
@@ -58,7 +59,7 @@ def test_jitter_factors_are_uniform_on_0_2_to_1_8(draws, name):
 
 
 def test_hue_shift_is_uniform_on_minus_0_1_to_0_1(draws):
-  shifts = np.array([d.hue for d in draws])
+  shifts = np.array([d.jitter.hue for d in draws])
   assert shifts.min() >= -0.1 and shifts.max() <= 0.1
   assert shifts.min() < -0.099 and shifts.max() > 0.099
   error = 0.2 / np.sqrt(12 * NUM_DRAWS)
@@ -67,7 +68,7 @@ def test_hue_shift_is_uniform_on_minus_0_1_to_0_1(draws):
 
 
 def test_jitter_order_is_a_uniform_permutation(draws):
-  orders = np.array([d.jitter_order for d in draws])
+  orders = np.array([d.jitter.order for d in draws])
   assert all(sorted(order) == [0, 1, 2, 3] for order in orders)
   # Every adjustment is at every position a quarter of the time.
   for adjustment, position in itertools.product(range(4), range(4)):
@@ -164,9 +165,10 @@ def _reference(image, augmentation):
   if augmentation.flip_vertical:
     image = np.flip(image, axis=0)
   rgb = np.clip(image[..., [2, 1, 0]] * RGB_STD + RGB_MEAN, 0, 1)
-  for adjustment in augmentation.jitter_order:
-    factor = [augmentation.brightness, augmentation.contrast,
-              augmentation.saturation, augmentation.hue][adjustment]
+  jitter = augmentation.jitter
+  for adjustment in jitter.order:
+    factor = [jitter.brightness, jitter.contrast, jitter.saturation,
+              jitter.hue][adjustment]
     if adjustment == 0:
       rgb = np.clip(factor * rgb, 0, 1)
     elif adjustment == 1:
@@ -205,11 +207,12 @@ def test_augmented_image_follows_the_definition(clipped):
 
 def test_flips_move_every_band_together():
   image = _poverty_image(1)
-  jitter_off = dict(jitter_order=(0, 1, 2, 3), brightness=1.0, contrast=1.0,
-                    saturation=1.0, hue=0.0)
+  jitter_off = color_jitter.ColorJitter(
+      order=(0, 1, 2, 3), brightness=1.0, contrast=1.0, saturation=1.0,
+      hue=0.0)
   for horizontal, vertical in itertools.product([False, True], repeat=2):
-    augmented = aug.apply(image, aug.PovertyAugmentation(
-        horizontal, vertical, **jitter_off))
+    augmented = aug.apply(
+        image, aug.PovertyAugmentation(horizontal, vertical, jitter_off))
     expected = image[:, ::-1] if horizontal else image
     expected = expected[::-1] if vertical else expected
     # Without jitter the RGB bands only pass through reflectance and back.

@@ -5,11 +5,13 @@ Every image carries the metadata row it belongs to (`POVERTY_ROW_PIXEL`,
 """
 
 import csv
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from experiments import catalog
 from experiments import wilds
 
 POVERTY_SIZE = FMOW_SIZE = 8
@@ -36,7 +38,7 @@ def write_poverty(data_dir: Path, *, per_country: int = 3,
   root = data_dir / wilds.POVERTY_DIR
   (root / "images").mkdir(parents=True)
   rng = np.random.default_rng(seed)
-  train, val, test = wilds.POVERTY_FOLDS["A"]
+  train, val, test = catalog.POVERTY_FOLDS["A"]
   countries = [c for c in train + val + test for _ in range(per_country)]
   rows = []
   for i, country in enumerate(countries):
@@ -84,8 +86,11 @@ FMOW_SPLIT_ROWS = {"2002": [8], "2005": [1, 2], "2010": [3], "2012": [5],
                    "test": [13, 15, 17]}
 
 
-def write_fmow(data_dir: Path, seed: int = 0) -> list[dict]:
-  """``fmow_v1.1`` with `FMOW_ROWS`, and its metadata rows.
+def write_fmow(data_dir: Path, seed: int = 0,
+               table: Sequence[tuple[str, str, str]] = FMOW_ROWS
+               ) -> list[dict]:
+  """``fmow_v1.1`` with the rows of ``table``, laid out as `FMOW_ROWS`, and
+  its metadata rows.
 
   As WILDS's download: the image of metadata row ``i`` is
   ``images/rgb_img_<i>.png``, sequestered rows included.
@@ -94,7 +99,7 @@ def write_fmow(data_dir: Path, seed: int = 0) -> list[dict]:
   (root / "images").mkdir(parents=True)
   rng = np.random.default_rng(seed)
   rows = []
-  for i, (split, timestamp, country) in enumerate(FMOW_ROWS):
+  for i, (split, timestamp, country) in enumerate(table):
     rows.append({"split": split, "img_filename": f"x_{i}.jpg",
                  "category": wilds.FMOW_CATEGORIES[(7 * i) % 62],
                  "country_code": country, "timestamp": timestamp})

@@ -91,14 +91,52 @@ def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
       update)
 
 
+def _mean_over_domain_pairs(
+    features: jax.Array,
+    pair_penalties: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+  """A penalty of features averaged over the pairs of domains ``i < j``.
+
+  DomainBed adds up the penalty of every pair and divides the sum by the
+  ``n (n - 1) / 2`` pairs (lines 1032-1039); with one domain there is no
+  pair, and the penalty is 0.
+
+  Args:
+    features: ``(n, b, F)``, every domain's batch of features.
+    pair_penalties: ``pair_penalties(features, first, second)`` is the
+      penalty of every pair, given the indices of its domains ``first <
+      second`` (as `jax.numpy.triu_indices` lists them).
+
+  Returns:
+    The scalar mean of ``pair_penalties``; 0 with one domain.
+  """
+  n = features.shape[0]
+  if n < 2:
+    return jnp.zeros((), features.dtype)
+  first, second = jnp.triu_indices(n, k=1)
+  return pair_penalties(features, first, second).mean()
+
+
+def _coral_pair_penalties(features: jax.Array, first: jax.Array,
+                          second: jax.Array) -> jax.Array:
+  b = features.shape[1]
+  means = features.mean(axis=1)
+  centered = features - means[:, None]
+  covariances = jnp.einsum("nbi,nbj->nij", centered, centered) / (b - 1)
+  mean_gaps = ((means[first] - means[second]) ** 2).mean(axis=-1)
+  covariance_gaps = ((covariances[first] - covariances[second]) ** 2).mean(
+      axis=(-2, -1))
+  return mean_gaps + covariance_gaps
+
+
 def coral_penalty(features: jax.Array) -> jax.Array:
   """DomainBed's CORAL penalty: feature mean and covariance gaps of domains.
 
   For every pair of domains ``i < j``, the mean over features of the squared
   difference of their feature means, plus the mean over feature pairs of the
   squared difference of their covariances (unbiased, ``1 / (b - 1)``),
-  averaged over the ``n (n - 1) / 2`` pairs (``mmd``'s ``mean_cov`` branch,
-  lines 1011-1021; the average, lines 1032-1039).
+  averaged over the pairs (``mmd``'s ``mean_cov`` branch, lines 1011-1021;
+  the average, `_mean_over_domain_pairs`).
 
   Args:
     features: ``(n, b, F)``, every domain's batch of features.
@@ -106,17 +144,22 @@ def coral_penalty(features: jax.Array) -> jax.Array:
   Returns:
     The scalar penalty; 0 with one domain.
   """
+  return _mean_over_domain_pairs(features, _coral_pair_penalties)
+
+
+def _mmd_pair_penalties(features: jax.Array, first: jax.Array,
+                        second: jax.Array) -> jax.Array:
   n, b, _ = features.shape
-  if n < 2:
-    return jnp.zeros((), features.dtype)
-  means = features.mean(axis=1)
-  centered = features - means[:, None]
-  covariances = jnp.einsum("nbi,nbj->nij", centered, centered) / (b - 1)
-  first, second = jnp.triu_indices(n, k=1)
-  mean_gaps = ((means[first] - means[second]) ** 2).mean(axis=-1)
-  covariance_gaps = ((covariances[first] - covariances[second]) ** 2).mean(
-      axis=(-2, -1))
-  return (mean_gaps + covariance_gaps).mean()
+  norms = (features**2).sum(axis=-1)
+  # Every pair of domains (i, j): (n, n, b, b) squared distances.
+  distances = (norms[:, None, :, None] + norms[None, :, None, :]
+               - 2 * jnp.einsum("ibf,jcf->ijbc", features, features))
+  itself = jnp.eye(n, dtype=bool)[:, :, None, None] & jnp.eye(b, dtype=bool)
+  distances = jnp.maximum(jnp.where(itself, 0.0, distances), 1e-30)
+  kernel_means = sum(jnp.exp(-gamma * distances)
+                     for gamma in MMD_GAMMAS).mean(axis=(-2, -1))
+  return (kernel_means[first, first] + kernel_means[second, second]
+          - 2 * kernel_means[first, second])
 
 
 def mmd_penalty(features: jax.Array) -> jax.Array:
@@ -126,8 +169,8 @@ def mmd_penalty(features: jax.Array) -> jax.Array:
   (``gaussian_kernel``, lines 994-1002), ``d`` the squared distance computed
   as DomainBed's ``my_cdist`` does, ``|x|^2 + |y|^2 - 2 x.y`` clamped below
   at 1e-30 (lines 986-992). A pair's MMD is ``mean K(x, x) + mean K(y, y) -
-  2 mean K(x, y)`` (lines 1004-1009), averaged over the ``n (n - 1) / 2``
-  pairs ``i < j`` (lines 1032-1039).
+  2 mean K(x, y)`` (lines 1004-1009), averaged over the pairs ``i < j``
+  (`_mean_over_domain_pairs`).
 
   An example's distance to itself is set to its exact 0 (then clamped):
   the expansion cancels there, leaving float32 rounding of ``1e-7 |x|^2``,
@@ -139,20 +182,7 @@ def mmd_penalty(features: jax.Array) -> jax.Array:
   Returns:
     The scalar penalty; 0 with one domain.
   """
-  n, b, _ = features.shape
-  if n < 2:
-    return jnp.zeros((), features.dtype)
-  norms = (features**2).sum(axis=-1)
-  # Every pair of domains (i, j): (n, n, b, b) squared distances.
-  distances = (norms[:, None, :, None] + norms[None, :, None, :]
-               - 2 * jnp.einsum("ibf,jcf->ijbc", features, features))
-  itself = jnp.eye(n, dtype=bool)[:, :, None, None] & jnp.eye(b, dtype=bool)
-  distances = jnp.maximum(jnp.where(itself, 0.0, distances), 1e-30)
-  kernel_means = sum(jnp.exp(-gamma * distances)
-                     for gamma in MMD_GAMMAS).mean(axis=(-2, -1))
-  first, second = jnp.triu_indices(n, k=1)
-  return (kernel_means[first, first] + kernel_means[second, second]
-          - 2 * kernel_means[first, second]).mean()
+  return _mean_over_domain_pairs(features, _mmd_pair_penalties)
 
 
 def _feature_matching(

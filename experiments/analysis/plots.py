@@ -3,9 +3,10 @@
 Every training-dynamics function takes records (see `experiments.records`)
 of one dataset and held-out domain and writes one PNG, titled with the
 dataset and the held-out domain; `plot_claims` draws what
-`experiments.analysis.claims` measures. Domains are named as ``env{i} (name)`` where the records carry their
-names. Curves are averaged over the runs in the records, which are meant to
-differ only in ``trial_seed``. The figures are drawn on
+`experiments.analysis.claims` measures. Domains are named as
+``env{i} (name)`` where the records carry their names. Curves are averaged
+over the runs in the records, which are meant to differ only in
+``trial_seed``. The figures are drawn on
 `matplotlib.figure.Figure`, which renders with the Agg backend without
 touching pyplot's global state.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from matplotlib.axes import Axes
@@ -277,37 +278,78 @@ def plot_mean_training_loss(
   return fig
 
 
+class _Bars(NamedTuple):
+  """One bar chart of a summary: a bar per algorithm.
+
+  Attributes:
+    measure: the summary's key of the bars' heights.
+    label: the y axis label.
+    error: the summary's key of the error bars' half-lengths, if any.
+    scale: what the heights and errors are multiplied by, e.g. 100 for
+      percents.
+  """
+
+  measure: str
+  label: str
+  error: str | None = None
+  scale: float = 1.0
+
+
+def _plot_bars(
+    summary: Mapping[str, Mapping[str, float]],
+    charts: Sequence[_Bars],
+    path: str | Path,
+    *,
+    width: float,
+    name_rotation: float = 0.0,
+) -> Figure:
+  """Bar charts of a summary side by side, each with a bar per algorithm.
+
+  Args:
+    summary: ``{algorithm: {measure: value}}``, the algorithms in the order
+      of their bars.
+    charts: what each chart shows, left to right.
+    path: where the PNG goes.
+    width: the figure's width, in inches.
+    name_rotation: the angle of the algorithms' names, in degrees.
+
+  Returns:
+    The figure.
+  """
+  names = list(summary)
+  fig = Figure(figsize=(width, 3.5), layout="constrained")
+  for axes, chart in zip(fig.subplots(1, len(charts), squeeze=False).flat,
+                         charts):
+    errors = None if chart.error is None else [
+        chart.scale * summary[n][chart.error] for n in names]
+    axes.bar(names, [chart.scale * summary[n][chart.measure] for n in names],
+             yerr=errors, capsize=4)
+    axes.set_xlabel("algorithm")
+    axes.set_ylabel(chart.label)
+    axes.tick_params(axis="x", labelrotation=name_rotation)
+  fig.savefig(path, dpi=120)
+  return fig
+
+
 def plot_roughness_bars(
     summary: Mapping[str, Mapping[str, float]], path: str | Path
 ) -> Figure:
   """Per algorithm, the excess variation and rising rate of `smoothness`."""
-  names = list(summary)
-  fig = Figure(figsize=(8, 3.5), layout="constrained")
-  for axes, measure_name, label in zip(
-      fig.subplots(1, 2), ("excess_variation", "rising_rate"),
-      ("excess variation of a domain's loss",
-       "intervals where a domain's loss rose")):
-    axes.bar(names, [summary[n][measure_name] for n in names])
-    axes.set_xlabel("algorithm")
-    axes.set_ylabel(label)
-  fig.savefig(path, dpi=120)
-  return fig
+  return _plot_bars(
+      summary,
+      [_Bars("excess_variation", "excess variation of a domain's loss"),
+       _Bars("rising_rate", "intervals where a domain's loss rose")],
+      path, width=8)
 
 
 def plot_accuracy_bars(
     summary: Mapping[str, Mapping[str, float]], path: str | Path
 ) -> Figure:
   """Mean ± standard error of the final held-out accuracy per algorithm."""
-  names = list(summary)
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
-  axes = fig.subplots()
-  axes.bar(names, [100 * summary[n]["accuracy"] for n in names],
-           yerr=[100 * summary[n]["accuracy_se"] for n in names], capsize=4)
-  axes.set_xlabel("algorithm")
-  axes.set_ylabel("final held-out accuracy (%)")
-  axes.tick_params(axis="x", labelrotation=30)
-  fig.savefig(path, dpi=120)
-  return fig
+  return _plot_bars(
+      summary, [_Bars("accuracy", "final held-out accuracy (%)",
+                      error="accuracy_se", scale=100)],
+      path, width=5, name_rotation=30)
 
 
 def plot_claims(selected: Mapping[str, claims.ClaimRecords],

@@ -42,7 +42,6 @@ FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
                  "penalty_anneal_iters": 3 * STEPS // 10}
 TRAJECTORY_FREQ = 100
 OUTPUT_DIR = "results/study"
-LONGER_DIR = "results/study_longer"
 
 
 def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
