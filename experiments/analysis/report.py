@@ -76,12 +76,16 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
-def table_row(label: str, columns: Sequence[Sequence[float]]) -> list[str]:
+def table_row(label: str, columns: Sequence[Sequence[float]],
+              trials: int = 0) -> list[str]:
   """A row of accuracies over trials per column, then DomainBed's "Avg".
 
   Args:
     label: the first cell.
     columns: per column, one accuracy in [0, 1] per trial (maybe none).
+    trials: how many trials a complete cell has: a cell with fewer says how
+      many of them it holds (its standard error is over those alone, 0 for
+      one), and so does an average over such cells.
 
   Returns:
     The cells: the label, "mean ± error" per column ("X" when empty), and the
@@ -89,14 +93,26 @@ def table_row(label: str, columns: Sequence[Sequence[float]]) -> list[str]:
 
   >>> table_row("ERM", [[0.5, 0.7], [0.8]])
   ['ERM', '60.0 ± 7.1', '80.0 ± 0.0', '70.0']
+  >>> table_row("ERM", [[0.5, 0.7], [0.8]], trials=2)
+  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0 (1 of 2 trials)', '70.0 (incomplete)']
   """
-  cells = [model_selection.format_mean(accs) for accs in columns]
+  cells = [model_selection.format_mean(accs)
+           + (f" ({len(accs)} of {trials} trials)"
+              if 0 < len(accs) < trials else "")
+           for accs in columns]
   if all(len(accs) for accs in columns):
     means = [model_selection.mean_and_error(accs)[0] for accs in columns]
     average = f"{np.mean(means):.1f}"
+    if any(len(accs) < trials for accs in columns):
+      average += " (incomplete)"
   else:
     average = "X"
   return [label, *cells, average]
+
+
+def _most_trials(rows: Sequence[Sequence[Sequence[float]]]) -> int:
+  """The most trials any cell of a table holds: what a complete cell has."""
+  return max((len(accs) for columns in rows for accs in columns), default=0)
 
 
 def dataset_table(
@@ -119,13 +135,11 @@ def dataset_table(
   Returns:
     The Markdown table.
   """
-  rows = [
-      table_row(algorithm, [
-          list(selected.get((dataset, algorithm, env), {}).values())
-          for env in range(num_domains)
-      ])
-      for algorithm in algorithms
-  ]
+  columns = [[list(selected.get((dataset, algorithm, env), {}).values())
+              for env in range(num_domains)] for algorithm in algorithms]
+  trials = _most_trials(columns)
+  rows = [table_row(algorithm, row, trials)
+          for algorithm, row in zip(algorithms, columns)]
   envs = [plots.domain_name(i, domain_names) for i in range(num_domains)]
   header = ["Algorithm", *envs, "Avg"]
   return markdown_table(header, rows)
@@ -170,13 +184,12 @@ def summary_table(
   Returns:
     The Markdown table.
   """
-  rows = [
-      table_row(algorithm, [
-          trial_averages(selected, dataset, algorithm, n)
-          for dataset, n in num_domains.items()
-      ])
-      for algorithm in algorithms
-  ]
+  columns = [[trial_averages(selected, dataset, algorithm, n)
+              for dataset, n in num_domains.items()]
+             for algorithm in algorithms]
+  trials = _most_trials(columns)
+  rows = [table_row(algorithm, row, trials)
+          for algorithm, row in zip(algorithms, columns)]
   return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
 
 
