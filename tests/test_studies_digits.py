@@ -40,9 +40,13 @@ def test_study_runs_follow_the_protocol(tmp_path):
   assert trajectories == {(d, a, 0, 0) for d in digits.DATASETS
                           for a in ("ERM", "PGrad")}
   assert sum("trajectory_freq" in r.args for r in runs) == 2 * envs
-  # Launched defaults first, trial by trial.
-  order = [(r.args["hparams_seed"], r.args["trial_seed"]) for r in runs]
+  # Launched defaults first, then an algorithm at a time, trial by trial.
+  position = {a: i for i, a in enumerate(digits.ALGORITHMS
+                                         + digits.CLAIM_ALGORITHMS)}
+  order = [(r.args["hparams_seed"], position[r.args["algorithm"]],
+            r.args["trial_seed"]) for r in runs]
   assert order == sorted(order)
+  assert [r.args["algorithm"] for r in runs[:3]] == ["ERM"] * 3
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -62,8 +62,8 @@ def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--study", "photos"], "no experiments/studies/photos.py; the studies "
      "are digits"),
-    (["reproduce", "--algorithms", "ERM", "MixUp"], "--algorithms MixUp: the "
-     "study trains none of them")])
+    (["reproduce", "--algorithms", "ERM", "PGradParallel"],
+     "--algorithms PGradParallel: the study trains none of them")])
 def test_unknown_studies_and_algorithms_are_usage_errors(tmp_path, capsys,
                                                          flags, message):
   with pytest.raises(SystemExit) as e:
