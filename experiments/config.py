@@ -42,10 +42,6 @@ LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
 # identity and of its records, so that a run resumed with other values is
 # the same run with the same records.
 EXECUTION_FIELDS = ("devices", "num_workers")
-# Fields added after runs had been named by their identity, with the value
-# that trains as those runs did: at it they stay out of the identity, so the
-# earlier runs keep their directories and their config.json still matches.
-LATER_FIELDS = {"plateau_check_freq": 0}
 PROG = "python -m experiments.train"
 
 
@@ -194,10 +190,14 @@ class Config:
 
   def identity(self) -> dict[str, Any]:
     """The fields that determine the run's results: all but LOCATION_FIELDS
-    and EXECUTION_FIELDS, and LATER_FIELDS at their earlier value."""
+    and EXECUTION_FIELDS.
+
+    A new field therefore names every run afresh: committed runs are then
+    trained again by the command that made them (a study's ``launch`` or
+    ``longer``), never renamed or edited in place.
+    """
     return {name: value for name, value in self.record_args().items()
-            if name not in LOCATION_FIELDS
-            and not (name in LATER_FIELDS and LATER_FIELDS[name] == value)}
+            if name not in LOCATION_FIELDS}
 
   def record_args(self) -> dict[str, Any]:
     """The fields a results record holds as its ``args``: all but
