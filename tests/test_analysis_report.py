@@ -257,10 +257,13 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
       "training domain env1 (+80%)", "training domain env2 (-90%)"]
   assert [a.get_xlabel() for a in panels] == ["step", "step"]
   assert panels[0].get_ylabel() == "training loss"
-  # The records came as ERM, PGrad-B, PGrad-F; the legend follows the
-  # registry, as the tables do.
-  assert [t.get_text() for t in panels[0].get_legend().get_texts()] == [
+  # The records came as ERM, PGrad-B, PGrad-F; the legend (the figure's,
+  # beside the panels) follows the registry, as the tables do, and every
+  # algorithm has its own colour.
+  [legend] = loss.legends
+  assert [t.get_text() for t in legend.get_texts()] == [
       "ERM", "PGrad-F", "PGrad-B"]
+  assert len({line.get_color() for line in panels[0].get_lines()}) == 3
   for axes, env in zip(panels, (1, 2)):
     for line in axes.get_lines():
       # Mean over the two trials of step * (1 + trial) + env.
@@ -354,11 +357,13 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
                                         tmp_path / "out" / "plots")
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
-  loss = figures["training loss per domain"].axes
+  loss_figure = figures["training loss per domain"]
+  loss = loss_figure.axes
   # The records of a real run name the domains.
   assert [a.get_title() for a in loss] == ["training domain env1 (+80%)",
                                            "training domain env2 (-90%)"]
-  assert sorted(t.get_text() for t in loss[0].get_legend().get_texts()) == (
+  [legend] = loss_figure.legends
+  assert sorted(t.get_text() for t in legend.get_texts()) == (
       sorted(TINY_ALGORITHMS))
   spectrum = figures["PGrad-B eigenvalue spectrum"].axes[0]
   assert spectrum.get_xlabel() == "step (interval centre)"
@@ -461,3 +466,9 @@ def test_the_short_command_runs_the_report(tmp_path):
       capture_output=True, text=True)
   assert result.returncode == 1
   assert f"No results.jsonl records under {tmp_path}" in result.stderr
+
+
+def test_every_registered_algorithm_has_a_colour_of_its_own():
+  # A default colour cycle repeats after 10 lines; the study plots 14.
+  colours = {plots.algorithm_colour(a) for a in catalog.ALGORITHMS}
+  assert len(colours) == len(catalog.ALGORITHMS)

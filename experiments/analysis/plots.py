@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
@@ -74,8 +75,8 @@ def mean_std_over_runs(
   )
 
 
-def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str,
-               *, spread: str = "std"):
+def _plot_band(axes: Axes, records: Sequence[Record], key: str,
+               algorithm: str, *, spread: str = "std"):
   """Plots a mean curve over runs with a band: +-1 standard deviation, or
   with ``spread="range"`` from the lowest run to the highest (on a log
   scale, where the mean minus a standard deviation can be negative)."""
@@ -86,9 +87,21 @@ def _plot_band(axes: Axes, records: Sequence[Record], key: str, label: str,
                  np.array([v.max() for v in values]))
   else:
     low, high = mean - std, mean + std
-  (line,) = axes.plot(steps, mean, label=label)
+  (line,) = axes.plot(steps, mean, label=algorithm,
+                      color=algorithm_colour(algorithm))
   axes.fill_between(steps, low, high, alpha=0.25, color=line.get_color(),
                     linewidth=0)
+
+
+def algorithm_colour(algorithm: str) -> tuple[float, ...]:
+  """One colour per registered algorithm, the same in every plot.
+
+  matplotlib's default cycle repeats after 10 lines, so a study of more
+  algorithms drew two of them alike; "tab20" gives each of the 20
+  registered algorithms its own, by registry position.
+  """
+  palette = colormaps["tab20"]
+  return palette(list(catalog.ALGORITHMS).index(algorithm) % palette.N)
 
 
 def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
@@ -128,7 +141,7 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     axes.set_xlabel("step")
     axes.set_yscale("log")
   panels[0].set_ylabel("training loss")
-  panels[0].legend()
+  fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper")
   fig.savefig(path, dpi=120)
   return fig
 
@@ -263,13 +276,13 @@ def plot_mean_training_loss(
   on a log scale (it spans several decades)."""
   fig = Figure(figsize=(5, 3.5), layout="constrained")
   axes = fig.subplots()
-  colours = {}
+  labelled = set()
   for run in by_run(records):
     algorithm = run[0]["args"]["algorithm"]
-    label = None if algorithm in colours else algorithm
-    (line,) = axes.plot(*claims.mean_training_loss(run), label=label,
-                        color=colours.get(algorithm))
-    colours.setdefault(algorithm, line.get_color())
+    label = None if algorithm in labelled else algorithm
+    labelled.add(algorithm)
+    axes.plot(*claims.mean_training_loss(run), label=label,
+              color=algorithm_colour(algorithm))
   axes.set_yscale("log")
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
