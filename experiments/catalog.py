@@ -42,7 +42,8 @@ class DatasetEntry(registry.Entry):
       of the MNIST CNN's width learns as well.
     small_batches: memory limits its batches (DomainNet's 345-class head):
       DomainBed draws batch sizes up to 2^5 rather than 2^5.5, and the
-      paper's PGrad trains on 24 rather than 32 (`hparams_registry`).
+      paper's PGrad trains on 24 rather than 32, its "-B" variants in 2
+      chunks rather than 3 (`hparams_registry`).
     from_scratch: WILDS trains its network from scratch (PovertyMap's 8
       bands fit no ImageNet weights), so a run without ``--pretrained`` is
       not warned that DomainBed starts from ImageNet weights.
@@ -104,7 +105,8 @@ class AlgorithmEntry(registry.Entry):
       PGrad's rollout (the paper's search space), ``"MMD"`` for CORAL;
       ``None`` for its own.
     chunked: it cuts every domain's batch into ``B`` chunks, by default
-      ``hparams_registry.PGRAD_B`` (the "-B" variants).
+      ``hparams_registry.PGRAD_B`` (the "-B" variants; fewer where
+      ``DatasetEntry.small_batches``).
     mixup: it mixes examples, by MixUp's ``mixup_alpha``.
   """
 
