@@ -132,3 +132,13 @@ def test_mean_and_error_matches_domainbed_formula():
   assert err == pytest.approx(100 * np.sqrt(0.02 / 3) / np.sqrt(3))
   assert ms.format_mean([0.5]) == "50.0 ± 0.0"
   assert ms.format_mean([]) == "X"
+
+
+def test_draw_counts_are_the_draws_each_trial_selects_among():
+  # Toy has both draws for every trial; without trial 2's draw 1, trial 2
+  # selects from its default alone.
+  records = toy_records()
+  assert ms.draw_counts(records) == {("Toy", "ERM"): [2, 2, 2]}
+  fewer = [r for r in records if (r["args"]["trial_seed"],
+                                  r["args"]["hparams_seed"]) != (2, 1)]
+  assert sorted(ms.draw_counts(fewer)["Toy", "ERM"]) == [1, 2, 2]

@@ -112,6 +112,30 @@ def test_report_tables_and_plots(tmp_path):
   assert reason in text
 
 
+def test_rows_selected_among_fewer_draws_say_so(tmp_path):
+  # A second draw for ColoredDigits' ERM alone, worse on validation, so the
+  # selected accuracies stay the same: PGrad's rows there, and every row of
+  # the averages, selected among fewer draws than ERM's ColoredDigits cells.
+  second = [make_record(r["args"]["dataset"], "ERM", r["args"]["test_envs"][0],
+                        1, r["args"]["trial_seed"], r["step"],
+                        in_accs=[0.0] * 3, out_accs=[0.3] * 3)
+            for r in sweep_records()
+            if r["args"]["dataset"] == "ColoredDigits"
+            and r["args"]["algorithm"] == "ERM"]
+  write_runs(tmp_path / "sweep", sweep_records() + second)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  colored = COLORED_TABLE.replace("| PGrad |", "| PGrad (1 of 2 draws) |")
+  summary = (SUMMARY_TABLE.replace("| ERM |", "| ERM (1-2 of 2 draws) |")
+             .replace("| PGrad |", "| PGrad (1 of 2 draws) |"))
+  for section in text.split("## Model selection: ")[1:]:
+    assert colored in section
+    # Toy's cells all hold one draw: its table says nothing.
+    assert TOY_TABLE in section
+    assert "### Averages\n\n" + summary in section
+
+
 def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys):
   # A second draw of ColoredDigits' ERM, best on validation and worse on
   # the held-out domains: selected when reported, absent when filtered out.

@@ -181,6 +181,18 @@ def trial_groups(
   )
 
 
+def draw_counts(
+    records: Iterable[Record]) -> dict[tuple[str, str], list[int]]:
+  """Per ``(dataset, algorithm)``, how many hparam draws each of its trial
+  groups (`trial_groups`) holds: the draws a selection method picks among.
+  A study whose random draws are unfinished holds fewer for some cells."""
+  counts: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+  for (dataset, algorithm, _, _), group in trial_groups(records).items():
+    counts[dataset, algorithm].append(
+        len({r["args"]["hparams_seed"] for r in group}))
+  return dict(counts)
+
+
 def mean_and_error(accs: Sequence[float]) -> tuple[float, float]:
   """Mean and standard error over trials, in percent, as DomainBed reports.
 

@@ -110,6 +110,40 @@ def table_row(label: str, columns: Sequence[Sequence[float]],
   return [label, *cells, average]
 
 
+# Per (dataset, algorithm), the hparam draws of each trial group
+# (`model_selection.draw_counts`).
+DrawCounts = Mapping[tuple[str, str], Sequence[int]]
+
+
+def row_label(algorithm: str, counts: Sequence[int], most: int) -> str:
+  """A row's label: the algorithm, and the hparam draws its cells selected
+  among where any holds fewer than ``most``, its table's most.
+
+  >>> row_label("IRM", [2, 2], 2)
+  'IRM'
+  >>> row_label("IRM", [1, 1], 2)
+  'IRM (1 of 2 draws)'
+  >>> row_label("IRM", [1, 2], 2)
+  'IRM (1-2 of 2 draws)'
+  """
+  if not counts or min(counts) == most:
+    return algorithm
+  fewest, held = min(counts), max(counts)
+  span = f"{fewest}" if fewest == held else f"{fewest}-{held}"
+  return f"{algorithm} ({span} of {most} draws)"
+
+
+def _labels(algorithms: Sequence[str], datasets: Sequence[str],
+            draws: DrawCounts | None) -> list[str]:
+  """Every row's label over the tables' datasets (`row_label`)."""
+  if draws is None:
+    return list(algorithms)
+  counts = [[n for dataset in datasets for n in draws.get((dataset, a), ())]
+            for a in algorithms]
+  most = max((n for row in counts for n in row), default=0)
+  return [row_label(a, row, most) for a, row in zip(algorithms, counts)]
+
+
 def _most_trials(rows: Sequence[Sequence[Sequence[float]]]) -> int:
   """The most trials any cell of a table holds: what a complete cell has."""
   return max((len(accs) for columns in rows for accs in columns), default=0)
@@ -121,6 +155,7 @@ def dataset_table(
     algorithms: Sequence[str],
     num_domains: int,
     domain_names: Sequence[str] | None = None,
+    draws: DrawCounts | None = None,
 ) -> str:
   """One dataset's table: an algorithm per row, a held-out domain per column.
 
@@ -131,6 +166,8 @@ def dataset_table(
     num_domains: the dataset's number of domains.
     domain_names: their names, shown next to the env indices; None shows the
       indices alone (records written before names were recorded).
+    draws: the hparam draws of every trial group; a row whose cells hold
+      fewer than the table's most says so (`row_label`). None says nothing.
 
   Returns:
     The Markdown table.
@@ -138,8 +175,8 @@ def dataset_table(
   columns = [[list(selected.get((dataset, algorithm, env), {}).values())
               for env in range(num_domains)] for algorithm in algorithms]
   trials = _most_trials(columns)
-  rows = [table_row(algorithm, row, trials)
-          for algorithm, row in zip(algorithms, columns)]
+  rows = [table_row(label, row, trials) for label, row
+          in zip(_labels(algorithms, [dataset], draws), columns)]
   envs = [plots.domain_name(i, domain_names) for i in range(num_domains)]
   header = ["Algorithm", *envs, "Avg"]
   return markdown_table(header, rows)
@@ -173,6 +210,7 @@ def summary_table(
     selected: SelectedAccuracies,
     algorithms: Sequence[str],
     num_domains: dict[str, int],
+    draws: DrawCounts | None = None,
 ) -> str:
   """The summary table: an algorithm per row, a dataset per column.
 
@@ -180,6 +218,7 @@ def summary_table(
     selected: the selected accuracies of one selection method.
     algorithms: the rows, in order.
     num_domains: the columns, in order, with their numbers of domains.
+    draws: as `dataset_table`'s, over every dataset.
 
   Returns:
     The Markdown table.
@@ -188,8 +227,8 @@ def summary_table(
               for dataset, n in num_domains.items()]
              for algorithm in algorithms]
   trials = _most_trials(columns)
-  rows = [table_row(algorithm, row, trials)
-          for algorithm, row in zip(algorithms, columns)]
+  rows = [table_row(label, row, trials) for label, row
+          in zip(_labels(algorithms, list(num_domains), draws), columns)]
   return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
 
 
@@ -329,17 +368,21 @@ def render(records: Sequence[Record], output_dir: Path,
       "# Results",
       "",
       f"{len(records)} records{scope}. Cells: the selected model's held-out"
-      " domain accuracy (%), mean ± standard error over trials; X: missing.",
+      " domain accuracy (%), mean ± standard error over trials; X: missing."
+      " A row whose cells selected among fewer hparam draws than its"
+      " table's most says how many.",
   ]
+  draws = model_selection.draw_counts(records)
   for method in model_selection.SELECTION_METHODS:
     selected = model_selection.selected_accuracies(records, method)
     lines += ["", f"## Model selection: {method.name}"]
     for dataset in datasets:
       lines += ["", f"### {dataset}", "",
                 dataset_table(selected, dataset, algorithms,
-                              num_domains[dataset], domain_names[dataset])]
+                              num_domains[dataset], domain_names[dataset],
+                              draws)]
     lines += ["", "### Averages", "",
-              summary_table(selected, algorithms, num_domains)]
+              summary_table(selected, algorithms, num_domains, draws)]
 
   lines += ["", "## Training", "",
             "Where the runs ended (`experiments.convergence`): a run has "
