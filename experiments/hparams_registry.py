@@ -37,6 +37,14 @@ PGRAD_B = 3
 PGRAD_B_SMALL_BATCHES = 2
 
 
+def _chunks(algorithm: str, facts: catalog.DatasetEntry) -> int:
+  """``B`` by default: `PGRAD_B` for the "-B" variants (fewer where batches
+  are small), 1 for the rest of PGrad's family."""
+  if not catalog.ALGORITHMS[algorithm].chunked:
+    return 1
+  return PGRAD_B_SMALL_BATCHES if facts.small_batches else PGRAD_B
+
+
 def _family(algorithm: str) -> str:
   """The algorithm whose hparams ``algorithm`` has (`catalog`'s family)."""
   return catalog.ALGORITHMS[algorithm].family or algorithm
@@ -64,7 +72,7 @@ def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   if poverty:
     hparams["data_augmentation"] = True
   if _family(algorithm) == "PGrad":
-    b = PGRAD_B if entry.chunked else 1
+    b = _chunks(algorithm, catalog.DATASETS[dataset])
     hparams.update(outer_lr=0.1 if poverty else 0.01,
                    outer_lr_per_domain=True, k=4, B=b,
                    batch_size=round_to_multiple(8, b))
@@ -257,8 +265,7 @@ def _searched_hparams(
     add("outer_lr", 0.1, POSITIVE)
     add("k", 4, Allowed(int, low=1, choices=("all",)))
     add("components", "top", Allowed(str, choices=("top", "bottom")))
-    chunks = PGRAD_B_SMALL_BATCHES if facts.small_batches else PGRAD_B
-    add("B", chunks if entry.chunked else 1, POSITIVE_INT)
+    add("B", _chunks(algorithm, facts), POSITIVE_INT)
     batch = round_to_multiple(64 if small else 24 if facts.small_batches
                               else 32, hp["B"].default)
     add("batch_size", batch, POSITIVE_INT)
