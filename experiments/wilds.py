@@ -39,6 +39,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import threading
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,6 +157,45 @@ class RowSource:
             "group": self.groups[row]}
 
 
+# np.load parses a .npy header with ast.literal_eval. CPython before 3.11.8
+# and 3.12.2 keeps one AST recursion count per interpreter, so two threads
+# parsing at once (the read-ahead threads do) can fail with "SystemError: AST
+# constructor recursion depth mismatch" (python/cpython#106905). Headers are
+# therefore parsed one at a time; the arrays still inflate in parallel.
+_NPY_HEADER_LOCK = threading.Lock()
+
+
+def _read_npz_array(path: Path, key: str) -> np.ndarray:
+  """The array ``key`` of the ``.npz`` at ``path``, as ``np.load(path)[key]``.
+
+  Raises:
+    OSError: the file is not a readable ``.npz`` holding ``key``.
+  """
+  try:
+    with zipfile.ZipFile(path) as archive, \
+        archive.open(f"{key}.npy") as member:
+      with _NPY_HEADER_LOCK:
+        version = np.lib.format.read_magic(member)
+        if version == (1, 0):
+          header = np.lib.format.read_array_header_1_0(member)
+        elif version == (2, 0):
+          header = np.lib.format.read_array_header_2_0(member)
+        else:
+          raise ValueError(f".npy format version {version} is not 1.0 or 2.0")
+      shape, fortran_order, dtype = header
+      if dtype.hasobject:
+        raise ValueError("it holds Python objects; only numeric arrays load")
+      data = member.read()
+  except (zipfile.BadZipFile, KeyError, ValueError) as err:
+    raise OSError(f"not an .npz holding {key!r}: {err}") from err
+  count = int(np.prod(shape))
+  if len(data) != count * dtype.itemsize:
+    raise OSError(f"{key!r} has {len(data)} bytes; its header says "
+                  f"{count * dtype.itemsize}")
+  return np.frombuffer(data, dtype, count).reshape(
+      shape, order="F" if fortran_order else "C")
+
+
 def _read_csv(path: Path) -> list[dict[str, str]]:
   with path.open(newline="") as f:
     return list(csv.DictReader(f))
@@ -269,8 +310,7 @@ def poverty_map(
   def load(row: int) -> np.ndarray:
     path = root / "images" / f"landsat_poverty_img_{row}.npz"
     try:
-      with np.load(path) as arrays:
-        bands = arrays["x"]
+      bands = _read_npz_array(path, "x")
     except OSError as err:
       raise OSError(f"Cannot read PovertyMap image {path}: {err}") from err
     # Stored channels-first; the models take channels-last.

@@ -1,5 +1,9 @@
 """Tests for experiments/wilds.py on tiny folders in WILDS's layout."""
 
+import io
+import threading
+import zipfile
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -219,3 +223,62 @@ def test_poverty_map_training_batches_are_augmented(tmp_path):
       jittered += not np.allclose(image[..., :3], stored[..., :3])
   # 60 images: all four flips occur, and the jitter changes the colours.
   assert len(flips) == 4 and jittered == 60
+
+
+def _write_npz_version_2(path, array):
+  """An .npz whose member has a version 2.0 header, as np.save writes for
+  headers over 64 KiB."""
+  with zipfile.ZipFile(path, "w") as archive, \
+      archive.open("x.npy", "w") as member:
+    np.lib.format.write_array(member, array, version=(2, 0))
+
+
+@pytest.mark.parametrize("write", [
+    lambda path, array: np.savez(path, x=array),
+    lambda path, array: np.savez_compressed(path, x=array),
+    _write_npz_version_2,
+], ids=["stored", "compressed", "header_2_0"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_npz_arrays_read_as_numpy_reads_them(tmp_path, write, dtype, order):
+  array = np.asarray(np.random.default_rng(0).normal(size=(3, 5, 4)) * 100,
+                     dtype=dtype, order=order)
+  path = tmp_path / "image.npz"
+  write(path, array)
+  read = wilds._read_npz_array(path, "x")
+  with np.load(path) as expected:
+    assert read.dtype == expected["x"].dtype
+    np.testing.assert_array_equal(read, expected["x"])
+  np.testing.assert_array_equal(read, array)
+
+
+def test_unreadable_npz_names_the_file_and_the_fault(tmp_path):
+  np.savez(tmp_path / "other_key.npz", y=np.zeros(3))
+  np.savez(tmp_path / "objects.npz", x=np.array([{}, None], dtype=object))
+  (tmp_path / "text.npz").write_text("not a zip")
+  whole = io.BytesIO()
+  np.lib.format.write_array(whole, np.zeros(8))
+  with zipfile.ZipFile(tmp_path / "short.npz", "w") as archive:
+    archive.writestr("x.npy", whole.getvalue()[:-8])  # one float64 short
+  for name, fault in [("other_key", "'x'"), ("objects", "Python objects"),
+                      ("text", "not an .npz"), ("short", "header says 64")]:
+    with pytest.raises(OSError, match=fault):
+      wilds._read_npz_array(tmp_path / f"{name}.npz", "x")
+  with pytest.raises(OSError, match="No such file"):
+    wilds._read_npz_array(tmp_path / "missing.npz", "x")
+
+
+def test_npz_headers_are_parsed_one_thread_at_a_time(tmp_path):
+  # CPython before 3.11.8 and 3.12.2 can fail two threads that parse .npy
+  # headers at once (python/cpython#106905); the reader serialises them.
+  np.savez(tmp_path / "image.npz", x=np.arange(6.0))
+  read = []
+  reader = threading.Thread(
+      target=lambda: read.append(wilds._read_npz_array(
+          tmp_path / "image.npz", "x")))
+  with wilds._NPY_HEADER_LOCK:
+    reader.start()
+    reader.join(timeout=0.5)
+    assert reader.is_alive() and not read
+  reader.join()
+  np.testing.assert_array_equal(read[0], np.arange(6.0))
