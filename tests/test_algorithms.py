@@ -49,8 +49,10 @@ class Flatten(nnx.Module):
 class LinearFeaturizer(nnx.Module):
   """A linear map of the pixels: the simplest featurizer with parameters."""
 
-  def __init__(self, in_features: int, num_features: int, *, rngs: nnx.Rngs):
-    self.linear = nnx.Linear(in_features, num_features, rngs=rngs)
+  def __init__(self, in_features: int, num_features: int, *, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    self.linear = nnx.Linear(in_features, num_features, dtype=dtype,
+                             param_dtype=dtype, rngs=rngs)
     self.num_features = num_features
 
   def __call__(self, x, *, rngs=None):

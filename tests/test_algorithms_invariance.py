@@ -165,9 +165,10 @@ def _generator(params):
           for layer in (linear, head) for name in ("kernel", "bias")]
 
 
-def _linear_featurizer_model(seed=0):
-  model = models.Classifier(LinearFeaturizer(4, 3, rngs=nnx.Rngs(seed)),
-                            NUM_CLASSES, rngs=nnx.Rngs(seed + 1))
+def _linear_featurizer_model(seed=0, dtype=jnp.float32):
+  model = models.Classifier(
+      LinearFeaturizer(4, 3, rngs=nnx.Rngs(seed), dtype=dtype), NUM_CLASSES,
+      rngs=nnx.Rngs(seed + 1), dtype=dtype, param_dtype=dtype)
   return algorithms.Network.split(model)
 
 
@@ -220,43 +221,60 @@ def test_dann_alternates_as_domainbed():
   assert kinds(2) == [True, False, True, True, False, True]
 
 
+def _mlp_arrays(disc_params):
+  """A `models.MLP`'s params as NumPy ``[W_1, b_1, ..., W_L, b_L]``."""
+  return [np.asarray(layer[name][...])
+          for layer in disc_params["layers"].values()
+          for name in ("kernel", "bias")]
+
+
 @pytest.mark.parametrize("d_steps", [1, 2])
 def test_dann_matches_a_numpy_model_of_domainbed(d_steps):
-  network, params, stats = _linear_featurizer_model()
-  hparams = _dann_hparams(d_steps)
-  algorithm = algorithms.build_algorithm("DANN", network, hparams,
-                                         num_domains=NUM_DOMAINS, seed=3)
-  update = jax.jit(algorithm.update)
-  state = algorithm.init(params)
-  generator = _generator(params)
-  discriminator = [np.asarray(layer[name][...], np.float64)
-                   for layer in state.disc_params["layers"].values()
-                   for name in ("kernel", "bias")]
-  assert [w.shape for w in discriminator[::2]] == [(3, 5), (5, 5), (5, 2)]
-  batch_list = [make_batches(step, (2, 2, 1)) for step in range(4)]
-  first_losses = oracle.dann_losses(generator, discriminator,
-                                    batch_list[0]["image"],
-                                    np.asarray(batch_list[0]["label"]), 0.5)
-  for step, batches in enumerate(batch_list):
-    params, stats, state, metrics = update(params, stats, state, batches,
-                                           jax.random.PRNGKey(step))
-    if step == 0:
-      # float32 against float64: measured 2e-7 relative; 10x margin.
+  # In float64 throughout, so that any part computed in float32 (as the
+  # discriminator once was, 2e-4 off after four steps) stands out of the
+  # float64 noise.
+  with jax.enable_x64(True):
+    network, params, stats = _linear_featurizer_model(dtype=jnp.float64)
+    hparams = _dann_hparams(d_steps)
+    algorithm = algorithms.build_algorithm("DANN", network, hparams,
+                                           num_domains=NUM_DOMAINS, seed=3)
+    update = jax.jit(algorithm.update)
+    state = algorithm.init(params)
+    assert {x.dtype for x in jax.tree.leaves((state.disc_params,
+                                              state.disc_opt_state))
+            if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float64")}
+    generator = _generator(params)
+    discriminator = _mlp_arrays(state.disc_params)
+    assert [w.shape for w in discriminator[::2]] == [(3, 5), (5, 5), (5, 2)]
+    batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
+                               if x.dtype == jnp.float32 else x,
+                               make_batches(step, (2, 2, 1)))
+                  for step in range(4)]
+    for step, batches in enumerate(batch_list):
+      # The losses of the networks the step starts from (the generator's
+      # loss and the discriminator's with its gradient penalty).
+      want_losses = oracle.dann_losses(
+          _generator(params), _mlp_arrays(state.disc_params),
+          batches["image"], np.asarray(batches["label"]), 0.5)
+      params, stats, state, metrics = update(params, stats, state, batches,
+                                             jax.random.PRNGKey(step))
+      # float64 against float64: measured 4e-16 relative; 1e-13 leaves
+      # room for other summation orders, far below the 2e-7 of a float32
+      # discriminator.
       np.testing.assert_allclose(
           [metrics["loss"], metrics["disc_loss"], metrics["penalty"]],
-          first_losses, rtol=2e-6)
+          want_losses, rtol=1e-13)
   want_generator, want_discriminator = oracle.dann(
       generator, discriminator, batch_list, hparams)
-  got_discriminator = [np.asarray(layer[name][...])
-                       for layer in state.disc_params["layers"].values()
-                       for name in ("kernel", "bias")]
   assert int(state.count) == 4
-  # Four Adam steps of 0.01-0.02 from float32 gradients (second derivatives
-  # for the penalty): measured 4e-8 apart; 10x margin. Both networks moved.
-  for got, want, start in zip(_generator(params) + got_discriminator,
-                              want_generator + want_discriminator,
-                              generator + discriminator):
-    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7)
+  # Four Adam steps of 0.01-0.02 from the oracle's central differences,
+  # whose rounding (1e-16 / step 1e-6) is the noise here: measured 3e-10 to
+  # 6e-10 apart (1e-11 at step 1e-4), against 2e-4 with the discriminator
+  # in float32. Both networks moved.
+  for got, want, start in zip(
+      _generator(params) + _mlp_arrays(state.disc_params),
+      want_generator + want_discriminator, generator + discriminator):
+    np.testing.assert_allclose(got, want, rtol=0, atol=5e-9)
     assert np.abs(want - start).max() > 1e-3
 
 

@@ -271,7 +271,8 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
   * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
     the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
     of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
-    ``seed``. It and its Adam live in the algorithm's state.
+    ``seed``, in the model's dtype (as DomainBed's, a part of the same
+    ``torch.nn.Module``). It and its Adam live in the algorithm's state.
   * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
     with ``weight_decay_d`` (lines 502-507) and the generator's, over the
     featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
@@ -298,16 +299,20 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
   disc_tx = base.torch_adam(hparams["lr_d"], hparams["weight_decay_d"],
                             hparams["beta1"], 0.9)
 
-  def discriminator(num_features):
-    return models.MLP(num_features, num_domains, width=hparams["mlp_width"],
-                      depth=hparams["mlp_depth"],
-                      dropout=hparams["mlp_dropout"], rngs=nnx.Rngs(seed))
+  def discriminator(head_kernel):
+    # In the model's dtype (its head's): parameters, Adam's moments and the
+    # forward pass, which computes in the dtype its inputs (the features)
+    # and parameters promote to.
+    return models.MLP(head_kernel.shape[0], num_domains,
+                      width=hparams["mlp_width"], depth=hparams["mlp_depth"],
+                      dropout=hparams["mlp_dropout"], rngs=nnx.Rngs(seed),
+                      dtype=None, param_dtype=head_kernel.dtype)
 
-  def num_features(params):
-    return params["head"]["kernel"][...].shape[0]
+  def head_kernel(params):
+    return params["head"]["kernel"][...]
 
   def init(params):
-    disc_params = nnx.state(discriminator(num_features(params)), nnx.Param)
+    disc_params = nnx.state(discriminator(head_kernel(params)), nnx.Param)
     return DANNState(gen_tx.init(params), disc_params,
                      disc_tx.init(disc_params), jnp.zeros((), jnp.int32))
 
@@ -317,7 +322,7 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
     batch = base.merge_domains(base.with_example_keys(batches, data_key))
     domains = jnp.repeat(jnp.arange(n), b)
     disc_def = nnx.graphdef(nnx.eval_shape(
-        lambda: discriminator(num_features(params))))
+        lambda: discriminator(head_kernel(params))))
 
     def disc_loss_fn(disc_params, features):
       disc = nnx.merge(disc_def, disc_params)
