@@ -24,20 +24,33 @@ registers every dataset's builder with its facts. The builders:
 
 TFDS datasets are prepared beforehand in the ``array_record`` format
 (``experiments.tfds_sources``); nothing is downloaded at run time.
+
+A run records its dataset's `fingerprint` and refuses other data on
+resuming (`check_run_data`). ``python -m experiments.datasets check
+--dataset PACS --data_dir ~/data`` checks a folder dataset the way training
+does and decodes every image too (``photo_datasets.check_images``), printing
+images per domain and class and the damaged files; its exit status is 2
+when training would refuse the folder, 0 otherwise.
 """
 
 from __future__ import annotations
 
 import abc
+import argparse
 import copy
 import dataclasses
+import hashlib
+import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
 
 from experiments import catalog
+from experiments import config as config_lib
+from experiments import records
 
 PHOTO_SIZE = 224
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
@@ -52,6 +65,22 @@ Element = dict[str, np.ndarray | np.int32]
 
 class DatasetNotFoundError(FileNotFoundError):
   """The files of a dataset are not on this machine."""
+
+
+class DatasetProblemsError(config_lib.UsageError):
+  """A dataset's files are there but cannot be trained on; the message lists
+  every problem found."""
+
+
+class UnreadableImageError(config_lib.UsageError):
+  """An image that read when the run started no longer does; the message
+  names it and what to do."""
+
+
+def digest(lines: Iterable[str]) -> str:
+  """A short hash of lines of text (the first 16 hex digits of their
+  SHA-256), for a `fingerprint`."""
+  return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 class DomainSource(Protocol):
@@ -115,6 +144,17 @@ class ArraySource:
 
   def __getitem__(self, index: int) -> Element:
     return {"image": self.images[index], "label": self.labels[index]}
+
+  def fingerprint(self) -> dict[str, int | str]:
+    """The number of examples and a digest of their labels (`fingerprint`).
+
+    Not of the images: they are computed (the digits' rotations and
+    colours), and floating-point results may differ in their last bits
+    between library versions, which is no other data.
+    """
+    return {"examples": len(self),
+            "labels": hashlib.sha256(
+                self.labels.astype("<i4").tobytes()).hexdigest()[:16]}
 
 
 def normalize(pixels: np.ndarray) -> np.ndarray:
@@ -219,6 +259,42 @@ def decoded_photos(dataset: MultiDomainDataset) -> MultiDomainDataset:
       dataset, domains=tuple(DecodedPhotos(d) for d in dataset.domains))
 
 
+def fingerprint(dataset: MultiDomainDataset) -> dict[str, Any]:
+  """What a run records of its data, to tell other data apart cheaply.
+
+  ``{"dataset": name, "domains": {domain: the source's fingerprint}}``. A
+  source's is its ``fingerprint()`` where it has one: a folder's file names
+  and sizes per class (``photo_datasets.FolderSource``), in-memory images'
+  labels (`ArraySource`), a TFDS dataset's version; otherwise (WILDS's
+  rows) its number of examples. Nothing in it depends on where the data
+  are, so moved data are the same data.
+  """
+  return {"dataset": dataset.name, "domains": {
+      name: (source.fingerprint() if hasattr(source, "fingerprint")
+             else {"examples": len(source)})
+      for name, source in zip(dataset.domain_names, dataset.domains)}}
+
+
+def check_run_data(run_dir: str | Path, data: dict[str, Any]) -> None:
+  """Refuses to go on with a run recorded on other data than ``data``.
+
+  Args:
+    run_dir: the run's directory.
+    data: the `fingerprint` of the dataset as it is now.
+
+  Raises:
+    config_lib.UsageError: the run recorded another fingerprint; the
+      message says what changed. A run without one (written before runs
+      recorded them) is accepted.
+  """
+  try:
+    records.check_fingerprint(run_dir, data)
+  except records.DatasetChangedError as e:
+    raise config_lib.UsageError(
+        f"{e}. Train it again on these data with the same command and "
+        "--overwrite, or pass another --output_dir.") from None
+
+
 def get_dataset(
     name: str, *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -283,3 +359,55 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
                      "resized.")
   return dataclasses.replace(dataset, domains=domains,
                              input_shape=(size, size, channels))
+
+
+def _check(name: str, data_dir: str | None) -> int:
+  """``check``: prints what is in the dataset; the exit status."""
+  # photo_datasets imports this module: imported when called.
+  from experiments import photo_datasets  # pylint: disable=import-outside-toplevel
+
+  if name not in catalog.FOLDER_DATASETS:
+    # Arrays, TFDS records and WILDS's files are checked by building them.
+    dataset = get_dataset(name, data_dir=data_dir)
+    print(f"{name}: {dataset.num_classes} classes; examples per domain: "
+          + ", ".join(f"{d} {len(s)}" for d, s in zip(dataset.domain_names,
+                                                     dataset.domains)))
+    return 0
+  folder, domains = catalog.FOLDER_DATASETS[name]
+  found = photo_datasets.check_images(
+      photo_datasets.folder_root(name, folder, domains, data_dir), domains,
+      progress=True)
+  print(found.summary())
+  return 2 if found.problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m experiments.datasets check --dataset NAME --data_dir DIR``.
+
+  Returns:
+    The exit status: 0 when training can read the dataset, 2 when it cannot
+    (after the problems) or the command line is wrong.
+  """
+  parser = argparse.ArgumentParser(
+      prog="python -m experiments.datasets",
+      description="Checks a dataset as training does before its first step, "
+      "and decodes every image of a folder dataset.")
+  commands = parser.add_subparsers(dest="command", required=True)
+  check = commands.add_parser(
+      "check", help="list, read and count a dataset's images")
+  check.add_argument("--dataset", required=True, choices=list(catalog.DATASETS))
+  check.add_argument("--data_dir", default=None,
+                     help="the folder holding the dataset, as for training")
+  args = parser.parse_args(argv)
+  try:
+    return _check(args.dataset, args.data_dir)
+  except (DatasetNotFoundError, config_lib.UsageError) as e:
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  # Run as the package's module, not as __main__, so that its classes are
+  # the ones the builders use.
+  from experiments import datasets as _datasets  # pylint: disable=import-self
+  sys.exit(_datasets.main())

@@ -258,13 +258,16 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
   """Leaves a worker process's end to the process that started it.
 
   Ctrl-C interrupts the training run, which stops its workers (Grain's
-  ``close``): the workers ignore it. A run killed with SIGKILL cannot stop
-  them; on Linux the kernel then kills them (``PR_SET_PDEATHSIG``, sent
-  when the thread that started them ends: the one that asked for the first
-  batch), so none is left behind.
+  ``close``) once it has checkpointed, and so does SIGTERM, which a
+  scheduler such as SLURM sends to every process of a job: the workers
+  ignore both. A run killed with SIGKILL cannot stop them; on Linux the
+  kernel then kills them (``PR_SET_PDEATHSIG``, sent when the thread that
+  started them ends: the one that asked for the first batch), so none is
+  left behind.
   """
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
   if sys.platform.startswith("linux"):
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -311,7 +314,14 @@ class _WorkerBatches(grain.DatasetIterator):
       self._workers = self._start_workers()
       self._first_index = self._next_index
     turn = (self._next_index - self._first_index) % self._num_workers
-    batch = next(self._workers[turn])
+    try:
+      batch = next(self._workers[turn])
+    except Exception:
+      # A worker's error (e.g. `datasets.UnreadableImageError`) arrives
+      # here as raised; the workers stop first, so that it ends the run
+      # without them.
+      self._stop_workers()
+      raise
     self._next_index += 1
     return batch
 

@@ -4,6 +4,9 @@ A run directory holds::
 
   config.json           the run's identity: its resolved arguments and
                         hyperparameters (`experiments.config.run_record`)
+  dataset.json          the fingerprint of the data it trains on
+                        (`experiments.datasets.fingerprint`); runs from
+                        before fingerprints have none
   results.jsonl         one record per evaluation, a JSON object per line
   checkpoints/<step>/   Orbax checkpoints of the last evaluations
   trajectory/<step>.npy params snapshots, with --trajectory_freq
@@ -52,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 CONFIG_FILE = "config.json"
+DATASET_FILE = "dataset.json"
 RESULTS_FILE = "results.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 TRAJECTORY_DIR = "trajectory"
@@ -60,8 +64,8 @@ DONE_FILE = "done"
 # The files a run writes besides CONFIG_FILE; a directory holding any of them
 # but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
 # log there first.)
-RUN_FILES = (RESULTS_FILE, CHECKPOINT_DIR, TRAJECTORY_DIR, FINAL_PARAMS_FILE,
-             DONE_FILE)
+RUN_FILES = (DATASET_FILE, RESULTS_FILE, CHECKPOINT_DIR, TRAJECTORY_DIR,
+             FINAL_PARAMS_FILE, DONE_FILE)
 
 Record = dict[str, Any]
 
@@ -312,6 +316,84 @@ def write_config(run_dir: str | Path, run_record: Mapping[str, Any]) -> None:
   """Writes the run's config file (`experiments.config.run_record`) whole."""
   _write_whole(Path(run_dir) / CONFIG_FILE,
                (json.dumps(run_record, indent=2) + "\n").encode())
+
+
+def write_fingerprint(run_dir: str | Path,
+                      fingerprint: Mapping[str, Any]) -> None:
+  """Writes the fingerprint of the run's data whole (`DATASET_FILE`)."""
+  _write_whole(Path(run_dir) / DATASET_FILE,
+               (json.dumps(fingerprint, indent=1) + "\n").encode())
+
+
+class DatasetChangedError(ValueError):
+  """A run meets other data than it recorded; the message says what
+  changed, for the caller to add the way out."""
+
+
+# How many changes a DatasetChangedError names.
+_CHANGES_NAMED = 8
+
+
+def _group_change(where: str, recorded: Mapping[str, Any],
+                  current: Mapping[str, Any]) -> str:
+  """How a group of files (``{"files", "bytes", "names", "sizes"}``)
+  changed."""
+  before, after = recorded["files"], current["files"]
+  if before != after:
+    verb = "added" if after > before else "removed"
+    return f"{where}: {abs(after - before)} files {verb} ({before} -> {after})"
+  if recorded["names"] != current["names"]:
+    return f"{where}: files renamed or replaced ({after} files)"
+  return (f"{where}: files resized ({recorded['bytes']} -> "
+          f"{current['bytes']} bytes)")
+
+
+def fingerprint_changes(recorded: Mapping[str, Any],
+                        current: Mapping[str, Any],
+                        where: str = "") -> list[str]:
+  """What differs between two fingerprints, one phrase each, by path
+  (``domain/class``); a group of files is described by its counts."""
+  if {"files", "names"} <= recorded.keys() and recorded.keys() == (
+      current.keys()):
+    return [] if recorded == current else [
+        _group_change(where, recorded, current)]
+  changes = []
+  for key in sorted(recorded.keys() | current.keys()):
+    path = key if where in ("", "domains") else f"{where}/{key}"
+    named = f"domain {key}" if where == "domains" else path
+    if key not in current:
+      changes.append(f"{named}: gone")
+    elif key not in recorded:
+      changes.append(f"{named}: new")
+    elif isinstance(recorded[key], Mapping) and isinstance(
+        current[key], Mapping):
+      changes += fingerprint_changes(recorded[key], current[key], path)
+    elif recorded[key] != current[key]:
+      changes.append(f"{path}: {recorded[key]} -> {current[key]}")
+  return changes
+
+
+def check_fingerprint(run_dir: str | Path,
+                      fingerprint: Mapping[str, Any]) -> None:
+  """Refuses data other than those the run recorded (`DATASET_FILE`).
+
+  A run without the file (from before runs recorded it) is accepted.
+
+  Raises:
+    DatasetChangedError: the run recorded another fingerprint; the message
+      names what changed.
+  """
+  path = Path(run_dir) / DATASET_FILE
+  if not path.exists():
+    return
+  changes = fingerprint_changes(json.loads(path.read_text()),
+                                json.loads(json.dumps(fingerprint)))
+  if changes:
+    more = len(changes) - _CHANGES_NAMED
+    raise DatasetChangedError(
+        f"{run_dir} was trained on other data than it is given now "
+        f"({path} records them): " + "; ".join(changes[:_CHANGES_NAMED])
+        + (f"; and {more} more" if more > 0 else ""))
 
 
 def mark_done(run_dir: str | Path) -> None:

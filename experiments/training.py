@@ -364,12 +364,15 @@ def load_params(
 
 
 def _start_run_directory(
-    config: config_lib.Config, hparams: dict[str, Any]
+    config: config_lib.Config, hparams: dict[str, Any],
+    fingerprint: dict[str, Any]
 ) -> None:
-  """Creates the run directory and records the configuration it belongs to."""
+  """Creates the run directory and records the configuration it belongs to,
+  then the fingerprint of its data (`datasets.fingerprint`)."""
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   records.write_config(output_dir, config_lib.run_record(config, hparams))
+  records.write_fingerprint(output_dir, fingerprint)
 
 
 def _checkpoint_manager(output_dir: Path) -> ocp.CheckpointManager:
@@ -421,7 +424,9 @@ def train(config: config_lib.Config) -> records.Record:
   Raises:
     config_lib.UsageError: the configuration cannot run, or ``output_dir``
       cannot be written or holds a run of another configuration, or a run
-      whose records are damaged (`records.read_run`); nothing was written.
+      whose records are damaged (`records.read_run`), or a run of other
+      data (`datasets.check_run_data`), or the data have problems; nothing
+      was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete.
   """
@@ -429,6 +434,16 @@ def train(config: config_lib.Config) -> records.Record:
   config.check_devices(hparams)
   resume = config_lib.claim_run_directory(config, hparams)
   output_dir = Path(config.output_dir)
+  # The data are checked (a folder's problems are usage errors) before any
+  # work, and a run goes on, or reports its result, only on its own data.
+  try:
+    dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
+                                   seed=config.trial_seed)
+  except datasets.DatasetNotFoundError as e:
+    raise config_lib.UsageError(str(e)) from None
+  fingerprint = datasets.fingerprint(dataset)
+  if resume:
+    datasets.check_run_data(output_dir, fingerprint)
   if resume and records.is_done(output_dir):
     record = _checked_run(output_dir).records[-1]
     print("Already finished.", file=sys.stderr)
@@ -440,11 +455,6 @@ def train(config: config_lib.Config) -> records.Record:
   start = manager.latest_step() if resume else None
   run = _checked_run(output_dir, checkpoint_step=start) if resume else None
   sharder = Sharder(config.devices)
-  try:
-    dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
-                                   seed=config.trial_seed)
-  except datasets.DatasetNotFoundError as e:
-    raise config_lib.UsageError(str(e)) from None
   if "image_size" in hparams:
     dataset = datasets.resized(dataset, hparams["image_size"])
   # The run directory records the configuration as requested: the protocol's
@@ -552,7 +562,7 @@ def train(config: config_lib.Config) -> records.Record:
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / meter.count
       if manager is None:
-        _start_run_directory(requested, hparams)
+        _start_run_directory(requested, hparams, fingerprint)
         manager = _checkpoint_manager(output_dir)
       record = {
           "args": config.record_args(), "hparams": hparams,

@@ -276,9 +276,9 @@ def test_augment_photo_is_a_function_of_its_generator():
 
 
 def _photo_dataset(tmp_path):
-  """Two domains of two classes, three 40x50 JPEGs each."""
+  """PACS's four domains of two classes, three 40x50 JPEGs each."""
   rng = np.random.default_rng(9)
-  for domain in ("art", "photo"):
+  for domain in ("art_painting", "cartoon", "photo", "sketch"):
     for name in ("dog", "horse"):
       folder = tmp_path / "PACS" / domain / name
       folder.mkdir(parents=True)

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from experiments import catalog
+from experiments import config as config_lib
 from experiments import datasets
+from experiments import records
 
 
 def test_registry_knows_all_datasets():
@@ -51,3 +53,32 @@ def test_decoded_photos_refuses_images_in_memory():
       (4, 4, 1))
   with pytest.raises(ValueError, match="not a dataset of photos"):
     datasets.decoded_photos(ds)
+
+
+def test_fingerprint_of_arrays_is_their_count_and_labels():
+  dataset = datasets.get_dataset("ColoredDigits", seed=0)
+  recorded = datasets.fingerprint(dataset)
+  assert recorded["dataset"] == "ColoredDigits"
+  assert list(recorded["domains"]) == list(dataset.domain_names)
+  for name, source in zip(dataset.domain_names, dataset.domains):
+    assert recorded["domains"][name]["examples"] == len(source)
+  # The same arguments, the same data; another deal, other labels.
+  assert datasets.fingerprint(
+      datasets.get_dataset("ColoredDigits", seed=0)) == recorded
+  other = datasets.fingerprint(datasets.get_dataset("ColoredDigits", seed=1))
+  assert all(other["domains"][d]["labels"] != recorded["domains"][d]["labels"]
+             for d in dataset.domain_names)
+  # Resizing keeps what it records: a run records the data it was given.
+  assert datasets.fingerprint(datasets.resized(dataset, 14)) == recorded
+
+
+def test_a_run_on_other_data_is_a_usage_error_naming_the_way_out(tmp_path):
+  run_data = datasets.fingerprint(datasets.get_dataset("ColoredDigits"))
+  datasets.check_run_data(tmp_path, run_data)  # An old run: accepted.
+  records.write_fingerprint(tmp_path, run_data)
+  datasets.check_run_data(tmp_path, run_data)
+  other = datasets.fingerprint(datasets.get_dataset("ColoredDigits", seed=3))
+  with pytest.raises(config_lib.UsageError,
+                     match=r"\+80%/labels: .*--overwrite, or pass another "
+                     "--output_dir"):
+    datasets.check_run_data(tmp_path, other)

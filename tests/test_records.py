@@ -203,3 +203,56 @@ def test_config_and_done_are_written_whole(tmp_path):
       '{\n  "args": {\n    "seed": 1\n  },\n  "hparams": {}\n}\n')
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       records.CONFIG_FILE, records.DONE_FILE]
+
+
+def _files(count, names="n", sizes="s", total=100):
+  """A group of files of a fingerprint, as a folder's class is."""
+  return {"files": count, "bytes": total, "names": names, "sizes": sizes}
+
+
+FINGERPRINT = {"dataset": "PACS", "domains": {
+    "art_painting": {"dog": _files(3), "horse": _files(4)},
+    "cartoon": {"dog": _files(5), "horse": _files(6)},
+    "digits": {"examples": 10, "labels": "abc"}}}
+
+
+def test_a_run_accepts_the_data_it_recorded_or_none(tmp_path):
+  records.check_fingerprint(tmp_path, FINGERPRINT)  # No file: an old run.
+  records.write_fingerprint(tmp_path, FINGERPRINT)
+  assert json.loads((tmp_path / records.DATASET_FILE).read_text()) == (
+      FINGERPRINT)
+  records.check_fingerprint(tmp_path, FINGERPRINT)
+  # --overwrite deletes it with the run's other files.
+  assert records.DATASET_FILE in records.RUN_FILES
+
+
+def test_a_run_refuses_other_data_naming_what_changed(tmp_path):
+  records.write_fingerprint(tmp_path, FINGERPRINT)
+  domains = FINGERPRINT["domains"]
+  changed = {"dataset": "PACS", "domains": {
+      "art_painting": {"dog": _files(5), "horse": _files(2)},
+      "cartoon": {"dog": _files(5, names="m"),
+                  "horse": _files(6, sizes="t", total=90)},
+      "digits": {"examples": 10, "labels": "abd"},
+      "photo": domains["cartoon"]}}
+  with pytest.raises(records.DatasetChangedError) as e:
+    records.check_fingerprint(tmp_path, changed)
+  assert str(e.value) == (
+      f"{tmp_path} was trained on other data than it is given now "
+      f"({tmp_path / records.DATASET_FILE} records them): "
+      "art_painting/dog: 2 files added (3 -> 5); "
+      "art_painting/horse: 2 files removed (4 -> 2); "
+      "cartoon/dog: files renamed or replaced (5 files); "
+      "cartoon/horse: files resized (100 -> 90 bytes); "
+      "digits/labels: abc -> abd; domain photo: new")
+  fewer = {"dataset": "PACS", "domains": {"cartoon": domains["cartoon"]}}
+  assert records.fingerprint_changes(FINGERPRINT, fewer) == [
+      "domain art_painting: gone", "domain digits: gone"]
+
+
+def test_a_long_list_of_changes_is_cut_short(tmp_path):
+  records.write_fingerprint(tmp_path, {"dataset": "X", "domains": {}})
+  many = {f"d{i}": {"examples": i} for i in range(12)}
+  with pytest.raises(records.DatasetChangedError,
+                     match=r": domain d0: new; .*domain d5: new; and 4 more$"):
+    records.check_fingerprint(tmp_path, {"dataset": "X", "domains": many})
