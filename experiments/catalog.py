@@ -45,8 +45,9 @@ class DatasetEntry(registry.Entry):
       paper's PGrad trains on 24 rather than 32, its "-B" variants in 2
       chunks rather than 3 (`hparams_registry`).
     from_scratch: WILDS trains its network from scratch (PovertyMap's 8
-      bands fit no ImageNet weights), so a run without ``--pretrained`` is
-      not warned that DomainBed starts from ImageNet weights.
+      bands fit no ImageNet weights), so its runs start from no weights by
+      default; the other photo datasets start from ImageNet weights
+      (``--pretrained imagenet``), as DomainBed's and WILDS's FMoW do.
     wilds: the WILDS dataset it is (every PovertyMap fold is
       ``"PovertyMap"``), or ``None``.
   """
@@ -73,12 +74,19 @@ class ModelEntry(registry.Entry):
   Attributes:
     hparams_options: the builder's keyword arguments that a run's hparams
       set.
-    imagenet: whether DomainBed starts it from ImageNet weights.
+    imagenet_weights: the file name of torchvision's ImageNet weights
+      (``IMAGENET1K_V1``) of the network, which DomainBed starts it from
+      (``experiments.pretrained.fetch_imagenet``); ``None`` for none.
   """
 
   hparams_options: Callable[[Mapping[str, Any]], dict[str, Any]] = (
       lambda hparams: {})
-  imagenet: bool = False
+  imagenet_weights: str | None = None
+
+  @property
+  def imagenet(self) -> bool:
+    """Whether it is an ImageNet network, with torchvision's weights."""
+    return self.imagenet_weights is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,12 +252,16 @@ def _imagenet_options(hparams: Mapping[str, Any]) -> dict[str, Any]:
 
 MODELS.register("mnist_cnn", "experiments.models:MNISTCNN",
                 hparams_options=_cnn_options)
-for _depth in (18, 50):
+# torchvision's IMAGENET1K_V1 files (torchvision/models/resnet.py and
+# densenet.py): the hex digits start their SHA-256.
+for _depth, _weights in ((18, "resnet18-f37072fd.pth"),
+                         (50, "resnet50-0676ba61.pth")):
   MODELS.register(f"resnet{_depth}", "experiments.models:ResNet",
                   options={"depth": _depth}, hparams_options=_imagenet_options,
-                  imagenet=True)
+                  imagenet_weights=_weights)
 MODELS.register("densenet121", "experiments.models:DenseNet",
-                hparams_options=_imagenet_options, imagenet=True)
+                hparams_options=_imagenet_options,
+                imagenet_weights="densenet121-a639ec97.pth")
 
 # ----------------------------------------------------------------------------
 # Algorithms.

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import textwrap
 import typing
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,12 @@ class Config:
       None, "Model name. Default: per dataset (mnist_cnn for digits, "
       "resnet50 for photos, WILDS's networks on WILDS).")
   pretrained: str | None = _field(
-      None, "Featurizer weights (.npz or Orbax directory) to start from.")
+      None, "Featurizer weights to start from: imagenet (torchvision's "
+      "IMAGENET1K_V1 weights of --model, downloaded once; see "
+      "experiments/pretrained.py), a torchvision state_dict (.pth), a .npz "
+      "converted from one, an Orbax directory, or none (from scratch). "
+      "Default: imagenet for an ImageNet network on photos, as DomainBed "
+      "and WILDS's FMoW; none for the digits, PovertyMap and --init_params.")
   init_params: str | None = _field(
       None, f"A run's {records.FINAL_PARAMS_FILE} to start the whole model "
       "from (e.g. FMoW's ERM phase before PGrad).")
@@ -150,7 +156,7 @@ class Config:
     except KeyError as e:  # registry.UnknownNameError names the known names.
       raise UsageError(str(e)) from None
     config = dataclasses.replace(
-        self,
+        self, pretrained=_resolve_pretrained(self, model),
         steps=facts.steps if self.steps is None else self.steps,
         checkpoint_freq=facts.checkpoint_freq if self.checkpoint_freq is None
         else self.checkpoint_freq,
@@ -270,6 +276,51 @@ class Config:
     except ValueError as e:
       raise UsageError(f"--hparams: {e} See --list_hparams.") from None
     return hparams
+
+
+def _resolve_pretrained(config: Config, model: str) -> str | None:
+  """``--pretrained`` with its default filled in, checked before any work.
+
+  From scratch is ``None`` where that is the default (so that such runs'
+  identities stay what they were before the flag had a default), and
+  ``"none"`` where ImageNet weights are.
+
+  Raises:
+    UsageError: ``imagenet`` for a network without ImageNet weights, or a
+      path that does not exist or holds a run's params.
+  """
+  facts, model_facts = catalog.DATASETS[config.dataset], catalog.MODELS[model]
+  imagenet_default = (model_facts.imagenet and not facts.small_images
+                      and not facts.from_scratch and not config.init_params)
+  if config.pretrained is None:
+    return "imagenet" if imagenet_default else None
+  if config.pretrained == "none":
+    return "none" if imagenet_default else None
+  if config.pretrained == "imagenet":
+    if not model_facts.imagenet:
+      with_weights = [name for name, entry in catalog.MODELS.items()
+                      if entry.imagenet]
+      raise UsageError(f"--pretrained imagenet: there are no ImageNet weights "
+                       f"of {model}; there are of {', '.join(with_weights)}.")
+    return config.pretrained
+  path = Path(config.pretrained)
+  if not path.exists():
+    raise UsageError(
+        f"--pretrained {path}: no such file or directory. Pass imagenet for "
+        "torchvision's ImageNet weights (downloaded once), a .pth, .npz or "
+        "Orbax directory of featurizer weights, or none to train from "
+        "scratch.")
+  if path.is_file() and zipfile.is_zipfile(path):
+    with zipfile.ZipFile(path) as archive:
+      names = archive.namelist()
+    # A run's final params (records.FINAL_PARAMS_FILE) are keyed like
+    # params/featurizer/... and stats/....
+    if any(name.split("/", 1)[0] in ("params", "stats") for name in names):
+      raise UsageError(
+          f"--pretrained {path} holds a whole model's params, as a run's "
+          f"{records.FINAL_PARAMS_FILE} does, not featurizer weights: start "
+          f"from it with --init_params {path} instead.")
+  return config.pretrained
 
 
 def _flag_type(annotation: Any) -> Any:

@@ -1,24 +1,27 @@
-"""ImageNet-pretrained featurizer weights, loaded from a local file.
+"""ImageNet-pretrained featurizer weights: torchvision's, or a local file.
 
-Nothing is downloaded. Two formats are accepted by :func:`load_pretrained`:
+``--pretrained`` takes one of:
 
-* a ``.npz`` converted from a torchvision ``state_dict``. To make one, on a
-  machine with PyTorch and torchvision, save the weights in Python::
-
-    import torch, torchvision
-    net = torchvision.models.resnet50(weights="IMAGENET1K_V1")
-    # Or resnet18, or densenet121 (FMoW's network in WILDS).
-    torch.save(net.state_dict(), "resnet50.pth")
-
-  then convert them (still where PyTorch is installed)::
-
-    python -m experiments.pretrained convert --in resnet50.pth --out resnet50.npz
-
+* ``imagenet``: torchvision's ``IMAGENET1K_V1`` weights of the model
+  (`catalog.ModelEntry.imagenet_weights`: ``resnet18-f37072fd.pth``,
+  ``resnet50-0676ba61.pth``, ``densenet121-a639ec97.pth``), the files that
+  ``torchvision.models.resnet50(weights="IMAGENET1K_V1")`` downloads.
+  `fetch_imagenet` downloads a file once from torchvision's URL into the
+  cache directory `weights_dir`, and checks it as ``torch.hub`` does: the
+  hexadecimal digits after the ``-`` in the file name start the SHA-256 of
+  the file. Two environment variables change where they come from and go:
+  ``PGRAD_JAX_WEIGHTS_URL`` (default `TORCHVISION_URL`) and
+  ``PGRAD_JAX_WEIGHTS_DIR``.
+* a PyTorch ``.pth`` file of a torchvision ``state_dict``, read by
+  `read_torch_state_dict` without PyTorch;
+* a ``.npz`` converted from one (``python -m experiments.pretrained convert
+  --in resnet50.pth --out resnet50.npz``, which does not need PyTorch
+  either);
 * an Orbax checkpoint directory of a featurizer's parameters and BatchNorm
   statistics, as written by :func:`save_featurizer`.
 
-Both hold a flat mapping from paths such as ``layer1/0/conv1/kernel`` (the
-featurizer's NNX state path, joined by ``/``) to arrays.
+The last two hold a flat mapping from paths such as ``layer1/0/conv1/kernel``
+(the featurizer's NNX state path, joined by ``/``) to arrays.
 
 A ResNet with ``C != 3`` input channels gets an RGB stem adapted by
 :func:`adapt_input_channels`, following DomainBed: input channel ``i`` takes
@@ -26,13 +29,27 @@ the pretrained kernel of RGB channel ``i % 3``. (WILDS's PovertyMap baseline
 does not start from RGB weights: its 8-channel ResNet-18 is trained from a
 Kaiming-normal initialisation, which is also what ``resnet18`` without
 ``--pretrained`` gives; see ``experiments.wilds``.)
+
+Reading a ``.pth`` file runs no code from it. A file is a pickle of the
+``state_dict`` (an ``OrderedDict`` of tensors) whose tensors' data, their
+"storages", are kept outside the pickle: in the zip archive's ``data/``
+records (``torch.save``'s format since PyTorch 1.6), or after the pickle in
+the older "legacy" format (torch/serialization.py, ``_legacy_load`` and
+``_load``). The unpickler builds NumPy arrays and refuses every global but
+the few that a state dict names: `_ALLOWED_GLOBALS`.
 """
 
 import argparse
+import collections
 from collections.abc import Callable, Mapping
+import dataclasses
 import os
+from pathlib import Path
+import pickle
+import re
 import sys
-from typing import Any
+import tempfile
+from typing import Any, BinaryIO
 import zipfile
 
 from flax import nnx
@@ -40,7 +57,9 @@ from flax import traverse_util
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import pooch
 
+from experiments import catalog
 from experiments import models
 
 _STEM_KERNEL = "conv1/kernel"
@@ -53,12 +72,407 @@ _BN_NAMES = {
     "running_var": "var",
 }
 _HOW_TO_GET_WEIGHTS = (
-    "Pretrained weights are read from a local file only. On a machine with "
-    "PyTorch and torchvision, save torchvision.models.resnet50("
-    "weights='IMAGENET1K_V1').state_dict() (or resnet18) with torch.save, then "
-    "run `python -m experiments.pretrained convert --in resnet50.pth --out "
-    "resnet50.npz` and pass the .npz path."
+    "Pass --pretrained imagenet for torchvision's IMAGENET1K_V1 weights "
+    "(downloaded once), a .pth file of a torchvision state_dict, a .npz "
+    "converted from one (python -m experiments.pretrained convert), or an "
+    "Orbax directory of featurizer weights."
 )
+
+
+# ----------------------------------------------------------------------------
+# Reading PyTorch files without PyTorch.
+
+# The legacy format's first three pickles: its magic number, protocol
+# version and system information (torch/serialization.py, MAGIC_NUMBER and
+# PROTOCOL_VERSION).
+_LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL_VERSION = 1001
+# How a pickle (of protocol 2 or more) writes the magic number: LONG1, 10
+# bytes, little-endian.
+_LEGACY_HEAD = b"\x8a\x0a" + _LEGACY_MAGIC_NUMBER.to_bytes(10, "little")
+# torch's storage classes (torch.FloatStorage ...; torch.cuda.FloatStorage in
+# files saved from a GPU) and the NumPy dtypes of their elements.
+_STORAGE_DTYPES = {
+    "DoubleStorage": np.float64, "FloatStorage": np.float32,
+    "HalfStorage": np.float16, "LongStorage": np.int64,
+    "IntStorage": np.int32, "ShortStorage": np.int16,
+    "CharStorage": np.int8, "ByteStorage": np.uint8,
+    "BoolStorage": np.bool_,
+}
+
+
+class UnsafeCheckpointError(ValueError):
+  """A ``.pth`` file names something other than a state dict's tensors."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _StorageType:
+  """What the unpickler gives for ``torch.FloatStorage`` and the like."""
+
+  dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class _Storage:
+  """A storage the pickle refers to: ``numel`` elements from element
+  ``offset`` of the file's storage ``key``, read once the pickle is read."""
+
+  key: str
+  dtype: np.dtype
+  offset: int
+  numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+  """A tensor the pickle rebuilds: a strided view of a storage."""
+
+  storage: _Storage
+  offset: int
+  shape: tuple[int, ...]
+  strides: tuple[int, ...]
+
+  def array(self, storages: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The tensor as torch.load gives it: a view of its storage's array.
+
+    Raises:
+      ValueError: the tensor reaches outside its storage.
+    """
+    if not isinstance(self.storage, _Storage):
+      raise UnsafeCheckpointError("a tensor whose storage is "
+                                  f"{type(self.storage).__name__}")
+    data = storages[self.storage.key]
+    start = self.storage.offset + self.offset
+    end = self.storage.offset + self.storage.numel
+    if len(self.shape) != len(self.strides) or min(
+        (*self.shape, *self.strides, self.offset), default=0) < 0:
+      raise ValueError(f"a tensor of shape {self.shape} and strides "
+                       f"{self.strides}")
+    # The last element it reads; an empty tensor reads none.
+    last = start + sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+    if 0 not in self.shape and not last < min(end, len(data)):
+      raise ValueError(
+          f"a tensor of shape {self.shape} and strides {self.strides} at "
+          f"offset {self.offset} reaches past its storage of "
+          f"{self.storage.numel} elements")
+    # In bounds, as checked above.
+    return np.lib.stride_tricks.as_strided(
+        data[start:], shape=self.shape,
+        strides=[s * data.itemsize for s in self.strides])
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, *unused):
+  """Stands for torch._utils._rebuild_tensor and _rebuild_tensor_v2, whose
+  further arguments (requires_grad, hooks, metadata) do not matter here."""
+  del unused
+  return _Tensor(storage, int(storage_offset), tuple(map(int, size)),
+                 tuple(map(int, stride)))
+
+
+def _rebuild_parameter(data, *unused):
+  """Stands for torch._utils._rebuild_parameter(data, requires_grad, hooks)."""
+  del unused
+  return data
+
+
+# What a state dict's pickle names, and what stands for it here.
+_ALLOWED_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    **{(module, name): _StorageType(np.dtype(dtype))
+       for module in ("torch", "torch.cuda")
+       for name, dtype in _STORAGE_DTYPES.items()},
+}
+
+
+class _StateDictUnpickler(pickle.Unpickler):
+  """Unpickles a state dict, refusing every global but `_ALLOWED_GLOBALS`.
+
+  Storages are recorded as `_Storage` and tensors as `_Tensor`; their data
+  are read afterwards.
+  """
+
+  def __init__(self, file: BinaryIO, source: str, legacy: bool):
+    # A file written by Python 2 holds its strings as bytes.
+    super().__init__(file, encoding="utf-8")
+    self.source = source
+    self.legacy = legacy
+
+  def find_class(self, module: str, name: str) -> Any:
+    try:
+      return _ALLOWED_GLOBALS[module, name]
+    except KeyError:
+      raise UnsafeCheckpointError(
+          f"{self.source} refers to {module}.{name}, which a state dict of "
+          "tensors does not hold; it is not read, since unpickling it could "
+          "run any code.") from None
+
+  def persistent_load(self, pid: Any) -> _Storage:
+    # torch.save's persistent ids: ("storage", storage type, key, location,
+    # numel), and in the legacy format a view's (key, offset, numel) last.
+    if not (isinstance(pid, tuple) and pid[:1] == ("storage",)
+            and len(pid) == (6 if self.legacy else 5)
+            and isinstance(pid[1], _StorageType)):
+      raise UnsafeCheckpointError(
+          f"{self.source} holds a persistent id {pid!r:.80}, not a storage.")
+    storage = _Storage(str(pid[2]), pid[1].dtype, 0, int(pid[4]))
+    view = pid[5] if self.legacy else None
+    if view is not None:
+      _, offset, numel = view
+      storage = dataclasses.replace(storage, offset=int(offset),
+                                    numel=int(numel))
+    return storage
+
+
+def _state_dict_arrays(
+    loaded: Any, storages: Mapping[str, np.ndarray], source: str
+) -> dict[str, np.ndarray]:
+  """The arrays of an unpickled state dict of `_Tensor` values.
+
+  Args:
+    loaded: the unpickled object.
+    storages: the file's storages by key, as read (maybe read-only and
+      big-endian).
+    source: names the file in error messages.
+
+  Returns:
+    Its names to arrays that are views, as torch.load's tensors are, of
+    writeable native-endian copies of the storages.
+
+  Raises:
+    ValueError: ``loaded`` is not a state dict, or a tensor reaches out of
+      its storage or has no storage in the file.
+  """
+  storages = {key: data.astype(data.dtype.newbyteorder("="))
+              for key, data in storages.items()}
+  if not isinstance(loaded, dict) or not all(
+      isinstance(k, str) and isinstance(v, _Tensor)
+      for k, v in loaded.items()):
+    raise ValueError(f"{source} is not a state dict (a dict of tensors by "
+                     "name); save model.state_dict().")
+  try:
+    return {name: tensor.array(storages) for name, tensor in loaded.items()}
+  except KeyError as e:
+    raise ValueError(f"{source} has no data for storage {e}") from None
+  except ValueError as e:
+    raise ValueError(f"{source} is damaged: {e}") from None
+
+
+def _read_zip_state_dict(path: str) -> dict[str, np.ndarray]:
+  """Reads torch.save's zip format: ``<folder>/data.pkl`` and the storages
+  in ``<folder>/data/<key>``."""
+  with zipfile.ZipFile(path) as archive:
+    pickles = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+    if len(pickles) != 1:
+      raise ValueError(f"{path!r} is a zip archive but not a PyTorch file "
+                       "(no one <folder>/data.pkl in it)")
+    folder = pickles[0].removesuffix("data.pkl")
+    byteorder = "little"
+    if f"{folder}byteorder" in archive.namelist():
+      byteorder = archive.read(f"{folder}byteorder").decode()
+    with archive.open(pickles[0]) as file:
+      loaded = _StateDictUnpickler(file, repr(path), legacy=False).load()
+    keys = {tensor.storage.key: tensor.storage.dtype
+            for tensor in (loaded.values() if isinstance(loaded, dict)
+                           else ()) if isinstance(tensor, _Tensor)}
+    storages = {}
+    for key, dtype in keys.items():
+      name = f"{folder}data/{key}"
+      if name not in archive.namelist():
+        continue  # Reported as missing data by _state_dict_arrays.
+      dtype = dtype.newbyteorder("<" if byteorder == "little" else ">")
+      raw = archive.read(name)
+      storages[key] = np.frombuffer(raw, dtype, len(raw) // dtype.itemsize)
+  return _state_dict_arrays(loaded, storages, repr(path))
+
+
+def _read_legacy_state_dict(path: str) -> dict[str, np.ndarray]:
+  """Reads the format before PyTorch 1.6: pickles of the magic number, the
+  protocol version, system information, the object and its storage keys,
+  then each storage as its element count (int64) and its bytes."""
+  with open(path, "rb") as file:
+    header = []
+    for _ in range(3):
+      try:
+        header.append(_StateDictUnpickler(file, repr(path), True).load())
+      except (pickle.UnpicklingError, EOFError, ValueError):
+        header.append(None)
+        break
+    if header[0] != _LEGACY_MAGIC_NUMBER:
+      raise ValueError(f"{path!r} is not a PyTorch file (neither a zip "
+                       "archive nor the legacy format's magic number)")
+    if header[1] != _LEGACY_PROTOCOL_VERSION or not isinstance(
+        header[2], dict):
+      raise ValueError(f"{path!r} is a PyTorch file of protocol version "
+                       f"{header[1]}, not {_LEGACY_PROTOCOL_VERSION}")
+    byteorder = "<" if header[2].get("little_endian", True) else ">"
+    loaded = _StateDictUnpickler(file, repr(path), legacy=True).load()
+    keys = pickle.load(file)  # A list of strings: no globals to refuse.
+    dtypes = {tensor.storage.key: tensor.storage.dtype
+              for tensor in (loaded.values() if isinstance(loaded, dict)
+                             else ()) if isinstance(tensor, _Tensor)}
+    storages = {}
+    for key in keys:
+      if key not in dtypes:
+        raise ValueError(f"{path!r} holds storage {key!r}, which no tensor "
+                         "uses")
+      dtype = dtypes[key].newbyteorder(byteorder)
+      numel = int(np.frombuffer(file.read(8), byteorder + "i8")[0])
+      raw = file.read(numel * dtype.itemsize)
+      if len(raw) != numel * dtype.itemsize:
+        raise ValueError(f"{path!r} is truncated (storage {key!r})")
+      storages[str(key)] = np.frombuffer(raw, dtype)
+  return _state_dict_arrays(loaded, storages, repr(path))
+
+
+def is_torch_file(path: str | os.PathLike) -> bool:
+  """Whether ``path`` is in one of ``torch.save``'s formats (by its first
+  bytes or its zip records; ``.npz`` files are zip archives too)."""
+  with open(path, "rb") as file:
+    head = file.read(len(_LEGACY_HEAD) + 2)
+  if zipfile.is_zipfile(path):
+    with zipfile.ZipFile(path) as archive:
+      return any(n.endswith("/data.pkl") for n in archive.namelist())
+  # A pickle's protocol opcode (2 bytes), then the magic number.
+  return head[2:] == _LEGACY_HEAD
+
+
+def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The tensors of a ``torch.save``'d state dict, as NumPy arrays.
+
+  Reads both of ``torch.save``'s formats (the zip archive, and the legacy
+  one of files saved before PyTorch 1.6) without PyTorch, and runs no code
+  from the file: see the module docstring.
+
+  Args:
+    path: a ``.pth`` file of a ``state_dict``, e.g. torchvision's.
+
+  Returns:
+    The state dict's names, as in the file (``num_batches_tracked``
+    included), to arrays with its tensors' dtypes, shapes and values; a
+    non-contiguous tensor keeps the order of its strides.
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    UnsafeCheckpointError: the pickle names anything but a state dict's
+      tensors (e.g. a function to call).
+    ValueError: the file is not a PyTorch file of a state dict, or is
+      damaged.
+  """
+  path = os.fspath(path)
+  try:
+    if zipfile.is_zipfile(path):
+      return _read_zip_state_dict(path)
+    return _read_legacy_state_dict(path)
+  except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{path!r} is damaged or not a PyTorch file ({e})"
+                     ) from None
+
+
+# ----------------------------------------------------------------------------
+# torchvision's ImageNet weights.
+
+# Where torchvision's weights are (torchvision/models/resnet.py and
+# densenet.py, the IMAGENET1K_V1 entries).
+TORCHVISION_URL = "https://download.pytorch.org/models"
+URL_VARIABLE = "PGRAD_JAX_WEIGHTS_URL"
+DIR_VARIABLE = "PGRAD_JAX_WEIGHTS_DIR"
+
+
+class WeightsUnavailableError(OSError):
+  """ImageNet weights are neither cached nor downloadable; says how to fix."""
+
+
+def weights_dir() -> Path:
+  """Where downloaded weights are cached: ``$PGRAD_JAX_WEIGHTS_DIR``, else
+  ``pgrad_jax/weights`` in the user's cache directory (``$XDG_CACHE_HOME``,
+  else ``~/.cache``, on Linux)."""
+  if os.environ.get(DIR_VARIABLE):
+    return Path(os.environ[DIR_VARIABLE])
+  return Path(pooch.os_cache("pgrad_jax")) / "weights"
+
+
+def _hash_prefix(filename: str) -> str:
+  """torch.hub's check: the hex digits after the last ``-`` of the name."""
+  return filename.rsplit(".", 1)[0].rsplit("-", 1)[-1]
+
+
+def imagenet_file(model: str) -> str:
+  """The name of torchvision's ImageNet weights file of ``model``.
+
+  Raises:
+    ValueError: torchvision has no ImageNet weights of ``model``.
+  """
+  filename = catalog.MODELS[model].imagenet_weights
+  if filename is None:
+    known = [name for name, entry in catalog.MODELS.items()
+             if entry.imagenet_weights]
+    raise ValueError(f"there are no ImageNet weights of {model}; "
+                     f"torchvision's are those of {', '.join(known)}.")
+  return filename
+
+
+def fetch_imagenet(model: str) -> Path:
+  """torchvision's ImageNet weights of ``model``, downloaded once.
+
+  A file in `weights_dir` is used as it is. Otherwise it is downloaded (with
+  a progress bar) into a temporary folder there, checked, and only then
+  renamed into place, so that a failed or interrupted download leaves
+  nothing behind and runs that download at once do not see each other's
+  partial files.
+
+  Args:
+    model: a name of ``catalog.MODELS`` with ImageNet weights.
+
+  Returns:
+    The path of the cached file.
+
+  Raises:
+    ValueError: there are no ImageNet weights of ``model``.
+    WeightsUnavailableError: the download failed or did not check; nothing
+      was cached. The message names the URL, where to place the file by
+      hand, and ``--pretrained none``.
+  """
+  filename = imagenet_file(model)
+  cache = weights_dir()
+  path = cache / filename
+  if path.is_file():
+    return path
+  url = f"{os.environ.get(URL_VARIABLE) or TORCHVISION_URL}/{filename}"
+  fix = (f"Download {url} (e.g. on a machine with network access) and place "
+         f"it at {path}, or pass --pretrained none to train from scratch.")
+  print(f"Downloading torchvision's ImageNet weights of {model} from {url} "
+        f"to {path}.", file=sys.stderr)
+  logger = pooch.get_logger()
+  level = logger.level
+  # pooch's own lines would suggest a full hash; torch.hub checks a prefix.
+  logger.setLevel("WARNING")
+  try:
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
+      downloaded = pooch.retrieve(url, known_hash=None, fname=filename,
+                                  path=tmp, progressbar=True)
+      digest = pooch.file_hash(downloaded, alg="sha256")
+      if not digest.startswith(_hash_prefix(filename)):
+        raise WeightsUnavailableError(
+            f"The file downloaded from {url} is damaged or not torchvision's: "
+            f"its SHA-256 {digest} does not start with "
+            f"{_hash_prefix(filename)}, so it was not kept. {fix}")
+      os.replace(downloaded, path)
+  except WeightsUnavailableError:
+    raise
+  except OSError as e:  # requests' errors are OSErrors too.
+    raise WeightsUnavailableError(
+        f"Cannot download ImageNet weights of {model}: {e}. {fix}") from None
+  finally:
+    logger.setLevel(level)
+  return path
+
+
+# ----------------------------------------------------------------------------
+# Converting torchvision's names and layouts.
 
 
 def _featurizer_state(featurizer: nnx.Module) -> nnx.State:
@@ -184,6 +598,14 @@ def convert_torchvision_state_dict(
       f"the torchvision resnet{depth} state_dict")
 
 
+# torchvision's densenet121-a639ec97.pth predates its module names: it names
+# ``denselayer1.norm.1.weight`` what the module calls
+# ``denselayer1.norm1.weight``. torchvision renames them as it loads the file
+# (torchvision/models/densenet.py, _load_state_dict); so does this.
+_OLD_DENSELAYER_NAME = re.compile(
+    r"(denselayer\d+\.(?:norm|relu|conv))\.([12])\.")
+
+
 def _densenet_path(module: list[str]) -> tuple[str | int, ...] | None:
   """``features.denseblock1.denselayer2.conv1`` -> ``denseblock1/1/conv1``."""
   if module[:1] == ["classifier"]:
@@ -201,7 +623,8 @@ def convert_torchvision_densenet121(
 
   ``features.`` is dropped from the names, ``denselayer<k>`` becomes the
   0-based index ``k - 1`` and ``classifier.*`` (the head is trained anew) is
-  dropped; see `_convert` for the rest.
+  dropped; see `_convert` for the rest. The old names of torchvision's file
+  (``norm.1`` for ``norm1``) are renamed as torchvision renames them.
 
   Args:
     state_dict: torchvision names (e.g.
@@ -214,6 +637,8 @@ def convert_torchvision_densenet121(
   Raises:
     ValueError: if the names or shapes do not match DenseNet-121.
   """
+  state_dict = {_OLD_DENSELAYER_NAME.sub(r"\1\2.", name): value
+                for name, value in state_dict.items()}
   return _convert(state_dict, _densenet_path,
                   lambda: models.DenseNet(3, rngs=nnx.Rngs(0)),
                   "the torchvision densenet121 state_dict")
@@ -305,16 +730,18 @@ def _read(path: str) -> dict[str, np.ndarray]:
     flat = _flatten(tree)
     # A saved nnx.State (rather than a pure dict) wraps each leaf in "value".
     return {k.removesuffix("/value"): np.asarray(v) for k, v in flat.items()}
-  if path.endswith((".pth", ".pt")):
-    raise ValueError(
-        f"{path!r} is a PyTorch file; convert it to .npz first with "
-        "`python -m experiments.pretrained convert`."
-    )
+  if is_torch_file(path):
+    _, converted = convert_torchvision(read_torch_state_dict(path))
+    return {key: np.asarray(v) for key, v in _flatten(converted).items()}
   try:
-    return read_npz(path)
+    arrays = read_npz(path)
   except ValueError as e:
-    raise ValueError(f"{e}; pretrained weights are a .npz file or an Orbax "
-                     f"directory. {_HOW_TO_GET_WEIGHTS}") from None
+    raise ValueError(f"{e}. {_HOW_TO_GET_WEIGHTS}") from None
+  if any(key.split("/", 1)[0] in ("params", "stats") for key in arrays):
+    raise ValueError(f"{path!r} holds a whole model's params (a run's "
+                     "final_params.npz), not featurizer weights: pass it as "
+                     "--init_params.")
+  return arrays
 
 
 def load_pretrained(model: models.Classifier, path: str | os.PathLike) -> None:
@@ -323,8 +750,8 @@ def load_pretrained(model: models.Classifier, path: str | os.PathLike) -> None:
   Args:
     model: a model whose featurizer matches the weights (up to the number of
       input channels of the stem, see :func:`adapt_input_channels`).
-    path: a converted torchvision ``.npz`` or a :func:`save_featurizer`
-      directory.
+    path: a torchvision ``.pth`` state dict, a converted ``.npz`` or a
+      :func:`save_featurizer` directory.
 
   Raises:
     FileNotFoundError: if ``path`` does not exist.
@@ -374,20 +801,22 @@ def _infer_depth(state_dict: Mapping[str, Any]) -> int:
 
 def _convert_command(args: argparse.Namespace) -> int:
   try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    print(
-        "Converting a .pth file needs PyTorch, which is not installed here. "
-        "Run this command on a machine with PyTorch (no GPU needed) and copy "
-        "the resulting .npz here.",
-        file=sys.stderr,
-    )
-    return 1
-  state_dict = torch.load(args.input, map_location="cpu", weights_only=True)
-  arrays = {k: v.detach().cpu().numpy() for k, v in state_dict.items()}
-  name, converted = convert_torchvision(arrays)
+    name, converted = convert_torchvision(read_torch_state_dict(args.input))
+  except (OSError, ValueError) as e:
+    print(f"{args.input}: {e}", file=sys.stderr)
+    return 2
   save_npz(converted, args.output)
   print(f"Wrote {name} featurizer weights to {args.output}.")
+  return 0
+
+
+def _fetch_command(args: argparse.Namespace) -> int:
+  try:
+    path = fetch_imagenet(args.model)
+  except (OSError, ValueError) as e:
+    print(e, file=sys.stderr)
+    return 2
+  print(path)
   return 0
 
 
@@ -402,6 +831,13 @@ def main(argv: list[str] | None = None) -> int:
   convert.add_argument("--in", dest="input", required=True, help="input .pth")
   convert.add_argument("--out", dest="output", required=True, help="output .npz")
   convert.set_defaults(run=_convert_command)
+  fetch = commands.add_parser(
+      "fetch", help="download torchvision's ImageNet weights of a model to "
+      "the cache (as --pretrained imagenet does) and print their path")
+  fetch.add_argument("model", choices=[
+      name for name, entry in catalog.MODELS.items()
+      if entry.imagenet_weights])
+  fetch.set_defaults(run=_fetch_command)
   args = parser.parse_args(argv)
   return args.run(args)
 

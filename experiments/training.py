@@ -56,22 +56,33 @@ def build_model(
     dataset: datasets.MultiDomainDataset,
     hparams: dict[str, Any],
 ) -> models.Classifier:
-  """The configured model, with pretrained featurizer weights if given."""
-  model_facts = catalog.MODELS[config.model]
+  """The configured model, with its pretrained featurizer weights if any.
+
+  ``--pretrained imagenet`` downloads torchvision's weights first, if they
+  are not cached yet (`pretrained.fetch_imagenet`), before the model is
+  built.
+
+  Raises:
+    config_lib.UsageError: the weights cannot be downloaded, read, or do not
+      fit the model.
+  """
+  weights = config.pretrained
+  if weights == "imagenet":
+    try:
+      weights = pretrained.fetch_imagenet(config.model)
+    except pretrained.WeightsUnavailableError as e:
+      raise config_lib.UsageError(str(e)) from None
   model = models.build_model(
       config.model, num_classes=dataset.num_classes,
       input_shape=dataset.input_shape, rngs=nnx.Rngs(config.seed),
       **catalog.ALGORITHMS[config.algorithm].model_options,
-      **model_facts.hparams_options(hparams))
-  if config.pretrained:
+      **catalog.MODELS[config.model].hparams_options(hparams))
+  if weights not in (None, "none"):
     try:
-      pretrained.load_pretrained(model, config.pretrained)
-    except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
+      pretrained.load_pretrained(model, weights)
+    except (OSError, ValueError) as e:  # Unreadable or misfit.
       raise config_lib.UsageError(f"--pretrained: {e}") from None
-  elif (model_facts.imagenet and not config.init_params
-        and not catalog.DATASETS[config.dataset].from_scratch):
-    print(f"Warning: training {config.model} from scratch; DomainBed starts "
-          "from ImageNet weights (--pretrained).", file=sys.stderr)
+    print(f"Featurizer weights from {weights}.", file=sys.stderr)
   return model
 
 

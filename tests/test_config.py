@@ -27,12 +27,14 @@ from experiments import training
 from test_train import REPO, read_records
 
 
-def test_every_config_field_is_a_flag():
+def test_every_config_field_is_a_flag(tmp_path):
+  weights = tmp_path / "w.npz"  # --pretrained must exist.
+  weights.touch()
   flags = {"dataset": "PACS", "algorithm": "Fishr", "test_envs": [1, 2],
            "data_dir": "d", "output_dir": "o", "overwrite": True, "steps": 7,
            "checkpoint_freq": 3, "seed": 4, "hparams_seed": 5,
            "trial_seed": 6, "holdout_fraction": 0.3, "hparams": '{"ema": 0.9}',
-           "model": "resnet18", "pretrained": "w.npz",
+           "model": "resnet18", "pretrained": str(weights),
            "init_params": "p.npz", "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
            "trajectory_freq": 11, "plateau_check_freq": 12, "devices": 1,
@@ -63,6 +65,46 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
   assert override.hyperparameters()["lr"] == 0.5
   with pytest.raises(config_lib.UsageError, match="Unknown hparams"):
     config_lib.Config(hparams='{"meta_lr": 0.5}').hyperparameters()
+
+
+@pytest.mark.parametrize("flags, pretrained", [
+    # DomainBed's photo datasets, as DomainBed: its ResNet-50 from ImageNet.
+    (["--dataset", "PACS"], "imagenet"),
+    (["--dataset", "DomainNet", "--model", "resnet18"], "imagenet"),
+    # WILDS's: FMoW's DenseNet-121 from ImageNet, PovertyMap from scratch.
+    (["--dataset", "FMoW"], "imagenet"),
+    (["--dataset", "PovertyMap-B"], None),
+    # The digits, and a network without ImageNet weights, from scratch.
+    ([], None), (["--dataset", "PACS", "--model", "mnist_cnn"], None),
+    # --init_params sets every weight.
+    (["--dataset", "PACS", "--init_params", "p.npz"], None),
+    # "none" is kept where it is not the default, so that the run's
+    # identity differs from the default's.
+    (["--dataset", "PACS", "--pretrained", "none"], "none"),
+    (["--pretrained", "none"], None),
+])
+def test_pretrained_defaults_follow_the_references(flags, pretrained):
+  config = config_lib.parse_args(flags)
+  assert config.pretrained == pretrained
+  assert config.resolve().pretrained == pretrained  # Resolved once for all.
+
+
+def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
+                                                            capsys):
+  params = tmp_path / "final_params.npz"  # A run's, as training.save_params.
+  np.savez(params, **{"params/head/bias": np.zeros(3),
+                      "stats/featurizer/bn1/mean": np.zeros(3)})
+  for flags, message in [
+      (["--pretrained", str(tmp_path / "nope.npz")],
+       "no such file or directory. Pass imagenet"),
+      (["--pretrained", str(params)], f"--init_params {params} instead"),
+      (["--pretrained", "imagenet"], "no ImageNet weights of mnist_cnn"),
+  ]:
+    with pytest.raises(SystemExit) as exit_info:
+      config_lib.parse_args(flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
 
 
 @pytest.mark.parametrize("freq, message", [
@@ -218,11 +260,14 @@ def test_the_command_line_is_checked_before_jax_is_imported(
   assert "Traceback" not in result.stderr
 
 
+# The photo datasets' names changed once, when their runs began to start
+# from ImageNet weights by default (--pretrained imagenet): their earlier
+# default runs trained from scratch.
 @pytest.mark.parametrize("dataset, directory_hash", [
     ("RotatedDigits", "f7731b64"), ("ColoredMNIST5k", "54a0a700"),
-    ("DomainNet", "911da97e"), ("PACS", "bf8a743b"),
-    ("TerraIncognita", "4467a63f"), ("PovertyMap-C", "2fa3a291"),
-    ("FMoW", "ad296d2d")])
+    ("DomainNet", "5bac2907"), ("PACS", "e4fa66c3"),
+    ("TerraIncognita", "32a5a32d"), ("PovertyMap-C", "2fa3a291"),
+    ("FMoW", "a08acb3e")])
 def test_default_output_dirs_keep_the_names_existing_sweeps_have(
     dataset, directory_hash):
   # The names of the resolved defaults (steps, checkpoint frequency, model)

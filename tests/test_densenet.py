@@ -1,7 +1,6 @@
 """Tests for models.DenseNet and its torchvision weight conversion."""
 
-import sys
-import types
+import re
 
 import jax
 import numpy as np
@@ -10,7 +9,7 @@ from flax import nnx
 
 from experiments import models
 from experiments import pretrained
-from test_models import FakeTensor
+import torch_writer
 
 BLOCKS, GROWTH, STEM = (6, 12, 24, 16), 32, 64
 
@@ -164,14 +163,24 @@ def test_densenet_conversion_reports_wrong_shapes():
     pretrained.convert_torchvision_densenet121(state)
 
 
-def test_convert_cli_recognises_densenet(monkeypatch, tmp_path, capsys):
-  # torch is not installed here: a stand-in returns the state_dict.
+def test_old_torchvision_layer_names_convert_alike():
+  # torchvision's densenet121-a639ec97.pth names norm1 "norm.1", as
+  # DenseNets did before PyTorch refused dots in module names.
+  state = torchvision_densenet121_state(seed=3)
+  old = {re.sub(r"(denselayer\d+\.(norm|conv))([12])\.", r"\1.\3.", k): v
+         for k, v in state.items()}
+  assert "features.denseblock1.denselayer1.norm.1.weight" in old
+  expected = pretrained.convert_torchvision_densenet121(state)
+  jax.tree.map(np.testing.assert_array_equal,
+               pretrained.convert_torchvision_densenet121(old), expected)
+
+
+def test_convert_cli_recognises_densenet(tmp_path, capsys):
   state = torchvision_densenet121_state(seed=2)
-  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
-      load=lambda *args, **kwargs: {k: FakeTensor(v)
-                                    for k, v in state.items()}))
+  torch_writer.write_state_dict(tmp_path / "d.pth", state)
   out = tmp_path / "d.npz"
-  assert pretrained.main(["convert", "--in", "d.pth", "--out", str(out)]) == 0
+  assert pretrained.main(["convert", "--in", str(tmp_path / "d.pth"),
+                          "--out", str(out)]) == 0
   assert "densenet121" in capsys.readouterr().out
   with np.load(out) as converted:
     np.testing.assert_array_equal(

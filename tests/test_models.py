@@ -1,8 +1,6 @@
 """Tests for experiments.models and experiments.pretrained."""
 
 import functools
-import sys
-import types
 
 from flax import nnx
 import jax
@@ -14,6 +12,7 @@ import pytest
 from experiments import catalog
 from experiments import models
 from experiments import pretrained
+import torch_writer
 
 FEATURES = {"mnist_cnn": 128, "resnet18": 512, "resnet50": 2048}
 SIZE = 32  # Small images keep the ResNets fast.
@@ -479,44 +478,19 @@ def test_infer_depth(depth):
   assert pretrained._infer_depth(shapes) == depth
 
 
-def test_convert_cli_without_torch_explains(monkeypatch, capsys):
-  monkeypatch.setitem(sys.modules, "torch", None)  # Makes `import torch` fail.
-  assert pretrained.main(["convert", "--in", "a.pth", "--out", "a.npz"]) == 1
-  assert "needs PyTorch" in capsys.readouterr().err
-
-
-class FakeTensor:
-  """The bits of torch.Tensor that the converter uses."""
-
-  def __init__(self, array):
-    self.array = array
-
-  def detach(self):
-    return self
-
-  def cpu(self):
-    return self
-
-  def numpy(self):
-    return self.array
-
-
-def test_convert_cli_end_to_end(resnet18_npz, monkeypatch, tmp_path):
-  state_dict, _ = resnet18_npz
-
-  def load(path, map_location, weights_only):
-    assert (path, map_location, weights_only) == ("r.pth", "cpu", True)
-    return {k: FakeTensor(v) for k, v in state_dict.items()}
-
-  monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(load=load))
-  out = tmp_path / "r.npz"
-  assert pretrained.main(["convert", "--in", "r.pth", "--out", str(out)]) == 0
-  model = _build("resnet18")
-  pretrained.load_pretrained(model, out)
+def test_load_pretrained_reads_a_torchvision_pth(resnet18_npz, tmp_path):
+  # The .pth is read without torch (experiments.pretrained's reader, tested
+  # in test_pretrained.py) and converted as the .npz was.
+  state_dict, npz = resnet18_npz
+  torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
+  from_pth, from_npz = _build("resnet18", seed=1), _build("resnet18", seed=2)
+  pretrained.load_pretrained(from_pth, tmp_path / "resnet18.pth")
+  pretrained.load_pretrained(from_npz, npz)
+  _assert_trees_equal(_featurizer_state(from_pth),
+                      _featurizer_state(from_npz))
   np.testing.assert_array_equal(
-      model.featurizer.conv1.kernel[...],
-      state_dict["conv1.weight"].transpose(2, 3, 1, 0),
-  )
+      from_pth.featurizer.conv1.kernel[...],
+      state_dict["conv1.weight"].transpose(2, 3, 1, 0))
 
 
 @pytest.mark.parametrize("channels, size", [(1, 7), (3, 8)])
