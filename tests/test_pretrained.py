@@ -202,7 +202,7 @@ def fixture_server(monkeypatch, tmp_path):
   server.server_close()
 
 
-def _serve(server, monkeypatch, model, data):
+def serve_weights(server, monkeypatch, model, data):
   """Serves ``data`` as ``model``'s ImageNet weights file, named as
   torchvision names its files; returns the name."""
   digest = hashlib.sha256(data).hexdigest()
@@ -216,7 +216,7 @@ def _serve(server, monkeypatch, model, data):
 def test_fetch_downloads_checks_and_caches_once(server, monkeypatch,
                                                 tmp_path):
   data = FIXTURES["zip"].read_bytes()
-  filename = _serve(server, monkeypatch, "resnet18", data)
+  filename = serve_weights(server, monkeypatch, "resnet18", data)
   path = pretrained.fetch_imagenet("resnet18")
   assert path == tmp_path / "cache" / filename
   assert path.read_bytes() == data
@@ -229,7 +229,7 @@ def test_fetch_downloads_checks_and_caches_once(server, monkeypatch,
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
 def test_fetch_refuses_a_damaged_download_and_caches_nothing(
     damage, server, monkeypatch, tmp_path):
-  _serve(server, monkeypatch, "resnet18", FIXTURES["zip"].read_bytes())
+  serve_weights(server, monkeypatch, "resnet18", FIXTURES["zip"].read_bytes())
   server.damage = damage
   with pytest.raises(pretrained.WeightsUnavailableError,
                      match="--pretrained none") as error:
@@ -239,6 +239,17 @@ def test_fetch_refuses_a_damaged_download_and_caches_nothing(
   assert os.listdir(tmp_path / "cache") == []
   server.damage = None  # A good download afterwards is kept.
   assert pretrained.fetch_imagenet("resnet18").exists()
+
+
+def test_fetch_command_fills_the_cache_ahead_of_runs(server, monkeypatch,
+                                                    tmp_path, capsys):
+  filename = serve_weights(server, monkeypatch, "resnet18",
+                           FIXTURES["legacy"].read_bytes())
+  assert pretrained.main(["fetch", "resnet18"]) == 0
+  assert capsys.readouterr().out == f"{tmp_path / 'cache' / filename}\n"
+  server.files.clear()  # Offline from now on: the cache answers.
+  assert pretrained.main(["fetch", "resnet18"]) == 0
+  assert len(server.requests) == 1
 
 
 def _free_port():
@@ -305,7 +316,7 @@ def test_pacs_starts_from_imagenet_weights_by_default(
   # under a name of its own hash.
   state_dict = random_state_dict(18, seed=3)
   torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
-  _serve(server, monkeypatch, "resnet18",
+  serve_weights(server, monkeypatch, "resnet18",
          (tmp_path / "resnet18.pth").read_bytes())
   output_dir = tmp_path / "run"
   assert train.main([*PACS_FLAGS, "--data_dir", str(data_dir),

@@ -22,9 +22,11 @@ from experiments import augmentation
 from experiments import config as config_lib
 from experiments import datasets
 from experiments import input_pipeline
-from experiments import pretrained
 from experiments import training
 from test_models import random_state_dict
+from test_pretrained import fixture_server  # pylint: disable=unused-import
+from test_pretrained import serve_weights
+import torch_writer
 from test_train import kill_at_first_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,23 +165,26 @@ def test_evaluation_augments_the_training_domains_only(data_dir):
 
 @pytest.mark.slow
 def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
-    data_dir, tmp_path, capsys):
+    data_dir, server, monkeypatch, tmp_path, capsys):
   # The README's command, python -m experiments.train --dataset PACS
-  # --data_dir ~/data --pretrained resnet50.npz, on the generated folder and
-  # a converted random ResNet-50, up to its first batch: its model holds the
-  # file's weights and its batches are PGrad-B's, augmented, at 224x224.
-  # (Training a ResNet-50 takes minutes per step on a CPU.)
-  weights = tmp_path / "resnet50.npz"
+  # --data_dir ~/data, on the generated folder, up to its first batch: its
+  # model holds ImageNet weights, fetched over HTTP, and its batches are
+  # PGrad-B's, augmented, at 224x224. (Training a ResNet-50 takes minutes
+  # per step on a CPU.) The weights served are a random state dict of
+  # torchvision's ResNet-50 names and shapes, under a name of their hash.
   state_dict = random_state_dict(50)
-  pretrained.save_npz(
-      pretrained.convert_torchvision_state_dict(state_dict, 50), weights)
+  torch_writer.write_state_dict(tmp_path / "resnet50.pth", state_dict)
+  serve_weights(server, monkeypatch, "resnet50",
+                (tmp_path / "resnet50.pth").read_bytes())
   config = config_lib.parse_args(["--dataset", "PACS", "--data_dir",
-                                  str(data_dir), "--pretrained", str(weights)])
+                                  str(data_dir)])
   hparams = config.hyperparameters()
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir)
   model = training.build_model(config, dataset, hparams)
-  assert "from scratch" not in capsys.readouterr().err
-  assert (config.model, config.algorithm) == ("resnet50", "PGrad-B")
+  assert "Featurizer weights from" in capsys.readouterr().err
+  assert len(server.requests) == 1
+  assert (config.model, config.algorithm, config.pretrained) == (
+      "resnet50", "PGrad-B", "imagenet")
   # The stem's kernel is torchvision's, OIHW turned HWIO.
   np.testing.assert_array_equal(
       model.featurizer.conv1.kernel[...],
