@@ -309,7 +309,9 @@ def _read_legacy_state_dict(path: str) -> dict[str, np.ndarray]:
                        f"{header[1]}, not {_LEGACY_PROTOCOL_VERSION}")
     byteorder = "<" if header[2].get("little_endian", True) else ">"
     loaded = _StateDictUnpickler(file, repr(path), legacy=True).load()
-    keys = pickle.load(file)  # A list of strings: no globals to refuse.
+    keys = _StateDictUnpickler(file, repr(path), legacy=True).load()
+    if not isinstance(keys, list):
+      raise ValueError(f"{path!r} lists its storages as {type(keys)}")
     dtypes = {tensor.storage.key: tensor.storage.dtype
               for tensor in (loaded.values() if isinstance(loaded, dict)
                              else ()) if isinstance(tensor, _Tensor)}
@@ -366,7 +368,8 @@ def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if zipfile.is_zipfile(path):
       return _read_zip_state_dict(path)
     return _read_legacy_state_dict(path)
-  except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile) as e:
+  except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile,
+          TypeError) as e:  # TypeError: a rebuild's arguments were wrong.
     raise ValueError(f"{path!r} is damaged or not a PyTorch file ({e})"
                      ) from None
 

@@ -80,16 +80,25 @@ def _malicious_zip(path, payload):
     archive.writestr("archive/data.pkl", payload)
 
 
-def _malicious_legacy(path, payload):
+def _malicious_legacy(path, payload, state_dict=True):
+  """The legacy format with ``payload`` for the state dict, or else for the
+  list of storage keys that follows it."""
   with open(path, "wb") as file:
     for header in (pretrained._LEGACY_MAGIC_NUMBER,
                    pretrained._LEGACY_PROTOCOL_VERSION,
                    {"little_endian": True}):
       pickle.dump(header, file, protocol=2)
+    if not state_dict:
+      pickle.dump({}, file, protocol=2)
     file.write(payload)
 
 
-@pytest.mark.parametrize("write", [_malicious_zip, _malicious_legacy])
+def _malicious_legacy_keys(path, payload):
+  _malicious_legacy(path, payload, state_dict=False)
+
+
+@pytest.mark.parametrize("write", [_malicious_zip, _malicious_legacy,
+                                   _malicious_legacy_keys])
 def test_reader_refuses_a_pickle_that_would_run_code(write, tmp_path):
   marker = tmp_path / "exploited"
   payload = pickle.dumps({"conv1.weight": _Exploit(marker)}, protocol=2)
