@@ -364,7 +364,8 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
 def _check(name: str, data_dir: str | None) -> int:
   """``check``: prints what is in the dataset; the exit status."""
   # photo_datasets imports this module: imported when called.
-  from experiments import photo_datasets  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from experiments import photo_datasets
 
   if name not in catalog.FOLDER_DATASETS:
     # Arrays, TFDS records and WILDS's files are checked by building them.

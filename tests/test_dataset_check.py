@@ -2,18 +2,21 @@
 
 The runs are `experiments.train`'s command, in this process, on a generated
 PACS folder (DomainBed's layout) with DomainBed's MNIST CNN on 32x32 crops,
-as tests/test_train_photos.py trains them.
+as tests/test_train_photos.py trains them. The TFDS dataset is
+test_tfds_prepared.py's tiny DomainNet.
 """
 
 import shutil
 
-import pytest
+import tensorflow_datasets as tfds
 
 from benchmarks import input_pipeline as input_benchmark
+from experiments import datasets
 from experiments import photo_datasets
 from experiments import records
 from experiments import train
 from test_photo_datasets import truncate_photo
+from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import
 
 FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
          "--steps", "2", "--checkpoint_freq", "2",
@@ -110,3 +113,13 @@ def test_a_photo_damaged_after_the_check_stops_the_run_naming_it(
   assert str(data_dir / "PACS") in err
   assert "Restore the file and rerun the same command" in err
   assert "Traceback" not in err
+
+
+def test_a_tfds_dataset_is_known_by_its_versions_and_counts(domainnet_dir):
+  dataset = datasets.get_dataset("DomainNet", data_dir=domainnet_dir)
+  recorded = datasets.fingerprint(dataset)
+  for name, source in zip(dataset.domain_names, dataset.domains):
+    version = tfds.builder(f"domainnet/{name}", data_dir=str(domainnet_dir),
+                           try_gcs=False).version
+    assert recorded["domains"][name] == {
+        "examples": len(source), "tfds": f"domainnet/{name}/{version}"}

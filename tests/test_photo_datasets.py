@@ -201,7 +201,7 @@ def test_check_decodes_counts_and_tells_truncated_from_unreadable(
   out, err = capsys.readouterr()
   assert f"{root}: 4 domains, 2 classes, 24 image files." in out
   assert re.search(r"dog +3 +3 +3 +3\n", out)
-  assert f"1 truncated, which training reads" in out
+  assert "1 truncated, which training reads" in out
   assert f"  {truncated}\n0 problems." in out
   assert "Listing and headers (what training does first):" in out
   assert "decoding: 100%" in err  # The progress bar.
