@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import os
 import shlex
 import signal
@@ -504,23 +505,28 @@ def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
                    "--eval_examples 16 --eval_batch_size 16 "
                    "--loss_examples 8")
   flags = slurm_flags(tmp_path / "sweep", train_command, n_hparams=1) + [
-      "--algorithms", "ERM", "--n_trials", "2", "--steps", "40",
+      "--algorithms", "ERM", "--n_trials", "2", "--steps", "60",
       "--checkpoint_freq", "20", "--hparams", '{"batch_size": 6}']
   runs = sweep.runs_for(sweep.parse_args(flags))
   assert len(runs) == 2
   thread, result = run_in_thread(sweep.main, flags)
-  checkpoint = runs[0].output_dir / "checkpoints" / "20"
+  # Preempted after its checkpoint at step 20, once its progress bar in the
+  # log shows step 25 (the steps after it are fast, their evaluations not).
   deadline = time.monotonic() + 300
-  while not checkpoint.exists():
+  while not (runs[0].log_file.exists() and any(
+      int(n) >= 25 for n in re.findall(
+          r"(\d+)/60", runs[0].log_file.read_text()))):
     assert time.monotonic() < deadline and thread.is_alive()
-    time.sleep(0.05)
+    time.sleep(0.02)
   # The job's process is the training process's parent.
   training = runs[0].launch_record["pid"]
   job = int(open(f"/proc/{training}/stat").read().rsplit(")", 1)[1].split()[1])
   os.kill(job, signal.SIGUSR2)
   thread.join(timeout=600)
   assert result == [0]
-  assert "Resuming from step 20" in runs[0].log_file.read_text()
+  # Stopped by the job's checkpoint, requeued, and resumed.
+  assert "Requeued job" in open(runs[0].launch_record["stdout"]).read()
+  assert "Resuming from step" in runs[0].log_file.read_text()
 
   reference = tmp_path / "reference"
   command = runs[0].command(train_command)
