@@ -187,7 +187,7 @@ def _walk_class(folder: Path, class_name: str,
 def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
   """Lists ``<root>/<domain>/<class>/<image>`` and what is wrong with it.
 
-  Reads directories only, no file.
+  Reads the directories and the files' sizes, not the files.
 
   Args:
     root: the dataset's folder; it exists.
@@ -266,17 +266,15 @@ def _in_threads(function: Callable[[Path], Any], paths: Sequence[Path],
     return results
 
 
-def header_problems(paths: Sequence[Path], progress: str | None = None
-                    ) -> list[str]:
+def header_problems(paths: Sequence[Path]) -> list[str]:
   """The files among ``paths`` whose header does not read, one sentence
   each, in order; Pillow's lazy ``Image.open`` reads the headers, in
   threads."""
-  return [p for p in _in_threads(_header_problem, paths, progress)
-          if p is not None]
+  return [p for p in _in_threads(_header_problem, paths) if p is not None]
 
 
 def folder_root(name: str, folder: str, domains: Sequence[str],
-                 data_dir: str | Path | None) -> Path:
+                data_dir: str | Path | None) -> Path:
   """The dataset's folder under ``data_dir``.
 
   Raises:
