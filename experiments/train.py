@@ -24,14 +24,28 @@ metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 
 Every evaluation is followed by an Orbax checkpoint (the last two are kept) of
 the params, BatchNorm statistics, algorithm state, step and data iterator. The
-same command resumes a killed or stopped (Ctrl-C, exit status 130) run from
-its last checkpoint and finishes with bit-for-bit the same params as an
-uninterrupted run; a record newer than the checkpoint is dropped and
-recomputed. Records that contradict themselves or the checkpoints (which no
-run, even killed, leaves) are refused with exit status 2 before anything
-else, as is a finished run's; the same command with ``--overwrite`` trains
-again from scratch. At the end the run writes its final params and its
-``done`` file; the same command then prints its result again.
+same command resumes a killed or stopped run from its last checkpoint and
+finishes with bit-for-bit the same params as an uninterrupted run; a record
+newer than the checkpoint is dropped and recomputed.
+
+SIGINT (Ctrl-C) and SIGTERM (e.g. SLURM's preemption, or its time limit)
+lose no work: the run finishes its step, evaluates and checkpoints it, and
+exits with status 130 or 143, saying where the rerun resumes; a second
+signal stops it at once, from the last checkpoint. Between the
+``checkpoint_freq`` steps, the record of such an interrupt is marked
+``"interrupted"`` (the signal's name) and holds the metrics summed since
+the previous record; the run resumed from it sums on, then deletes that
+checkpoint and record, so that its records and params are those of a run
+never interrupted. The interrupt evaluates, as every checkpoint does, so
+that the record of a run left interrupted reads as any other: ask the
+scheduler for the signal at least a step and an evaluation before the end
+(SLURM: ``--signal=TERM@<seconds>``, its default grace period being 30 s).
+
+Records that contradict themselves or the checkpoints (which no run, even
+killed, leaves) are refused with exit status 2 before anything else, as is a
+finished run's; the same command with ``--overwrite`` trains again from
+scratch. At the end the run writes its final params and its ``done`` file; the
+same command then prints its result again.
 
 The output directory belongs to one configuration, recorded in its config
 file at the first evaluation (the directory is created then, so a run failing
@@ -57,6 +71,7 @@ Flags are parsed and checked before JAX is imported (the training loop is in
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -69,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   Returns:
     The exit status: 0; 2 for a command line that cannot run (after a
-    message saying why, as argparse's usage errors); 130 when stopped by
-    Ctrl-C (after saying where a rerun resumes).
+    message saying why, as argparse's usage errors); 128 + the signal's
+    number when stopped by SIGINT (130, Ctrl-C) or SIGTERM (143), after
+    saying where a rerun resumes.
   """
   config = config_lib.parse_args(argv)
   try:
@@ -80,13 +96,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   except config_lib.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as e:
+    # Ctrl-C's SIGINT, unless the run says which (training.Interrupted).
+    signum = getattr(e, "signum", signal.SIGINT)
     steps = records.checkpoint_steps(config.output_dir)
-    where = (f"checkpoint at step {steps[-1]}; rerun the same command to "
-             "resume" if steps else
+    where = (f"checkpoint at step {steps[-1]} in {config.output_dir}; rerun "
+             "the same command to resume from it" if steps else
              "no checkpoint yet; rerun the same command to start again")
-    print(f"\nstopped; {where}.", file=sys.stderr)
-    return 130
+    print(f"\nstopped by {signal.Signals(signum).name}; {where}.",
+          file=sys.stderr)
+    return 128 + signum
   return 0
 
 

@@ -9,7 +9,10 @@ its records in `experiments.records`.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +43,13 @@ from experiments import tasks
 from experiments import wilds
 
 CHECKPOINTS_KEPT = 2
+# The signals that stop a run at its next step, once it has checkpointed it.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A record of an interrupt between checkpoints (`Interrupted`) names the
+# signal under this key, and holds the `MetricMeter` state under METER_KEY
+# for the resumed run to go on from.
+INTERRUPT_KEY = "interrupted"
+METER_KEY = "meter"
 
 
 class TrainState(NamedTuple):
@@ -276,6 +286,29 @@ class MetricMeter:
     self.latest = None
     self.count = 0
 
+  def state(self) -> dict[str, Any]:
+    """The sums, latest values and count as JSON values, exactly: each
+    value's dtype and its elements (float32 and int32 are exact as Python
+    numbers)."""
+    sums, latest = jax.device_get((self.sums, self.latest))
+    return {"count": self.count, **{
+        name: {key: [str(np.asarray(value).dtype), np.asarray(value).tolist()]
+               for key, value in tree.items()}
+        for name, tree in (("sums", sums), ("latest", latest))}}
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any],
+                 place: Callable[[Any], Any]) -> MetricMeter:
+    """The meter that a `state` describes, its arrays put by ``place`` (e.g.
+    `Sharder.replicate`), as the step's metrics are."""
+    meter = cls()
+    meter.count = state["count"]
+    meter.sums, meter.latest = (
+        place({key: jnp.asarray(np.asarray(value, dtype))
+               for key, (dtype, value) in state[name].items()})
+        for name in ("sums", "latest"))
+    return meter
+
   def add(self, metrics: algorithms.Metrics) -> None:
     self.sums = metrics if self.sums is None else jax.tree.map(
         jnp.add, self.sums, metrics)
@@ -406,6 +439,77 @@ def _checked_run(output_dir: Path, **checkpoint: int | None
                                 "command with --overwrite.") from None
 
 
+class Interrupted(KeyboardInterrupt):
+  """A run stopped by a signal of `STOP_SIGNALS`, after the checkpoint of
+  its last step.
+
+  Attributes:
+    signum: the signal's number.
+  """
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class _StopRequests:
+  """Catches `STOP_SIGNALS` while a run trains, for it to stop at a step.
+
+  The first signal sets ``signum`` (the loop checkpoints the step it is in,
+  then stops); a second raises `Interrupted` at once, which loses the steps
+  since the last checkpoint. Only the main thread receives signals: in
+  another, nothing is caught.
+  """
+
+  def __init__(self):
+    self.signum = None
+    self._previous = {}
+
+  def __enter__(self) -> _StopRequests:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle)
+                        for s in STOP_SIGNALS}
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    del frame
+    if self.signum is not None:
+      raise Interrupted(signum)
+    self.signum = signum
+    print(f"\n{signal.Signals(signum).name}: finishing this step and "
+          "checkpointing it (again to stop at once, from the last "
+          "checkpoint).", file=sys.stderr)
+
+
+def _forget_interrupt_checkpoint(
+    manager: ocp.CheckpointManager, output_dir: Path, step: int
+) -> tuple[ocp.CheckpointManager, list[records.Record]]:
+  """Deletes the checkpoint of an interrupt at ``step`` (restored already)
+  and then its record, so that the run's records are those of a run never
+  interrupted.
+
+  The checkpoint goes first, renamed out of the checkpoint steps before it is
+  deleted: a run killed meanwhile leaves an unsaved record after the
+  previous checkpoint, which the next run drops (`records.read_run`).
+
+  Returns:
+    The run's checkpoint manager, afresh, and its records kept.
+  """
+  manager.close()
+  directory = output_dir / records.CHECKPOINT_DIR
+  deleted = directory / f"interrupt-{step}.deleted"
+  (directory / str(step)).rename(deleted)
+  shutil.rmtree(deleted)
+  manager = _checkpoint_manager(output_dir)
+  run = _checked_run(output_dir, checkpoint_step=manager.latest_step())
+  records.keep_checkpointed(run)
+  return manager, run.checkpointed
+
+
 @contextlib.contextmanager
 def _checkpoint_kept_on_interrupt(
     manager: Callable[[], ocp.CheckpointManager | None]):
@@ -528,11 +632,18 @@ def train(config: config_lib.Config) -> records.Record:
         data=grain.checkpoint.CheckpointRestore(train_iter))).state
     print(f"Resuming from step {start}.", file=sys.stderr)
   written = []  # The run's records so far.
+  meter = MetricMeter()
   if run is not None:
     # What a killed run left after the checkpoint goes; it is computed again.
     for message in records.keep_checkpointed(run):
       print(message, file=sys.stderr)
     written = run.checkpointed
+    if written and INTERRUPT_KEY in written[-1]:
+      # Its metrics so far go on into the next record, as uninterrupted.
+      meter = MetricMeter.from_state(written[-1][METER_KEY],
+                                     sharder.replicate)
+      manager, written = _forget_interrupt_checkpoint(manager, output_dir,
+                                                      start)
   record = written[-1] if written else None
 
   # Stream 1 of the seed; the model's initialisation uses nnx.Rngs(seed).
@@ -545,14 +656,13 @@ def train(config: config_lib.Config) -> records.Record:
   # (wilds.protocol) over the whole training split.
   steps_per_epoch = (sum(sizes) / images_per_step if is_wilds
                      else min(sizes) / hparams["batch_size"])
-  meter = MetricMeter()
   step = int(state.step)
   if config.trajectory_freq and step == 0:
     save_trajectory_point(output_dir, 0, state.params)
   postfix = {}
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
-                     lambda: manager):
+                     lambda: manager), _StopRequests() as stop:
     interval_start = time.time()
     data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
     while step < config.steps and not stops_at(config, written, step):
@@ -568,7 +678,8 @@ def train(config: config_lib.Config) -> records.Record:
         bar.set_postfix(postfix, refresh=False)
       if config.trajectory_freq and step % config.trajectory_freq == 0:
         save_trajectory_point(output_dir, step, state.params)
-      if step % config.checkpoint_freq and step != config.steps:
+      scheduled = not step % config.checkpoint_freq or step == config.steps
+      if not scheduled and stop.signum is None:
         continue
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / meter.count
@@ -583,6 +694,11 @@ def train(config: config_lib.Config) -> records.Record:
           "data_wait_time": data_wait / meter.count,
           **evaluate(eval_step, state, dataset, sets, config, sharder,
                      augment)}
+      if not scheduled:
+        # An interrupt's record, between the --checkpoint_freq steps: the
+        # run that resumes from it carries its meter on and drops it.
+        record.update({INTERRUPT_KEY: signal.Signals(stop.signum).name,
+                       METER_KEY: meter.state()})
       # The previous checkpoint is complete before the next record, so a
       # killed run leaves at most one record after its last checkpoint.
       manager.wait_until_finished()
@@ -595,12 +711,17 @@ def train(config: config_lib.Config) -> records.Record:
       postfix.update(loss=f"{record['loss']:.4f}",
                      held_out=f"{np.mean(held_out):.4f}")
       bar.set_postfix(postfix)
+      if stop.signum is not None:
+        break
       meter = MetricMeter()
       interval_start = time.time()
       data_wait = 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
   manager.wait_until_finished()
   manager.close()
+  if stop.signum is not None and step < config.steps and not stops_at(
+      config, written, step):
+    raise Interrupted(stop.signum)
   save_params(output_dir / records.FINAL_PARAMS_FILE, state)
   # Done only on records that check, whatever touched them meanwhile.
   _checked_run(output_dir)

@@ -34,6 +34,8 @@ FLAGS = [
     "--eval_examples", "16", "--eval_batch_size", "16", "--loss_examples", "8",
 ]
 NUM_DOMAINS, TRAIN_DOMAINS, B = 6, 2, 3
+# The fields of a record that time the run, which no rerun reproduces.
+TIMING = ("step_time", "data_wait_time")
 
 
 def _command(output_dir):
@@ -152,9 +154,8 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
 
   def comparable(record):
-    record = {**record, "args": {**record["args"], "output_dir": None}}
-    del record["step_time"], record["data_wait_time"]
-    return record
+    record = {k: v for k, v in record.items() if k not in TIMING}
+    return {**record, "args": {**record["args"], "output_dir": None}}
 
   assert ([comparable(r) for r in read_records(output_dir)]
           == [comparable(r) for r in read_records(reference)])
@@ -182,8 +183,7 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   assert (output_dir / "done").exists()
 
   def comparable(record):
-    return {k: v for k, v in record.items()
-            if k not in ("args", "step_time", "data_wait_time")}
+    return {k: v for k, v in record.items() if k not in ("args", *TIMING)}
 
   records = read_records(output_dir)
   assert [comparable(r) for r in records] == [
@@ -345,11 +345,74 @@ def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
                                      sig=signal.SIGINT)
   assert stopped.returncode == 130, stopped.stderr
   assert stopped.stderr.endswith(
-      f"stopped; checkpoint at step {FREQ}; rerun the same command to "
-      "resume.\n"), stopped.stderr
+      f"stopped by SIGINT; checkpoint at step {FREQ} in {output_dir}; rerun "
+      "the same command to resume from it.\n"), stopped.stderr
   assert "Traceback" not in stopped.stderr
   run = records.read_run(output_dir)
   assert run.checkpoint_step == FREQ and run.unsaved == 0
+  # At a checkpoint already: its record is the schedule's.
+  assert training.INTERRUPT_KEY not in run.records[-1]
+
+
+# Prepended to a train command: the run sends itself SIG once its training
+# step has run CALLS times (the step's program is called; the loop has not
+# seen its result yet), so that the signal lands within that step.
+_SIGNAL_IN_STEP = """\
+import os
+from experiments import training
+make = training.make_train_step
+def make_signalling(*args, **kwargs):
+  step = make(*args, **kwargs)
+  calls = []
+  def signalling_step(*step_args):
+    result = step(*step_args)
+    calls.append(1)
+    if len(calls) == {calls}:
+      os.kill(os.getpid(), {sig})
+    return result
+  return signalling_step
+training.make_train_step = make_signalling
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
+    reference, tmp_path, sig):
+  # Step 3 of checkpoints every 2 steps: the run finishes it, evaluates and
+  # checkpoints it, and exits 128 + the signal.
+  output_dir, stop = tmp_path / "run", FREQ + 1
+  stopped = run_after(_SIGNAL_IN_STEP.format(calls=stop, sig=int(sig)),
+                      _command(output_dir))
+  assert stopped.returncode == 128 + sig, stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  assert stopped.stderr.endswith(
+      f"stopped by {sig.name}; checkpoint at step {stop} in {output_dir}; "
+      "rerun the same command to resume from it.\n"), stopped.stderr
+  run = records.read_run(output_dir)
+  assert run.checkpoint_step == stop and run.unsaved == 0
+  assert [r["step"] for r in run.records] == [FREQ, stop]
+  interrupt = run.records[-1]
+  assert interrupt[training.INTERRUPT_KEY] == sig.name
+  # A whole record, evaluated, as any reader of the records expects.
+  assert 0 <= interrupt["env0_in_acc"] <= 1
+
+  resumed = subprocess.run(_command(output_dir), cwd=REPO,
+                           capture_output=True, text=True, check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Resuming from step {stop}." in resumed.stderr
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  # The interrupt's record and checkpoint are gone; the record after it
+  # averages the metrics of its whole interval, as uninterrupted.
+  assert records.checkpoint_steps(output_dir) == [STEPS - FREQ, STEPS]
+
+  def comparable(record):
+    return {k: v for k, v in record.items() if k not in ("args", *TIMING)}
+
+  assert ([comparable(r) for r in read_records(output_dir)]
+          == [comparable(r) for r in read_records(reference)])
 
 
 def test_flags_that_cannot_run_are_usage_errors_before_any_work(
