@@ -742,7 +742,15 @@ def launch_slurm(
 
   Returns:
     Each submitted run with its job.
+
+  Raises:
+    UsageError: the cluster is SLURM's and this host has no ``sbatch``.
   """
+  if resources.cluster == "slurm" and shutil.which("sbatch") is None:
+    raise config_lib.UsageError(
+        "--launcher slurm submits with sbatch, which this host lacks: run "
+        "the sweep on a SLURM login node, or try it here with "
+        "--slurm_cluster local.")
   todo = _to_launch(runs)
   if not todo:
     return []

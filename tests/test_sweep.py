@@ -354,6 +354,16 @@ def test_launcher_flags_are_checked(tmp_path, capsys, flags, message):
   assert message in capsys.readouterr().err
 
 
+def test_slurm_without_sbatch_is_a_usage_error(
+    tmp_path, train_command, monkeypatch, capsys):
+  monkeypatch.setenv("PATH", str(tmp_path))  # No sbatch.
+  flags = sweep_flags(tmp_path) + ["--train_command", train_command,
+                                   "--launcher", "slurm"]
+  assert sweep.main(flags) == 2
+  assert "--slurm_cluster local" in capsys.readouterr().err
+  assert not (tmp_path / sweep.SUBMITIT_DIR).exists()
+
+
 def slurm_flags(output_dir, train_command, n_hparams):
   """A sweep of ``2 * n_hparams`` runs through submitit's local executor."""
   return sweep_flags(output_dir, n_hparams=n_hparams) + [
