@@ -16,7 +16,11 @@ BatchNorm (ResNets only) has two modes:
   bias stay trainable ``nnx.Param``; the statistics are ``nnx.BatchStat``, so
   an optimizer over ``nnx.Param`` never sees them.
 * ``bn_mode="train"``: in train mode, normalizes with the batch statistics and
-  updates the running averages (``nnx.BatchStat``) on every forward pass.
+  updates the running averages (``nnx.BatchStat``) on every forward pass,
+  the variance's with the unbiased batch variance as PyTorch's
+  (:class:`BatchNorm`).
+
+Either way the statistics are in the model's dtype (`statistics_dtype`).
 
 Dropout on the pooled features (DomainBed's ``resnet_dropout``) draws its mask
 from the ``rngs`` passed to ``__call__`` when given (an ``nnx.Rngs`` or a raw
@@ -261,8 +265,7 @@ class ContextNet(nnx.Module):
 
   5x5 convs padded by 2, so the map keeps the image's size: to 64 channels,
   BatchNorm, ReLU, again, then to one channel; PyTorch's default init and
-  BatchNorm (its running variance is of the unbiased batch variance, Flax's
-  of the biased one: a factor ``m / (m - 1)``, ``m = N * H * W``).
+  BatchNorm, its running variance included (`BatchNorm`).
   """
 
   WIDTHS = (64, 64, 1)
@@ -315,7 +318,97 @@ class ContextClassifier(Classifier):
         jnp.concatenate([x, context.astype(x.dtype)], axis=-1), rngs=rngs)
 
 
-class FrozenBatchNorm(nnx.BatchNorm):
+def statistics_dtype(param_dtype: Dtype) -> jnp.dtype:
+  """The dtype of BatchNorm's running statistics in a model of ``param_dtype``.
+
+  The model's own, as a PyTorch module keeps its buffers in its dtype, but
+  never below float32: a running average in bfloat16 (8 bits of mantissa)
+  would round away most of momentum 0.1's updates.
+  """
+  return jnp.promote_types(param_dtype, jnp.float32)
+
+
+class BatchNorm(nnx.BatchNorm):
+  """Flax's BatchNorm, its statistics in the model's dtype, optionally with
+  PyTorch's running variance.
+
+  Flax keeps the running ``mean`` and ``var`` in float32 whatever the
+  model's dtype; here they take `statistics_dtype`. Both normalize a
+  train-mode batch with its biased variance, but PyTorch's
+  ``torch.nn.BatchNorm2d`` averages the *unbiased* batch variance into its
+  running variance (its documentation: the value stored in the moving
+  average "is calculated via the unbiased estimator"), while Flax averages
+  the biased one. With ``unbiased_running_var`` the running variance
+  follows PyTorch::
+
+    running_var = momentum * running_var
+                  + (1 - momentum) * var * m / (m - 1)
+
+  in Flax's convention of ``momentum`` (PyTorch's ``1 - momentum``), ``var``
+  the biased variance of the batch and ``m`` the number of values it
+  averages per feature (``N * H * W`` for images). After many updates the
+  running variance is ``m / (m - 1)`` times Flax's (docs/wilds.md measures
+  it on WILDS's networks).
+  """
+
+  def __init__(self, num_features: int, *, unbiased_running_var: bool = False,
+               param_dtype: Dtype = jnp.float32, **kwargs):
+    """Builds the layer.
+
+    Args:
+      num_features: the number of features (channels), the last axis.
+      unbiased_running_var: average the unbiased batch variance into the
+        running variance, as PyTorch does.
+      param_dtype: the dtype of ``scale`` and ``bias``; the statistics take
+        `statistics_dtype` of it.
+      **kwargs: `flax.nnx.BatchNorm`'s other arguments.
+    """
+    super().__init__(num_features, param_dtype=param_dtype, **kwargs)
+    dtype = statistics_dtype(param_dtype)
+    self.mean = nnx.BatchStat(self.mean[...].astype(dtype))
+    self.var = nnx.BatchStat(self.var[...].astype(dtype))
+    self.unbiased_running_var = unbiased_running_var
+
+  def __call__(self, x: jax.Array,
+               use_running_average: bool | None = None) -> jax.Array:
+    """Normalizes ``x`` over all but its last axis (see `flax.nnx.BatchNorm`).
+
+    Args:
+      x: the inputs, features last.
+      use_running_average: normalize with the running statistics, leaving
+        them alone; ``None`` takes the layer's (eval mode sets it).
+
+    Returns:
+      The normalized inputs, as ``x``.
+
+    Raises:
+      ValueError: a train-mode pass with ``unbiased_running_var`` of one value
+        per feature, whose unbiased variance is undefined (PyTorch refuses
+        it too).
+    """
+    if use_running_average is None:
+      use_running_average = self.use_running_average
+    if use_running_average or not self.unbiased_running_var:
+      return super().__call__(x, use_running_average=use_running_average)
+    if x.size == x.shape[-1]:
+      raise ValueError("A train-mode BatchNorm needs more than one value per "
+                       f"feature for its unbiased variance, got {x.shape}.")
+    running_mean, running_var = self.mean[...], self.var[...]
+    # Flax's pass normalizes with the batch's statistics and updates the
+    # running ones with its biased variance; the update is redone below.
+    y = super().__call__(x, use_running_average=False)
+    values = x.astype(jnp.result_type(x, running_var))
+    axes = tuple(range(x.ndim - 1))
+    mean = values.mean(axes)
+    var = values.var(axes, ddof=1)
+    self.mean[...] = jax.lax.stop_gradient(
+        self.momentum * running_mean + (1 - self.momentum) * mean)
+    self.var[...] = jax.lax.stop_gradient(
+        self.momentum * running_var + (1 - self.momentum) * var)
+    return y
+
+
+class FrozenBatchNorm(BatchNorm):
   """BatchNorm that always normalizes with its running statistics.
 
   Ignores train/eval mode and never updates ``mean``/``var`` (DomainBed's
@@ -349,12 +442,19 @@ def _conv(
   )
 
 
-def _batch_norm(num_features: int, bn_mode: BNMode, **kwargs) -> nnx.BatchNorm:
-  """A BatchNorm with PyTorch's defaults (momentum 0.1 = Flax's 0.9)."""
+def _batch_norm(num_features: int, bn_mode: BNMode, **kwargs) -> BatchNorm:
+  """A BatchNorm with PyTorch's defaults (momentum 0.1 = Flax's 0.9).
+
+  A trained one keeps PyTorch's running variance (`BatchNorm`): every
+  network here with trained BatchNorm has a PyTorch reference (WILDS's
+  ``bn_mode="train"`` models, DomainBed's and its ``ContextNet``).
+  """
   if bn_mode not in ("frozen", "train"):
     raise ValueError(f"bn_mode must be 'frozen' or 'train', got {bn_mode!r}.")
-  cls = {"frozen": FrozenBatchNorm, "train": nnx.BatchNorm}[bn_mode]
-  return cls(num_features, momentum=0.9, epsilon=1e-5, **kwargs)
+  if bn_mode == "frozen":
+    return FrozenBatchNorm(num_features, momentum=0.9, epsilon=1e-5, **kwargs)
+  return BatchNorm(num_features, momentum=0.9, epsilon=1e-5,
+                   unbiased_running_var=True, **kwargs)
 
 
 def _downsample(
@@ -473,7 +573,7 @@ class ResNet(nnx.Module):
       dropout: dropout rate on the pooled features, active in train mode.
       rngs: initialization keys; also seeds the stored dropout stream.
       dtype: computation dtype.
-      param_dtype: parameter dtype (BN statistics stay float32).
+      param_dtype: parameter dtype (BN statistics: `statistics_dtype`).
     """
     if depth not in RESNET_SPECS:
       raise ValueError(

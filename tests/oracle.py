@@ -326,15 +326,16 @@ def conv_same(x, kernel, bias):
 def context_maps(context_net, x, running, train):
   """DomainBed's ``ContextNet`` forward; ``context_net`` is ``[(kernel,
   bias, scale, shift) x 2, (kernel, bias)]``, ``running`` the two
-  BatchNorms' ``[mean, var]``, updated in train mode (momentum 0.1, with
-  the biased batch variance as Flax's BatchNorm)."""
+  BatchNorms' ``[mean, var]``, updated in train mode as PyTorch's (momentum
+  0.1, the running variance of the unbiased batch variance, while the batch
+  is normalized with the biased one)."""
   h = np.asarray(x, np.float64)
   for k, (kernel, bias, scale, shift) in enumerate(context_net[:2]):
     h = conv_same(h, kernel, bias)
     if train:
       mean, var = h.mean((0, 1, 2)), h.var((0, 1, 2))
       running[k] = [0.9 * running[k][0] + 0.1 * mean,
-                    0.9 * running[k][1] + 0.1 * var]
+                    0.9 * running[k][1] + 0.1 * h.var((0, 1, 2), ddof=1)]
     else:
       mean, var = running[k]
     h = np.maximum((h - mean) / np.sqrt(var + 1e-5) * scale + shift, 0)
