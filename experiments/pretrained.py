@@ -467,8 +467,12 @@ def fetch_imagenet(model: str) -> Path:
   except WeightsUnavailableError:
     raise
   except OSError as e:  # requests' errors are OSErrors too.
+    # requests wraps the reason (e.g. connection refused) in urllib3's
+    # retries; the reason says it.
+    reason = getattr(e.args[0] if e.args else None, "reason", None) or e
     raise WeightsUnavailableError(
-        f"Cannot download ImageNet weights of {model}: {e}. {fix}") from None
+        f"Cannot download ImageNet weights of {model}: {reason}. {fix}"
+    ) from None
   finally:
     logger.setLevel(level)
   return path
