@@ -7,8 +7,9 @@ import tempfile
 
 import pytest
 
-# The tests import their NumPy oracle as a sibling module.
-sys.path.insert(0, os.path.dirname(__file__))
+# The tests import their NumPy oracle, tests/pgrad_jax/oracle.py, by name:
+# the library's tests as a sibling module, the algorithms' tests from here.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pgrad_jax"))
 
 
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
@@ -36,6 +37,29 @@ def _xla_accepts(flags: str) -> bool:
       env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
       capture_output=True, check=False)
   return probe.returncode == 0
+
+
+# pytest-xdist's hook is tryfirst too; this one, registered later, runs first.
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """Runs the tests on a worker per core where pytest-xdist is installed.
+
+  Unless the command line says otherwise (``-n 0``: one process; ``--dist``),
+  this is ``-n auto --dist loadscope --no-loadscope-reorder``: each worker
+  runs whole modules, so that a module-scoped fixture is built once, in the
+  order `pytest_collection_modifyitems` gives them. The options are set here
+  rather than in pyproject.toml's ``addopts`` because pytest refuses options
+  of a plugin that is not installed: the library's tests also run with only
+  ``pip install -e . pytest``, in one process.
+  """
+  if (hasattr(config, "workerinput")
+      or not config.pluginmanager.hasplugin("xdist")):
+    return
+  if config.option.numprocesses is None:
+    config.option.numprocesses = "auto"
+  if config.option.dist == "no":
+    config.option.dist = "loadscope"
+    config.option.loadscopereorder = False
 
 
 def pytest_configure(config):

@@ -53,8 +53,9 @@ def test_readme_examples_run_and_do_what_they_say():
   assert float(loss(nnx.state(model, nnx.Param), first_batch)) < float(before)
 
   # The BatchNorm example: its running statistics leave their initial
-  # values through the optimizer's model state (tests/test_model_state.py
-  # checks that the step traces once).
+  # values through the optimizer's model state
+  # (tests/integration/test_flax_and_orbax.py checks that the step traces
+  # once).
   bn_example, *later_examples = later_examples
   run(bn_example, namespace, README)
   bn_model = namespace["bn_model"]

@@ -36,7 +36,7 @@ NUM_DEVICES = 8
 DOMAINS, BATCH, B, K = 3, 16, 2, 4
 STEPS = DOMAINS * B  # Stored trajectory points, m - 1.
 SIZES = (16, 64, 64, 8)
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 # --- what the subprocess runs -------------------------------------------------

@@ -1,13 +1,12 @@
 """pgrad and fish: against the NumPy oracle, their properties, errors,
-options, jit, dtypes, Optax wrappers and Flax."""
+options, jit, dtypes and Optax wrappers (with Flax and Orbax:
+tests/integration/test_flax_and_orbax.py)."""
 
-import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 import oracle
@@ -423,79 +422,6 @@ def test_dtypes(dtype):
     np.testing.assert_allclose(np.linalg.norm(flat(updates)),
                                float(state.ref_norm),
                                rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4)
-
-
-# --- Flax ---------------------------------------------------------------------
-
-
-def test_flax_nnx_optimizer():
-  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
-  graphdef, _ = nnx.split(model, nnx.Param)
-  optimizer = nnx.Optimizer(
-      model, optax.chain(pgrad_jax.pgrad(optax.adam(1e-2), k=2, B=2),
-                         optax.sgd(0.1)), wrt=nnx.Param)
-  _, batches = problem()
-
-  def model_loss(params, batch):
-    pred = nnx.merge(graphdef, params)(batch["x"])[..., 0]
-    return jnp.mean((pred - batch["y"]) ** 2)
-
-  @nnx.jit
-  def train_step(model, optimizer, batches):
-    params = nnx.state(model, nnx.Param)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    optimizer.update(model, zeros, loss_fn=model_loss, batches=batches)
-
-  first = model_loss(nnx.state(model, nnx.Param),
-                     jax.tree.map(lambda x: x[0], batches))
-  for _ in range(5):
-    train_step(model, optimizer, batches)
-  after = model_loss(nnx.state(model, nnx.Param),
-                     jax.tree.map(lambda x: x[0], batches))
-  assert after < first
-
-
-def test_flax_linen_model():
-  model = linen.Dense(1)
-  _, batches = problem()
-  params = model.init(jax.random.key(0), batches["x"][0])
-
-  def model_loss(params, batch):
-    pred = model.apply(params, batch["x"])[..., 0]
-    return jnp.mean((pred - batch["y"]) ** 2)
-
-  tx = optax.chain(pgrad_jax.pgrad(optax.adam(1e-2), B=3), optax.sgd(0.1))
-  state = tx.init(params)
-  before = model_loss(params, jax.tree.map(lambda x: x[0], batches))
-  step = jax.jit(lambda p, s: tx.update(None, s, p, loss_fn=model_loss,
-                                        batches=batches))
-  for _ in range(5):
-    updates, state = step(params, state)
-    params = optax.apply_updates(params, updates)
-  assert model_loss(params, jax.tree.map(lambda x: x[0], batches)) < before
-
-
-@pytest.mark.parametrize("make", [
-    lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2),
-    lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2, num_domains=2),
-    lambda: pgrad_jax.fish(optax.adam(0.1), num_domains=2),
-], ids=["pgrad", "pgrad-num_domains", "fish"])
-def test_state_round_trips_through_orbax(make, tmp_path):
-  import orbax.checkpoint as ocp
-  params, batches = problem()
-  tx = make()
-  _, state = update(tx, params, batches)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "state", state)
-  checkpointer.wait_until_finished()
-  restored = checkpointer.restore(tmp_path / "state", state)
-  assert jax.tree.structure(restored) == jax.tree.structure(state)
-  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(a, b)
-  # Resuming from the restored state continues exactly.
-  after, _ = update(tx, params, batches, state=restored)
-  expected, _ = update(tx, params, batches, state=state)
-  np.testing.assert_array_equal(flat(after), flat(expected))
 
 
 # --- degenerate input and integral options (checked when traced) -------------
