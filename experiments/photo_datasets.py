@@ -107,12 +107,12 @@ class FolderSource(datasets.PhotoSource):
     # A damaged file can make a decoder raise more than OSError.
     except Exception as err:  # pylint: disable=broad-exception-caught
       raise datasets.UnreadableImageError(
-          f"Cannot read image {path} ({err}); its header read when the run "
-          "started, so it changed since. The run stops rather than train on "
-          "other images than its steps draw. Restore the file and rerun the "
-          "same command to go on from the run's last checkpoint, if any; "
-          "`python -m experiments.datasets check` finds every damaged "
-          "file.") from None
+          f"Cannot read image {path} ({err}). The check before the run read "
+          "its header, so it changed since or is damaged past it (`python -m "
+          "experiments.datasets check` decodes every file). The run stops "
+          "rather than train on other images than its steps draw. Restore "
+          "the file and rerun the same command to go on from the run's last "
+          "checkpoint, if any.") from None
 
   def label(self, index: int) -> np.int32:
     return self.labels[index]

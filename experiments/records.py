@@ -377,7 +377,8 @@ def check_fingerprint(run_dir: str | Path,
                       fingerprint: Mapping[str, Any]) -> None:
   """Refuses data other than those the run recorded (`DATASET_FILE`).
 
-  A run without the file (from before runs recorded it) is accepted.
+  A run without the file is accepted: it is from before runs recorded it,
+  or was killed between writing its config file and this one.
 
   Raises:
     DatasetChangedError: the run recorded another fingerprint; the message
