@@ -53,11 +53,11 @@ from PIL import ImageFile
 from experiments import datasets
 from experiments import tfds_sources
 
-# DomainBed's setting (domainbed/datasets.py at b93c22a1, line 14).
+# DomainBed's setting (domainbed/datasets.py at 05a8cc0, line 17).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
 
-# torchvision's IMG_EXTENSIONS, which DomainBed's ImageFolder reads
-# (torchvision/datasets/folder.py at v0.15.2, line 240).
+# torchvision's IMG_EXTENSIONS (torchvision/datasets/folder.py), the files
+# DomainBed's ImageFolder reads.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm",
                               ".tif", ".tiff", ".webp"})
 # Folders macOS adds when it copies or zips a folder.
