@@ -4,6 +4,9 @@ The numbers are checked against float64 NumPy loops on hand-made records;
 `test_report.py` checks the figures the report command draws from them.
 """
 
+import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -33,6 +36,46 @@ def test_curve_roughness_matches_a_loop():
       [total, excess, std], rtol=1e-12)
   # A monotone descent has no excess variation.
   assert claims.curve_roughness([3.0, 2.0, 0.5])["excess_variation"] == 0.0
+
+
+def test_a_curve_of_one_evaluation_has_no_roughness():
+  with pytest.raises(ValueError, match="two evaluations, got 1"):
+    claims.curve_roughness([0.5])
+
+
+def _exact_norm(vector):
+  """The Euclidean norm from the exact sum of squares, rounded once."""
+  return math.sqrt(float(sum(Fraction(float(x)) ** 2 for x in vector)))
+
+
+def test_path_lengths_are_the_same_in_any_order_of_the_params():
+  # BLAS's norm sums in an order that depends on the machine, and so did the
+  # committed claims.json's last digits: the lengths are the exactly rounded
+  # ones, whatever order the params come in.
+  rng = np.random.default_rng(3)
+  points = rng.standard_normal((3, 20_001))
+  lengths = claims.path_lengths(points)
+  assert lengths["displacement"] == _exact_norm(points[-1] - points[0])
+  steps = [_exact_norm(b - a) for a, b in zip(points[:-1], points[1:])]
+  assert lengths["length"] == float(sum(map(Fraction, steps)))
+  shuffled = points[:, rng.permutation(points.shape[1])]
+  assert claims.path_lengths(shuffled) == lengths
+
+
+def test_claims_are_the_same_in_any_order_of_the_runs():
+  # One domain's loss rises by c and falls back: excess variation 2 c, for
+  # c = 0.1, 0.2, 0.3; the other domain's falls steadily, excess 0. Summed
+  # left to right, 0.2 + 0.4 + 0.6 is 1.2000000000000002; right to left, 1.2.
+  rises = (0.1, 0.2, 0.3)
+  runs = [_loss_records("ERM", trial, [[1.0, 0.5, 0.25], [0.0, c, 0.0]])
+          for trial, c in enumerate(rises)]
+  forward, backward = (
+      claims.smoothness([r for run in ordered for r in run])["ERM"]
+      for ordered in (runs, runs[::-1]))
+  assert json.dumps(forward) == json.dumps(backward)
+  # The exact sum of the six curves' excess variations, rounded once.
+  assert forward["excess_variation"] == float(
+      sum(Fraction(2 * c) for c in rises)) / 6
 
 
 def _loss_records(algorithm, trial, losses):

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from experiments import catalog
 from experiments import convergence
+from experiments.analysis import claims as claims_lib
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments import records as records_lib
@@ -330,6 +331,104 @@ def test_report_says_why_a_plot_is_missing(tmp_path, capsys):
   reason = "ColoredDigits, held-out env0: no plots: no run has hparams_seed 0."
   assert reason in capsys.readouterr().err
   assert reason in (tmp_path / "out" / "results.md").read_text()
+
+
+def _one_evaluation_sweep():
+  """A run of every smoothness and bottom-eigenvector algorithm, evaluated
+  once, its records without step times (as records of older runs)."""
+  return [make_record("ColoredDigits", algorithm, 0, 0, 0, 5,
+                      in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                      env1_in_loss=0.7, env2_in_loss=0.9,
+                      **({"eigenvalues": [0.9, 0.1]}
+                         if algorithm.startswith("PGrad") else {}))
+          for algorithm in ("ERM", "PGrad", "PGrad-Bottom")]
+
+
+@pytest.mark.filterwarnings("error")  # NumPy's warnings fail the test.
+def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
+    tmp_path, capsys):
+  write_runs(tmp_path / "sweep", _one_evaluation_sweep())
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert "nan" not in text.lower()
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  header, _, *rows = [line.split("|")[1:-1] for line in training.splitlines()
+                      if line.startswith("|")]
+  header = [cell.strip() for cell in header]
+  for row in rows:
+    cells = dict(zip(header, (cell.strip() for cell in row)))
+    # No change over a single evaluation, no time without step times.
+    assert cells["validation change, last 20% of steps (pts)"] == "n/a"
+    assert cells["training time per run (s, median)"] == "n/a"
+    assert cells["final training loss"] == "0.8000 ± 0.0000"
+  err = capsys.readouterr().err
+  # Smoothness reads ERM and PGrad, the bottom claim PGrad and PGrad-Bottom.
+  for claim in ("smoothness", "bottom"):
+    reason = (f"ColoredDigits: no {claim} numbers or figures: 2 of its 2 runs "
+              "have a single evaluation")
+    assert reason in text
+    assert reason in err
+  assert not list((tmp_path / "out" / "claims").glob("*_roughness.png"))
+
+  # A curve of one point is drawn as a marker.
+  written, skipped = report.write_plots(
+      records_lib.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
+      tmp_path / "out" / "plots")
+  assert skipped == []
+  figures = {plot.caption: plot.figure for plot in written}
+  for caption in ("held-out accuracy", "training loss per domain"):
+    lines = [line for axes in figures[caption].axes
+             for line in axes.get_lines()]
+    assert lines
+    for line in lines:
+      assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+
+
+def test_curves_of_several_points_are_lines_without_markers(tmp_path):
+  figure = plots.plot_heldout_accuracy(sweep_records()[:4],
+                                       tmp_path / "accuracy.png")
+  for line in figure.axes[0].get_lines():
+    assert len(line.get_xdata()) == 2 and line.get_marker() == "None"
+
+
+def test_every_claims_figure_has_a_title(tmp_path, monkeypatch):
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  rng = np.random.default_rng(0)
+  records, trajectories = [], []
+  for algorithm in ("ERM", "PGrad", "PGrad-Bottom", "PGrad-B"):
+    run = [make_record("ColoredDigits", algorithm, 0, 0, 0, step,
+                       in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                       env1_in_loss=1 / step, env2_in_loss=2 / step)
+           for step in STEPS]
+    records += run
+    if algorithm in catalog.TRAJECTORY_ALGORITHMS:
+      files = {}
+      for step in (0, *STEPS):
+        files[step] = tmp_path / f"{algorithm}_{step}.npy"
+        np.save(files[step], rng.standard_normal(8))
+      trajectories.append((run[0], files))
+  selected = claims_lib.select(records, trajectories)
+  measured = claims_lib.measure(selected)
+  written = plots.plot_claims(selected, measured, tmp_path)
+  assert {path.name for _, path in written} == {
+      "ColoredDigits_roughness.png", "ColoredDigits_env0_smoothness.png",
+      "ColoredDigits_bottom_loss.png", "ColoredDigits_trajectory_length.png",
+      "ColoredDigits_env0_trial0_trajectory.png"}
+  for caption, path in written:
+    figure = figures[path.name]
+    titles = [figure.get_suptitle(), *(a.get_title() for a in figure.axes)]
+    if path.name.endswith("_smoothness.png"):  # As every loss plot.
+      assert figure.get_suptitle() == "ColoredDigits, held out env0"
+    else:
+      assert caption in titles, path.name
 
 
 # A real sweep, shared by the end-to-end tests below: the default algorithm,

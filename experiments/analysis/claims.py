@@ -25,12 +25,19 @@ domains every algorithm in them has (`same_held_out`). Runs that stop where
 they plateau differ in length, so the smoothness comparison reads every run
 up to the last step all of them reached (`common_steps`), the
 bottom-eigenvector comparison gives its loss change both there and at each
-run's end, and the trajectory-length comparison reads each run's end.
+run's end, and the trajectory-length comparison reads each run's end. A claim read from changes between evaluations is not measured
+where a run has a single evaluation (`unmeasured` says so).
+
+The numbers are sums taken with `math.fsum`, which rounds the exact sum once:
+unlike NumPy's and BLAS's sums, whose order of additions depends on the
+machine and library, it gives every machine the same last digits, so a
+rebuilt ``claims.json`` equals the committed one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,11 +56,39 @@ CLAIMS_DIR = "claims"
 CLAIMS_FILE = "claims.json"
 
 
+def mean(values: Iterable[float]) -> float:
+  """The mean, from the exactly rounded sum (`math.fsum`): the same on every
+  machine and in every order of the values.
+
+  >>> values = [0.1, 0.2, 0.3]
+  >>> sum(values) == sum(values[::-1]), mean(values) == mean(values[::-1])
+  (False, True)
+  """
+  values = [float(v) for v in values]
+  return math.fsum(values) / len(values)
+
+
+def std(values: Iterable[float], ddof: int = 0) -> float:
+  """The standard deviation, ``sqrt(sum (v - mean)^2 / (n - ddof))``, from
+  exactly rounded sums as `mean`."""
+  values = [float(v) for v in values]
+  centre = mean(values)
+  return math.sqrt(math.fsum((v - centre) ** 2 for v in values)
+                   / (len(values) - ddof))
+
+
+def norm(vector: np.ndarray) -> float:
+  """The Euclidean norm from the exactly rounded sum of squares (BLAS's
+  norm differs in its last digits between machines)."""
+  vector = np.asarray(vector, np.float64).ravel()
+  return math.sqrt(math.fsum(vector * vector))
+
+
 def curve_roughness(values: Sequence[float]) -> dict[str, float]:
   """How far a loss curve is from a smooth descent.
 
   Args:
-    values: the loss at consecutive evaluations.
+    values: the loss at two or more consecutive evaluations.
 
   Returns:
     ``total_variation``: ``sum |L[t+1] - L[t]|``; ``excess_variation``: the
@@ -61,15 +96,21 @@ def curve_roughness(values: Sequence[float]) -> dict[str, float]:
     monotone curve and twice the total of the rises of a descending one;
     ``change_std``: the standard deviation of the changes ``L[t+1] - L[t]``.
 
+  Raises:
+    ValueError: for fewer than two values, which have no change.
+
   >>> curve_roughness([3.0, 1.0, 2.0, 0.0])  # Changes -2, 1, -2.
   ... # doctest: +ELLIPSIS
   {'total_variation': 5.0, 'excess_variation': 2.0, 'change_std': 1.414...}
   """
+  if len(values) < 2:
+    raise ValueError(f"A loss curve's roughness needs two evaluations, got "
+                     f"{len(values)}.")
   changes = np.diff(np.asarray(values, np.float64))
-  total = float(np.abs(changes).sum())
+  total = math.fsum(np.abs(changes))
   return {"total_variation": total,
-          "excess_variation": total - abs(float(changes.sum())),
-          "change_std": float(changes.std())}
+          "excess_variation": total - abs(math.fsum(changes)),
+          "change_std": std(changes)}
 
 
 def loss_curves(run: Sequence[Record]) -> np.ndarray:
@@ -112,9 +153,8 @@ def smoothness(records: Sequence[Record]) -> dict[str, dict[str, float]]:
       per_curve += [curve_roughness(c) for c in curves]
       rising.append(rising_rate(curves))
     summary[algorithm] = {
-        **{m: float(np.mean([c[m] for c in per_curve]))
-           for m in per_curve[0]},
-        "rising_rate": float(np.mean(rising)), "runs": len(rising)}
+        **{m: mean(c[m] for c in per_curve) for m in per_curve[0]},
+        "rising_rate": mean(rising), "runs": len(rising)}
   return summary
 
 
@@ -144,8 +184,8 @@ def path_lengths(points: np.ndarray) -> dict[str, float]:
     ``displacement`` (first to last) and ``straightness`` (their ratio; 1 for
     a straight path).
   """
-  length = float(np.linalg.norm(np.diff(points, axis=0), axis=1).sum())
-  displacement = float(np.linalg.norm(points[-1] - points[0]))
+  length = math.fsum(norm(step) for step in np.diff(points, axis=0))
+  displacement = norm(points[-1] - points[0])
   return {"length": length, "displacement": displacement,
           "straightness": displacement / length if length else 1.0}
 
@@ -178,11 +218,9 @@ def loss_changes(records: Sequence[Record]) -> dict[str, dict[str, float]]:
   common = group_by(by_run(common_steps(records)), algorithm)
   whole = group_by(by_run(records), algorithm)
   return {name: {
-      "relative_loss_change": float(np.mean(
-          [change(run) for run in common[name]])),
-      "relative_loss_change_at_end": float(np.mean(
-          [change(run) for run in runs])),
-      "steps": float(np.mean([run[-1]["step"] for run in runs])),
+      "relative_loss_change": mean(change(run) for run in common[name]),
+      "relative_loss_change_at_end": mean(change(run) for run in runs),
+      "steps": mean(run[-1]["step"] for run in runs),
       "runs": len(runs)} for name, runs in whole.items()}
 
 
@@ -192,10 +230,11 @@ def held_out_accuracy(run: Sequence[Record]) -> float:
 
 
 def mean_se(values: Sequence[float]) -> tuple[float, float]:
-  """Mean and standard error (sample standard deviation / sqrt(n))."""
-  values = np.asarray(values, np.float64)
-  se = values.std(ddof=1) / np.sqrt(len(values)) if len(values) > 1 else 0.0
-  return float(values.mean()), float(se)
+  """Mean and standard error (sample standard deviation / sqrt(n); 0 for a
+  single value)."""
+  se = (std(values, ddof=1) / math.sqrt(len(values)) if len(values) > 1
+        else 0.0)
+  return mean(values), se
 
 
 def _select(records: Sequence[Record], algorithms: Sequence[str]):
@@ -295,6 +334,36 @@ def select(
   return selected
 
 
+def unmeasured(
+    selected: Mapping[str, ClaimRecords]) -> dict[str, dict[str, str]]:
+  """The claims whose runs are there but too short to measure.
+
+  Smoothness reads a loss curve's changes, and the bottom-eigenvector claim
+  the change of the loss, over the steps every run reached: a run with a
+  single evaluation there has none.
+
+  Args:
+    selected: what the claims read, per dataset (`select`).
+
+  Returns:
+    ``{dataset: {claim: why}}``, for the datasets with such claims.
+  """
+  reasons = {}
+  for dataset, inputs in selected.items():
+    found = {}
+    for claim, records in (("smoothness", inputs.smoothness),
+                           ("bottom", common_steps(inputs.bottom))):
+      runs = by_run(records)
+      single = sum(len(run) < 2 for run in runs)
+      if single:
+        found[claim] = (
+            f"{single} of its {len(runs)} runs have a single evaluation over "
+            "the steps every run reached, and a change of the loss needs two")
+    if found:
+      reasons[dataset] = found
+  return reasons
+
+
 def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
   """Measures every claim.
 
@@ -303,16 +372,19 @@ def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
 
   Returns:
     ``{dataset: {claim: {algorithm: numbers}}}``. Claims whose runs are
-    missing are left out, and datasets without any claim.
+    missing or too short (`unmeasured`) are left out, and datasets without
+    any claim.
   """
   claims = {}
+  too_short = unmeasured(selected)
   for dataset, inputs in selected.items():
     found = {}
-    if inputs.smoothness:
+    short = too_short.get(dataset, {})
+    if inputs.smoothness and "smoothness" not in short:
       measured = smoothness(inputs.smoothness)
       found["smoothness"] = {a: measured[a] for a in SMOOTHNESS_ALGORITHMS
                              if a in measured}
-    if inputs.bottom:
+    if inputs.bottom and "bottom" not in short:
       found["bottom"] = loss_changes(inputs.bottom)
     if inputs.trajectory_length:
       accuracy = group_by(((run[0]["args"]["algorithm"], held_out_accuracy(run))
@@ -321,8 +393,8 @@ def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
       summary = {}
       for algorithm in LENGTH_ALGORITHMS:
         if algorithm in accuracy:
-          mean, se = mean_se([acc for _, acc in accuracy[algorithm]])
-          summary[algorithm] = {"accuracy": mean, "accuracy_se": se,
+          final, se = mean_se([acc for _, acc in accuracy[algorithm]])
+          summary[algorithm] = {"accuracy": final, "accuracy_se": se,
                                 "runs": len(accuracy[algorithm])}
       found["trajectory_length"] = summary
     shapes = {}
@@ -331,8 +403,8 @@ def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
         shapes.setdefault(algorithm, []).append(path_lengths(points))
     if shapes:
       found["trajectories"] = {
-          algorithm: {**{m: float(np.mean([s[m] for s in runs]))
-                         for m in runs[0]}, "runs": len(runs)}
+          algorithm: {**{m: mean(s[m] for s in runs) for m in runs[0]},
+                      "runs": len(runs)}
           for algorithm, runs in shapes.items()}
     if found:
       claims[dataset] = found

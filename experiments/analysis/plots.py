@@ -75,6 +75,12 @@ def mean_std_over_runs(
   )
 
 
+def single_point_marker(steps: Sequence[Any]) -> str | None:
+  """A marker for a curve of one point, which a line alone does not draw
+  (a sweep of one evaluation per run); None draws lines alone."""
+  return "o" if len(steps) == 1 else None
+
+
 def _plot_band(axes: Axes, records: Sequence[Record], key: str,
                algorithm: str, *, spread: str = "std"):
   """Plots a mean curve over runs with a band: +-1 standard deviation, or
@@ -88,7 +94,8 @@ def _plot_band(axes: Axes, records: Sequence[Record], key: str,
   else:
     low, high = mean - std, mean + std
   (line,) = axes.plot(steps, mean, label=algorithm,
-                      color=algorithm_colour(algorithm))
+                      color=algorithm_colour(algorithm),
+                      marker=single_point_marker(steps))
   axes.fill_between(steps, low, high, alpha=0.25, color=line.get_color(),
                     linewidth=0)
 
@@ -220,13 +227,14 @@ def plot_heldout_accuracy(
 
 
 def plot_trajectories(
-    paths: Mapping[str, np.ndarray], path: str | Path
+    paths: Mapping[str, np.ndarray], path: str | Path, title: str = ""
 ) -> Figure:
   """Params paths projected jointly to 2-D, by PCA and by t-SNE.
 
   Args:
     paths: ``{label: (T, P) snapshots}``; all share ``P``.
     path: the PNG to write.
+    title: the figure's title, above both panels.
 
   Returns:
     The figure: one panel per projection, one line per path, its start
@@ -236,6 +244,7 @@ def plot_trajectories(
   stacked = np.concatenate([paths[label] for label in labels])
   bounds = np.cumsum([0] + [len(paths[label]) for label in labels])
   fig = Figure(figsize=(9, 4), layout="constrained")
+  fig.suptitle(title)
   for axes, method in zip(fig.subplots(1, 2), ("pca", "tsne")):
     projected = project(stacked, method)
     for label, start, end in zip(labels, bounds[:-1], bounds[1:]):
@@ -270,19 +279,21 @@ def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
 
 
 def plot_mean_training_loss(
-    records: Sequence[Record], path: str | Path
+    records: Sequence[Record], path: str | Path, title: str = ""
 ) -> Figure:
   """The mean training-domain loss of every run, one colour per algorithm,
-  on a log scale (it spans several decades)."""
+  on a log scale (it spans several decades), under ``title``."""
   fig = Figure(figsize=(5, 3.5), layout="constrained")
   axes = fig.subplots()
+  axes.set_title(title, fontsize="medium")
   labelled = set()
   for run in by_run(records):
     algorithm = run[0]["args"]["algorithm"]
     label = None if algorithm in labelled else algorithm
     labelled.add(algorithm)
-    axes.plot(*claims.mean_training_loss(run), label=label,
-              color=algorithm_colour(algorithm))
+    steps, loss = claims.mean_training_loss(run)
+    axes.plot(steps, loss, label=label, color=algorithm_colour(algorithm),
+              marker=single_point_marker(steps))
   axes.set_yscale("log")
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
@@ -313,6 +324,7 @@ def _plot_bars(
     charts: Sequence[_Bars],
     path: str | Path,
     *,
+    title: str,
     width: float,
     name_rotation: float = 0.0,
 ) -> Figure:
@@ -323,6 +335,7 @@ def _plot_bars(
       of their bars.
     charts: what each chart shows, left to right.
     path: where the PNG goes.
+    title: the figure's title, above the charts.
     width: the figure's width, in inches.
     name_rotation: the angle of the algorithms' names, in degrees.
 
@@ -331,6 +344,7 @@ def _plot_bars(
   """
   names = list(summary)
   fig = Figure(figsize=(width, 3.5), layout="constrained")
+  fig.suptitle(title)
   for axes, chart in zip(fig.subplots(1, len(charts), squeeze=False).flat,
                          charts):
     errors = None if chart.error is None else [
@@ -345,24 +359,26 @@ def _plot_bars(
 
 
 def plot_roughness_bars(
-    summary: Mapping[str, Mapping[str, float]], path: str | Path
+    summary: Mapping[str, Mapping[str, float]], path: str | Path,
+    title: str = ""
 ) -> Figure:
   """Per algorithm, the excess variation and rising rate of `smoothness`."""
   return _plot_bars(
       summary,
       [_Bars("excess_variation", "excess variation of a domain's loss"),
        _Bars("rising_rate", "intervals where a domain's loss rose")],
-      path, width=8)
+      path, title=title, width=8)
 
 
 def plot_accuracy_bars(
-    summary: Mapping[str, Mapping[str, float]], path: str | Path
+    summary: Mapping[str, Mapping[str, float]], path: str | Path,
+    title: str = ""
 ) -> Figure:
   """Mean ± standard error of the final held-out accuracy per algorithm."""
   return _plot_bars(
       summary, [_Bars("accuracy", "final held-out accuracy (%)",
                       error="accuracy_se", scale=100)],
-      path, width=5, name_rotation=30)
+      path, title=title, width=5, name_rotation=30)
 
 
 def plot_claims(selected: Mapping[str, claims.ClaimRecords],
@@ -379,33 +395,35 @@ def plot_claims(selected: Mapping[str, claims.ClaimRecords],
     ``(caption, path)`` of every figure written, dataset by dataset.
   """
   figures = []
+
+  def draw(plot, data, name: str, caption: str):
+    """Draws one figure to ``name``.png, titled with its caption."""
+    path = plots_dir / f"{name}.png"
+    plot(data, path, caption)
+    figures.append((caption, path))
+
   for dataset, found in measured.items():
     inputs = selected[dataset]
     if "smoothness" in found:
-      path = plots_dir / f"{dataset}_roughness.png"
-      plot_roughness_bars(found["smoothness"], path)
-      figures.append((f"{dataset}: roughness of the training-domain losses",
-                      path))
+      draw(plot_roughness_bars, found["smoothness"], f"{dataset}_roughness",
+           f"{dataset}: roughness of the training-domain losses")
       for env, env_recs in sorted(group_by(inputs.smoothness,
                                            held_out_env).items()):
+        # Titled with the dataset and held-out domain, as every loss plot.
         path = plots_dir / f"{dataset}_env{env}_smoothness.png"
         plot_loss_curves(env_recs, path)
         figures.append((f"{dataset}, held-out env{env}: training loss per "
                         "domain (smoothness)", path))
     if "bottom" in found:
-      path = plots_dir / f"{dataset}_bottom_loss.png"
-      plot_mean_training_loss(inputs.bottom, path)
-      figures.append((f"{dataset}: mean training loss, bottom against top "
-                      "eigenvectors", path))
+      draw(plot_mean_training_loss, inputs.bottom, f"{dataset}_bottom_loss",
+           f"{dataset}: mean training loss, bottom against top eigenvectors")
     if "trajectory_length" in found:
-      path = plots_dir / f"{dataset}_trajectory_length.png"
-      plot_accuracy_bars(found["trajectory_length"], path)
-      figures.append((f"{dataset}: final held-out accuracy against k and B",
-                      path))
+      draw(plot_accuracy_bars, found["trajectory_length"],
+           f"{dataset}_trajectory_length",
+           f"{dataset}: final held-out accuracy against k and B")
     for (env, trial), by_algorithm in inputs.trajectories.items():
       if len(by_algorithm) == len(catalog.TRAJECTORY_ALGORITHMS):
-        path = plots_dir / f"{dataset}_env{env}_trial{trial}_trajectory.png"
-        plot_trajectories(by_algorithm, path)
-        figures.append((f"{dataset}, held-out env{env}, trial {trial}: params "
-                        "paths", path))
+        draw(plot_trajectories, by_algorithm,
+             f"{dataset}_env{env}_trial{trial}_trajectory",
+             f"{dataset}, held-out env{env}, trial {trial}: params paths")
   return figures

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -232,9 +233,31 @@ def summary_table(
   return markdown_table(["Algorithm", *num_domains, "Avg"], rows)
 
 
+def over_measured(values: Sequence[float],
+                  text: Callable[[list[float]], str]) -> str:
+  """``text`` of the values measured (not NaN), saying over how many runs
+  where some are not, and "n/a" where none is: a run of one evaluation has
+  no validation change, older records no step time.
+
+  >>> over_measured([1.0, float("nan")], lambda v: f"{sum(v):.1f}")
+  '1.0 (1 of 2 runs)'
+  >>> over_measured([float("nan")], lambda v: f"{sum(v):.1f}")
+  'n/a'
+  """
+  measured = [v for v in values if not math.isnan(v)]
+  if not measured:
+    return "n/a"
+  if len(measured) < len(values):
+    return f"{text(measured)} ({len(measured)} of {len(values)} runs)"
+  return text(measured)
+
+
 def _mean_se_text(values: Sequence[float], number: str) -> str:
-  mean, se = claims_lib.mean_se(values)
-  return f"{number.format(mean)} ± {number.format(se)}"
+  def mean_se(measured):
+    mean, se = claims_lib.mean_se(measured)
+    return f"{number.format(mean)} ± {number.format(se)}"
+
+  return over_measured(values, mean_se)
 
 
 def training_table(records: Sequence[Record],
@@ -275,7 +298,8 @@ def training_table(records: Sequence[Record],
         _mean_se_text([100 * end.validation_change for end in found],
                       "{:.1f}"),
         f"{np.median(steps):,.0f}; {max(steps):,}",
-        f"{np.median([end.seconds for end in found]):.0f}"])
+        over_measured([end.seconds for end in found],
+                      lambda seconds: f"{np.median(seconds):.0f}")])
   return markdown_table(
       ["Algorithm", "runs", "plateaued", "selected runs plateaued",
        "final training loss",
@@ -448,6 +472,7 @@ def claims_section(
       [(run[0], files) for run_dir, run in runs.items()
        if (files := records_lib.trajectory_files(run_dir))])
   claims = claims_lib.measure(selected)
+  unmeasured = claims_lib.unmeasured(selected)
   figures = plots.plot_claims(selected, claims, claims_dir)
   numbers = claims_dir / claims_lib.CLAIMS_FILE
   numbers.write_text(json.dumps(claims, indent=1) + "\n")
@@ -462,6 +487,12 @@ def claims_section(
               for algorithm, numbers in per_algorithm.items()]
       lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
                 markdown_table(["Algorithm", *measures], rows)]
+  for dataset, reasons in unmeasured.items():
+    for claim, why in reasons.items():
+      reason = (f"{dataset}: no {claim.replace('_', ' ')} numbers or "
+                f"figures: {why}.")
+      print(reason, file=sys.stderr)
+      lines += ["", reason]
   for caption, path in figures:
     link = path.relative_to(output_dir).as_posix()
     lines += ["", caption, "", f"![{caption}]({link})"]
