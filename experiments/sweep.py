@@ -1003,9 +1003,42 @@ def runs_for(args: argparse.Namespace) -> list[Run]:
 _POLL_S = {"local": 1.0, "slurm": 30.0}
 
 
+def fetch_weights(runs: Sequence[Run]) -> list[str]:
+  """Downloads, once and before any run starts, the ImageNet weights that
+  the runs still to train start from (``--pretrained imagenet``, the photo
+  datasets' default), so that runs starting at once do not each download
+  them, and a host without network access fails here rather than in every
+  run.
+
+  Returns:
+    The models whose weights are cached now.
+
+  Raises:
+    config_lib.UsageError: the weights are neither cached nor downloadable;
+      the message says where to put the file, or to pass
+      ``--pretrained none``.
+  """
+  models = sorted({
+      config.model for config in (
+          config_lib.Config(**run.args).resolve() for run in runs
+          if run.status is not Status.DONE)
+      if config.pretrained == "imagenet"})
+  if models:
+    # Imported only here: it imports JAX, which a digits sweep never needs.
+    from experiments import pretrained  # pylint: disable=import-outside-toplevel
+    for model in models:
+      try:
+        pretrained.fetch_imagenet(model)
+      except pretrained.WeightsUnavailableError as e:
+        raise config_lib.UsageError(str(e)) from None
+  return models
+
+
 def _launch(args: argparse.Namespace, runs: Sequence[Run]) -> list[Run]:
-  """Trains ``runs`` with the launcher the flags name; returns the failed
+  """Trains ``runs`` with the launcher the flags name, once the ImageNet
+  weights they start from are cached (`fetch_weights`); returns the failed
   runs."""
+  fetch_weights(runs)
   trainer = dict(train_command=args.train_command, data_dir=args.data_dir,
                  num_workers=args.num_workers)
   if args.launcher == "local":

@@ -579,3 +579,35 @@ def test_a_run_whose_slurm_job_is_queued_is_not_submitted_again(
           in capsys.readouterr().err)
   assert launches(runs[0]) == []
   assert len(launches(runs[1])) == 1
+
+
+def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
+    tmp_path, train_command, monkeypatch, capsys):
+  # Nothing listens on the weights' URL: the sweep stops before any run
+  # starts, with the download's message, instead of failing every run.
+  from experiments import pretrained  # pylint: disable=import-outside-toplevel
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  monkeypatch.setenv(pretrained.URL_VARIABLE, f"http://127.0.0.1:{port}/m")
+  monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "cache"))
+  flags = ["--datasets", "PACS", "--algorithms", "ERM", "--test_envs", "0",
+           "--n_hparams", "1", "--n_trials", "2", "--steps", "1",
+           "--output_dir", str(tmp_path / "sweep"),
+           "--train_command", train_command]
+  assert sweep.main(["launch", *flags]) == 2
+  error = capsys.readouterr().err
+  assert "resnet50-0676ba61.pth" in error and "--pretrained none" in error
+  assert not (tmp_path / "sweep").exists()
+  # Once the file is cached the runs train, and nothing is downloaded again.
+  cached = tmp_path / "cache" / "resnet50-0676ba61.pth"
+  assert not list(cached.parent.glob("*"))  # The failed download left none.
+  cached.write_bytes(b"cached")
+  assert sweep.main(["launch", *flags]) == 0
+  assert cached.read_bytes() == b"cached"
+  runs = sweep.runs_for(sweep.parse_args(["list", *flags]))
+  assert [len(launches(run)) for run in runs] == [1, 1]
+  # A digits sweep fetches nothing.
+  assert sweep.fetch_weights(sweep.make_runs(
+      output_dir=tmp_path / "digits", datasets=["ColoredDigits"],
+      algorithms=["ERM"], n_hparams=1, n_trials=1)) == []
