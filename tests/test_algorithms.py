@@ -135,7 +135,7 @@ class NormalizedPixels(nnx.Module):
     return self.norm(x.reshape(x.shape[0], -1))
 
 
-def _numpy_running_stats(chunks):
+def numpy_running_stats(chunks):
   """float64 BatchNorm running mean/var after train passes over ``chunks``."""
   mean, var = np.zeros(16), np.ones(16)
   for chunk in chunks:
@@ -151,8 +151,13 @@ def _numpy_running_stats(chunks):
     # PGrad-F with B = 2: round i visits domains 0, 1 on their chunk i.
     ("PGrad-F", {"B": 2},
      lambda x: [x[d, 3 * i:3 * (i + 1)] for i in range(2) for d in range(2)]),
-    # GroupDRO: one pass per domain, in order, as DomainBed's loop.
+    # GroupDRO, MMD and CORAL: one pass per domain, in order, as DomainBed's
+    # loops.
     ("GroupDRO", {}, lambda x: [x[0], x[1]]),
+    ("MMD", {}, lambda x: [x[0], x[1]]),
+    ("CORAL", {}, lambda x: [x[0], x[1]]),
+    # IRM: one pass over all domains, as DomainBed's.
+    ("IRM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
 ])
 def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
   model = models.Classifier(NormalizedPixels(16, rngs=nnx.Rngs(0)),
@@ -165,7 +170,7 @@ def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
   state = algorithm.init(params)
   _, new_stats, new_state, _ = jax.jit(algorithm.update)(
       params, stats, state, batches, jax.random.PRNGKey(1))
-  mean, var = _numpy_running_stats(chunks(batches["image"]))
+  mean, var = numpy_running_stats(chunks(batches["image"]))
   np.testing.assert_allclose(new_stats["featurizer"]["norm"]["mean"][...],
                              mean, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(new_stats["featurizer"]["norm"]["var"][...],

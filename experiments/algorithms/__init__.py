@@ -61,9 +61,13 @@ builder's docstring gives them for its terms. Conventions shared by all:
 * Dropout: every example gets a key split from the step's key, and a forward
   pass over a batch uses its first example's key, so every inner step of a
   rollout draws fresh masks.
-* BatchNorm in ``"train"`` mode: the running statistics are those of the
-  loss's own forward passes. A gradient step keeps the statistics of its one
-  forward pass (GroupDRO's of its per-domain passes in turn; MLDG's passes
+* BatchNorm in ``"train"`` mode: the forward passes are DomainBed's, and
+  the running statistics are those of the loss's own passes. ERM, IRM,
+  DANN, Fishr and ARM run the network once over all domains pooled, as
+  DomainBed; GroupDRO, MMD and CORAL once per domain in turn, and MixUp once
+  per mixed pair in DomainBed's order of the pairs (`base.domain_features`;
+  where no BatchNorm trains, one pooled pass gives the same outputs and is
+  taken). A gradient step keeps the statistics of its passes (MLDG's passes
   are of DomainBed's throw-away copies, so it keeps none); a rollout hands
   them to `pgrad_jax` as its model state, so every inner step updates them in
   turn and the update returns the statistics of the rollout's last step, as a

@@ -23,15 +23,24 @@ def mixup_algorithm(network: base.Network, hparams: base.HParams, *,
   """Inter-domain MixUp (Yan et al., 2020) as in DomainBed (lines 791-820).
 
   ERM's Adam on the loss of every domain mixed with the next in a random
-  cyclic order (`base.mixup`).
+  cyclic order (`base.mixup`). DomainBed runs the network on each mixed pair
+  in its loop over the pairs; where BatchNorm trains, so does this, in
+  DomainBed's order of the pairs (`base.domain_features`); elsewhere one
+  pass over all pairs pooled gives the same outputs.
   """
   del num_domains, seed
 
   def objective(params, stats, batches, key):
     mixed = base.mixup(batches, key, hparams["mixup_alpha"])
-    loss, stats = base.batch_loss(network)(params, base.merge_domains(mixed),
-                                           stats)
-    return loss, ({"loss": loss}, stats)
+    model = network.bind(params, stats)
+    if base.trains_batch_norm(model.featurizer):
+      order = jnp.argsort(mixed["mix_pass"][:, 0])
+      mixed = jax.tree.map(lambda x: x[order], mixed)
+    batch = base.merge_domains(mixed)
+    features = base.domain_features(model, mixed)
+    logits = model.head(features.reshape(batch["label"].shape[0], -1))
+    loss = tasks.example_loss(logits, batch).mean()
+    return loss, ({"loss": loss}, nnx.state(model, nnx.BatchStat))
 
   return base.gradient_algorithm(hparams, objective)
 

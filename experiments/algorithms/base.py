@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from experiments import catalog
+from experiments import models
 from experiments import tasks
 
 Params = nnx.State
@@ -125,6 +126,45 @@ def merge_domains(batches: Batches) -> Batches:
   return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
 
 
+def trains_batch_norm(module: nnx.Module) -> bool:
+  """Whether a forward pass of ``module``, as it is now, updates BatchNorm
+  statistics: a BatchNorm in it is neither frozen nor in eval mode."""
+  return any(
+      isinstance(node, nnx.BatchNorm)
+      and not isinstance(node, models.FrozenBatchNorm)
+      and not node.use_running_average
+      for _, node in nnx.iter_graph(module))
+
+
+def domain_features(model: nnx.Module, batches: Batches) -> jax.Array:
+  """The featurizer's outputs for every domain's batch, ``(n, b, F)``.
+
+  DomainBed's feature-matching algorithms run the featurizer once per
+  domain, in order. Where no BatchNorm of the featurizer trains (frozen
+  BatchNorm, or none), a pass over all domains pooled gives the same
+  features, and is the one pass taken. Otherwise every domain's batch is
+  normalized with its own statistics, and the running statistics follow
+  the passes in turn, as `domain_losses`'.
+
+  Args:
+    model: a bound `models.Classifier` (`Network.bind`), whose statistics
+      the passes update.
+    batches: ``{"image": (n, b, ...), "key": (n, b, ...)}``; a pass over a
+      batch takes its first example's key (`with_example_keys`).
+
+  Returns:
+    The ``(n, b, F)`` features.
+  """
+  n, b = batches["key"].shape[:2]
+  if not trains_batch_norm(model.featurizer):
+    batch = merge_domains({k: batches[k] for k in ("image", "key")})
+    return model.features(batch["image"], rngs=batch["key"][0]).reshape(
+        n, b, -1)
+  return jnp.stack([model.features(batches["image"][i],
+                                   rngs=batches["key"][i, 0])
+                    for i in range(n)])
+
+
 def with_example_keys(batches: Batches, key: jax.Array) -> Batches:
   """Adds ``"key"``: one PRNG key per example, for dropout."""
   n, b = batches["label"].shape
@@ -193,8 +233,10 @@ def mixup(
     num_chunks: chunks per domain batch; must divide ``b``.
 
   Returns:
-    The batches with mixed images, the partner's labels as ``"mix_label"``
-    and ``lambda`` per example as ``"mix_weight"`` (see `tasks.example_loss`).
+    The batches with mixed images, the partner's labels as ``"mix_label"``,
+    ``lambda`` per example as ``"mix_weight"`` (see `tasks.example_loss`)
+    and, as ``"mix_pass"``, the place of the example's pair in DomainBed's
+    loop over the pairs (domain ``order[k]``'s is ``k``).
   """
   n, b = batches["label"].shape
 
@@ -206,11 +248,14 @@ def mixup(
     weight = jax.random.beta(weight_key, alpha, alpha, (n,))
     images = batch["image"]
     w = weight.reshape((n,) + (1,) * (images.ndim - 1)).astype(images.dtype)
+    place = jnp.zeros(n, jnp.int32).at[order].set(
+        jnp.arange(n, dtype=jnp.int32))
     return {
         **batch,
         "image": w * images + (1 - w) * images[partner],
         "mix_label": batch["label"][partner],
         "mix_weight": jnp.broadcast_to(weight[:, None], batch["label"].shape),
+        "mix_pass": jnp.broadcast_to(place[:, None], batch["label"].shape),
     }
 
   def to_rounds(x):  # (n, b, ...) -> (num_chunks, n, b / num_chunks, ...)

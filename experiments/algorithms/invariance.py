@@ -194,19 +194,20 @@ def _feature_matching(
 
   DomainBed's ``AbstractMMD.update`` (lines 1023-1048): the mean over domains
   of the risk, plus ``mmd_gamma`` times ``penalty_fn`` of every domain's
-  featurizer outputs. The featurizer runs once over all domains pooled
-  (DomainBed runs it per domain, line 1028: the same outputs, as long as
-  BatchNorm is frozen, the default).
+  featurizer outputs. DomainBed runs the featurizer per domain (line 1028),
+  as `base.domain_features` does where BatchNorm trains; elsewhere one pass
+  over the pooled domains gives the same outputs.
   """
 
   def objective(params, stats, batches, key):
     del key
-    n, b = batches["label"].shape
     batch = base.merge_domains(batches)
     model = network.bind(params, stats)
-    features = model.features(batch["image"], rngs=batch["key"][0])
-    nll = tasks.example_loss(model.head(features), batch).mean()
-    penalty = penalty_fn(features.reshape(n, b, -1))
+    features = base.domain_features(model, batches)
+    nll = tasks.example_loss(
+        model.head(features.reshape(batch["label"].shape[0], -1)),
+        batch).mean()
+    penalty = penalty_fn(features)
     objective = nll + hparams["mmd_gamma"] * penalty
     return objective, ({"loss": objective, "nll": nll, "penalty": penalty},
                        nnx.state(model, nnx.BatchStat))
