@@ -25,8 +25,9 @@ domains every algorithm in them has (`same_held_out`). Runs that stop where
 they plateau differ in length, so the smoothness comparison reads every run
 up to the last step all of them reached (`common_steps`), the
 bottom-eigenvector comparison gives its loss change both there and at each
-run's end, and the trajectory-length comparison reads each run's end. A claim read from changes between evaluations is not measured
-where a run has a single evaluation (`unmeasured` says so).
+run's end, and the trajectory-length comparison reads each run's end. A
+claim read from changes between evaluations is not measured where a run has
+a single evaluation (`unmeasured` says so).
 
 The numbers are sums taken with `math.fsum`, which rounds the exact sum once:
 unlike NumPy's and BLAS's sums, whose order of additions depends on the
