@@ -2,8 +2,10 @@
 # The accelerator benchmark set: step time of ResNet-50 and ResNet-18 at
 # 224 px in the paper's DomainBed setting (3 domains x 33 examples, B = 3,
 # k = 4), ResNet-50 with six times the examples (66-image inner steps, where
-# the GPU is busier), the MLP and the MNIST CNN, and the memory benchmark with
-# device peaks. Run from the repository root on a GPU or TPU host:
+# the GPU is busier), the MLP and the MNIST CNN, the memory benchmark with
+# device peaks, and the training loop end to end against those updates
+# (ResNet-50 at 224 px on a PACS-sized folder of 672 JPEGs, with the digits
+# CNN; steps 31-60 steady). Run from the repository root on a GPU or TPU host:
 #
 #   bash benchmarks/accelerator.sh [output_dir]   # default: benchmarks/results
 #
@@ -26,3 +28,4 @@ run step_time_PLATFORM_resnet18_224px benchmarks.step_time --model resnet18 --do
 run step_time_PLATFORM_mlp benchmarks.step_time --model mlp --repeats 20 --warmup 2
 run step_time_PLATFORM_mnist_cnn benchmarks.step_time --model mnist_cnn --repeats 20 --warmup 2
 run memory_PLATFORM_mlp benchmarks.memory
+run end_to_end_PLATFORM_resnet50_224px benchmarks.end_to_end --models resnet50 mnist_cnn --image-size 224 --photo-size 227 --per-class 24 --steps 60 --checkpoint-freq 30

@@ -163,3 +163,81 @@ def test_input_pipeline_times_every_configuration_and_feeds_the_h100(
     assert need["images_per_s"] == pytest.approx(
         99_000 / steps[key]["median_ms"])
     assert need["cores"] == -(-need["images_per_s"] // per_core)
+
+
+def _records(step_times, **start_up):
+  """A run's records, evaluated every 5 steps: (step_time, data_wait_time)
+  of each interval, and the start-up fields on the first record."""
+  return [{"step": 5 * (i + 1), "step_time": step, "data_wait_time": wait,
+           **(start_up if i == 0 else {})}
+          for i, (step, wait) in enumerate(step_times)]
+
+
+def test_end_to_end_ratios_come_from_the_measured_times(capsys):
+  from benchmarks import end_to_end
+  case = end_to_end.make_case("mnist_cnn", end_to_end.parse_args([]))
+  # PGrad-B's default batch on RotatedDigits, 5 training domains.
+  assert (case.dataset, case.domains, case.batch) == ("RotatedDigits", 5, 63)
+  cold = _records([(9.0, 2.0), (0.30, 0.01), (0.50, 0.03)],
+                  compile_time=6.0, time_to_first_step=8.5)
+  warm = _records([(4.0, 2.0), (0.40, 0.02)],
+                  compile_time=1.5, time_to_first_step=3.0)
+  update = common.Timing(compile_ms=5000.0, times_ms=[300.0, 200.0, 800.0])
+  row = end_to_end.summarize(case, "PGrad-B", cold, warm, (20.0, 12.0),
+                             update)
+  # Every interval but a run's first, 5 steps each.
+  step_s = (0.30 + 0.50 + 0.40) / 3
+  assert row["loop_step_ms"] == pytest.approx(1e3 * step_s)
+  assert row["update_ms"] == 300.0
+  assert row["loop_over_update"] == pytest.approx(1e3 * step_s / 300.0)
+  wait_s = (0.01 + 0.03 + 0.02) / 3
+  assert row["data_wait_ms"] == pytest.approx(1e3 * wait_s)
+  assert row["data_wait_share"] == pytest.approx(wait_s / step_s)
+  assert row["runs"] == {
+      "cold": {"compile_time": 6.0, "time_to_first_step": 8.5,
+               "wall_s": 20.0},
+      "warm": {"compile_time": 1.5, "time_to_first_step": 3.0,
+               "wall_s": 12.0}}
+  assert row["warm_saves_s"] == pytest.approx(
+      {"compile_time": 4.5, "time_to_first_step": 5.5})
+  assert row["hparams"] == {"batch_size": 63, "image_size": 28, "B": 3,
+                            "k": 4}
+
+  # Records of a loop that does not time its start-up: "n/a", no crash.
+  old = end_to_end.summarize(case, "ERM", _records([(9.0, 2.0), (0.3, 0.0)]),
+                             _records([(4.0, 2.0), (0.3, 0.0)]), (20.0, 12.0),
+                             update)
+  assert old["runs"]["cold"]["compile_time"] is None
+  assert old["warm_saves_s"] == {"compile_time": None,
+                                 "time_to_first_step": None}
+  record = {"environment": common.environment(),
+            "config": {"steps": 10, "checkpoint_freq": 5},
+            "results": [row, old]}
+  json.dumps(record)
+  table = end_to_end.report(record)
+  (erm_line,) = [line for line in table.splitlines() if " ERM " in line]
+  assert erm_line.count("n/a") == 4
+
+
+def test_end_to_end_needs_a_steady_interval():
+  from benchmarks import end_to_end
+  with pytest.raises(SystemExit):
+    end_to_end.parse_args(["--steps", "9", "--checkpoint-freq", "5"])
+
+
+@pytest.mark.slow
+def test_end_to_end_trains_and_times_a_toy_run(tmp_path, capsys):
+  from benchmarks import end_to_end
+  record = run_json(end_to_end.main, [
+      "--models", "mnist_cnn", "--algorithms", "ERM", "--batch", "4",
+      "--steps", "2", "--checkpoint-freq", "1", "--eval-examples", "8",
+      "--repeats", "1", "--warmup", "0"], tmp_path)
+  (row,) = record["results"]
+  assert (row["model"], row["algorithm"], row["steps"]) == (
+      "mnist_cnn", "ERM", [1, 2])
+  assert row["loop_step_ms"] > 0 and row["update_ms"] > 0
+  assert row["loop_over_update"] == pytest.approx(
+      row["loop_step_ms"] / row["update_ms"])
+  for name in ("cold", "warm"):
+    assert row["runs"][name]["wall_s"] > 0
+  assert "loop / update" in capsys.readouterr().out

@@ -1,0 +1,391 @@
+"""The training loop end to end, against the update it runs.
+
+For every model and algorithm, ``python -m experiments.train`` trains twice
+in a subprocess, as a user runs it: first with an empty persistent
+compilation cache ("cold"), then, in a fresh output directory, with the cache
+the first run filled ("warm"). The models train on their datasets:
+
+* the digits CNN (``mnist_cnn``) on the embedded RotatedDigits, at its
+  default width, 28 px;
+* a ResNet (``resnet18``, ``resnet50``) on a synthetic PACS-like folder of
+  JPEGs (`benchmarks.input_pipeline.write_photo_folder`: 4 domains of 7
+  classes) at ``--image-size``, from scratch, with DomainBed's augmentation.
+
+Both algorithms train on the same batch, the default ``batch_size`` of
+PGrad-B on the dataset (33 images of each of PACS's 3 training domains, 63 of
+RotatedDigits' 5), and PGrad-B with its default ``B`` and ``k``. Each run is
+evaluated every ``--checkpoint-freq`` steps; its records
+(`experiments.records`) give
+
+* the steady step time: the mean ``step_time`` of every record but the
+  first (whose interval holds the start-up), weighted by its steps, over both
+  runs;
+* the data wait, ``data_wait_time`` of the same records, the part of the
+  step spent waiting for the training batch;
+* ``compile_time`` and ``time_to_first_step``, where the loop records them
+  (older loops do not: "n/a").
+
+The update is `benchmarks.step_time`'s (``erm`` and ``pgrad-B``,
+`step_time.Methods`) on the same device, network, image size and
+``domains x batch`` examples, timed in this process once the runs are done;
+"loop / update" is the steady step time over its median.
+
+Run ``python -m benchmarks.end_to_end --help`` for the flags; the results go
+to stdout as a table and, with ``--out``, to a JSON file.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optax
+
+from benchmarks import common
+from benchmarks import input_pipeline
+from benchmarks import step_time
+from experiments import catalog
+from experiments import config as config_lib
+from experiments import hparams_registry
+from experiments import records as records_lib
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = ("mnist_cnn", "resnet18", "resnet50")
+# The benchmark's algorithms, by their `step_time.Methods` builders.
+ALGORITHMS = {"ERM": "erm", "PGrad-B": "pgrad"}
+DIGITS, PHOTOS = "RotatedDigits", "PACS"
+# The loop's records of its start-up, in seconds (missing in older loops).
+START_UP_FIELDS = ("compile_time", "time_to_first_step")
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--models", nargs="+", choices=MODELS,
+                      default=["resnet18", "mnist_cnn"])
+  parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS,
+                      default=list(ALGORITHMS))
+  parser.add_argument("--image-size", type=int, default=32,
+                      help="The ResNets' image side (DomainBed: 224).")
+  parser.add_argument("--photo-size", type=int, default=64,
+                      help="Side of the generated JPEGs (PACS: 227), "
+                      "resized to --image-size when read.")
+  parser.add_argument("--per-class", type=int, default=6,
+                      help="Generated images per class and domain.")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="Examples per training domain and step. Default: "
+                      "PGrad-B's batch_size on the dataset.")
+  parser.add_argument("--steps", type=int, default=10,
+                      help="Training steps of every run.")
+  parser.add_argument("--checkpoint-freq", type=int, default=5,
+                      help="Steps between evaluations; the intervals after "
+                      "the first time the steady steps.")
+  parser.add_argument("--num-workers", type=int, default=None,
+                      help="The loop's --num_workers. Default: its own.")
+  parser.add_argument("--eval-examples", type=int, default=64,
+                      help="The loop's --eval_examples and --loss_examples.")
+  parser.add_argument("--repeats", type=int, default=5,
+                      help="Timed calls of the update.")
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--out", default=None, help="Write the results as JSON.")
+  args = parser.parse_args(argv)
+  if args.steps < 2 * args.checkpoint_freq:
+    parser.error("--steps must be at least twice --checkpoint-freq: the "
+                 "first interval holds the start-up, the others the steady "
+                 "steps.")
+  return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One model on its dataset, as both the loop and the update run it.
+
+  Attributes:
+    model: a name of `MODELS`.
+    dataset: the dataset the loop trains on.
+    image_size: the images' side.
+    domains: the training domains of a step.
+    batch: examples per training domain and step.
+    hparams: per algorithm, the loop's ``--hparams``.
+    B: PGrad-B's chunks.
+    k: PGrad-B's principal components.
+  """
+
+  model: str
+  dataset: str
+  image_size: int
+  domains: int
+  batch: int
+  hparams: Mapping[str, Mapping[str, Any]]
+  B: int
+  k: int
+
+
+def make_case(model: str, args: argparse.Namespace) -> Case:
+  """The dataset, images and batch of ``model``; PGrad-B's defaults there."""
+  dataset = DIGITS if model == "mnist_cnn" else PHOTOS
+  pgrad = hparams_registry.default_hparams("PGrad-B", dataset)
+  batch = args.batch or pgrad["batch_size"]
+  image_size = (pgrad["image_size"] if dataset == DIGITS
+                else args.image_size)
+  shared = {"batch_size": batch, "image_size": image_size}
+  return Case(
+      model=model, dataset=dataset, image_size=image_size,
+      # Domain 0 held out.
+      domains=len(catalog.DATASETS[dataset].domains) - 1, batch=batch,
+      hparams={"ERM": shared,
+               "PGrad-B": {**shared, "B": pgrad["B"], "k": pgrad["k"]}},
+      B=pgrad["B"], k=pgrad["k"])
+
+
+def loop_flags() -> dict[str, str]:
+  """The training command's flags in this version of the loop, with their
+  help (`experiments.config.Config`'s fields)."""
+  return {field.name: field.metadata["help"]
+          for field in dataclasses.fields(config_lib.Config)}
+
+
+def train_command(case: Case, algorithm: str, output_dir: Path,
+                  cache_dir: Path, data_dir: Path | None,
+                  args: argparse.Namespace) -> list[str]:
+  """The command line of one run of the loop."""
+  command = [
+      sys.executable, "-m", "experiments.train", "--dataset", case.dataset,
+      "--algorithm", algorithm, "--model", case.model, "--test_envs", "0",
+      "--output_dir", str(output_dir), "--steps", str(args.steps),
+      "--checkpoint_freq", str(args.checkpoint_freq),
+      "--hparams", json.dumps(case.hparams[algorithm]),
+      "--eval_examples", str(args.eval_examples),
+      "--loss_examples", str(args.eval_examples)]
+  if data_dir is not None:
+    command += ["--data_dir", str(data_dir)]
+  if args.num_workers is not None:
+    command += ["--num_workers", str(args.num_workers)]
+  flags = loop_flags()
+  # The environment variable points the cache of any loop; a loop with the
+  # flag is told the same.
+  if "compile_cache_dir" in flags:
+    command += ["--compile_cache_dir", str(cache_dir)]
+  # A loop that starts a ResNet from ImageNet weights by default (and
+  # downloads them) trains from scratch with "none"; an older one does so
+  # without the flag.
+  if case.dataset == PHOTOS and "imagenet" in flags["pretrained"]:
+    command += ["--pretrained", "none"]
+  return command
+
+
+def train(command: Sequence[str], cache_dir: Path,
+          output_dir: Path) -> tuple[list[records_lib.Record], float]:
+  """Runs the loop; returns its records and the command's wall time (s).
+
+  Raises:
+    RuntimeError: the run failed; the message ends with its output.
+  """
+  env = {**os.environ, CACHE_ENV: str(cache_dir)}
+  start = time.perf_counter()
+  process = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
+                           text=True, check=False)
+  wall = time.perf_counter() - start
+  if process.returncode:
+    raise RuntimeError(
+        f"{' '.join(command)} exited with {process.returncode}:\n"
+        f"{process.stderr[-3000:]}")
+  lines = (output_dir / records_lib.RESULTS_FILE).read_text().splitlines()
+  return [json.loads(line) for line in lines], wall
+
+
+def steady(runs: Sequence[Sequence[records_lib.Record]],
+           key: str) -> float | None:
+  """The mean of ``record[key]`` (per step) over the steady intervals of the
+  runs, every record but a run's first, weighted by its steps; None where a
+  record lacks it."""
+  total = steps = 0.0
+  for run in runs:
+    for before, record in zip(run[:-1], run[1:]):
+      if key not in record:
+        return None
+      interval = record["step"] - before["step"]
+      total += record[key] * interval
+      steps += interval
+  return total / steps if steps else None
+
+
+def start_up(run: Sequence[records_lib.Record],
+             wall_s: float) -> dict[str, float | None]:
+  """A run's start-up as its records give it (None where they do not), and
+  its command's wall time."""
+  first = next((r for r in run if START_UP_FIELDS[0] in r), {})
+  return {**{field: first.get(field) for field in START_UP_FIELDS},
+          "wall_s": wall_s}
+
+
+def summarize(case: Case, algorithm: str,
+              cold: Sequence[records_lib.Record],
+              warm: Sequence[records_lib.Record],
+              walls: tuple[float, float],
+              update: common.Timing) -> dict[str, Any]:
+  """One row of the results: the loop's numbers against the update's.
+
+  Args:
+    case: the model and batch.
+    algorithm: a name of `ALGORITHMS`.
+    cold: the records of the run with an empty compilation cache.
+    warm: those of the run after it, with its cache.
+    walls: the two runs' wall times, in seconds.
+    update: the update's timing.
+
+  Returns:
+    The row, with None for what the loop does not record.
+  """
+  step_s = steady([cold, warm], "step_time")
+  wait_s = steady([cold, warm], "data_wait_time")
+  update_ms = update.median_ms
+  runs = {"cold": start_up(cold, walls[0]), "warm": start_up(warm, walls[1])}
+  saved = {}
+  for field in START_UP_FIELDS:
+    before, after = runs["cold"][field], runs["warm"][field]
+    saved[field] = None if before is None or after is None else before - after
+  return {
+      "model": case.model, "dataset": case.dataset,
+      "image_size": case.image_size, "domains": case.domains,
+      "batch": case.batch, "algorithm": algorithm,
+      "hparams": dict(case.hparams[algorithm]),
+      "loop_step_ms": None if step_s is None else 1e3 * step_s,
+      "update_ms": update_ms,
+      "update_compile_ms": update.compile_ms,
+      "update_times_ms": update.times_ms,
+      "loop_over_update": None if step_s is None else 1e3 * step_s / update_ms,
+      "data_wait_ms": None if wait_s is None else 1e3 * wait_s,
+      "data_wait_share": (None if wait_s is None or not step_s
+                          else wait_s / step_s),
+      "runs": runs,
+      "warm_saves_s": saved,
+      "steps": [r["step"] for r in cold],
+  }
+
+
+def benchmark_model(case: Case) -> common.Model:
+  """The network of ``case`` as `benchmarks.step_time` times it: the
+  digits CNN at the width the loop builds, a ResNet as `common` builds it."""
+  if case.model != "mnist_cnn":
+    return common.build_model(case.model, image_size=case.image_size)
+  width = hparams_registry.default_hparams("PGrad-B", DIGITS)["cnn_width"]
+  network, params, stats = common.digits_cnn(case.image_size, width)
+
+  def loss_fn(params, batch):
+    logits, _ = network.logits(params, stats, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]).mean()
+
+  return common.Model(params, loss_fn, (case.image_size, case.image_size, 1))
+
+
+def time_updates(case: Case, algorithms: Sequence[str],
+                 args: argparse.Namespace) -> dict[str, common.Timing]:
+  """`step_time`'s updates of ``algorithms`` on the case's batch."""
+  model = benchmark_model(case)
+  flags = step_time.parse_args([
+      "--domains", str(case.domains), "--batch", str(case.batch),
+      "--B", str(case.B), "--k", str(case.k)])
+  mesh = common.make_mesh()
+  methods = step_time.Methods(model, flags, mesh)
+  params = common.place(model.params, mesh)
+  batches = common.shard_batches(
+      common.random_batches(model, case.domains, case.batch), mesh)
+  unroll = common.default_unroll(model, case.batch, case.B)
+  calls = {}
+  for algorithm in algorithms:
+    build = getattr(methods, ALGORITHMS[algorithm])
+    fn, state = build() if algorithm == "ERM" else build(unroll)
+    state = common.place(state, mesh)
+    calls[algorithm] = lambda fn=fn, state=state: fn(params, state, batches)
+  return common.time_interleaved(calls, args.repeats, args.warmup)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  """Trains and times everything ``args`` asks for; returns the record."""
+  load = os.getloadavg()
+  results = []
+  with tempfile.TemporaryDirectory() as scratch:
+    scratch = Path(scratch)
+    for model in args.models:
+      case = make_case(model, args)
+      data_dir = None
+      if case.dataset == PHOTOS:
+        data_dir = input_pipeline.write_photo_folder(
+            scratch / "photos", per_class=args.per_class,
+            size=args.photo_size)
+      loop = {}
+      for algorithm in args.algorithms:
+        cache_dir = scratch / f"cache_{model}_{algorithm}"
+        runs, walls = [], []
+        for name in ("cold", "warm"):
+          print(f"Training {algorithm} with {model}, {name} cache.",
+                file=sys.stderr, flush=True)
+          output_dir = scratch / f"run_{model}_{algorithm}_{name}"
+          records, wall = train(
+              train_command(case, algorithm, output_dir, cache_dir,
+                            data_dir, args), cache_dir, output_dir)
+          runs.append(records)
+          walls.append(wall)
+        loop[algorithm] = runs, walls
+      print(f"Timing the updates of {model}.", file=sys.stderr, flush=True)
+      updates = time_updates(case, args.algorithms, args)
+      for algorithm, ((cold, warm), walls) in loop.items():
+        results.append(summarize(case, algorithm, cold, warm, tuple(walls),
+                                 updates[algorithm]))
+  return {
+      "benchmark": "end_to_end",
+      "environment": common.environment(),
+      # Other programs' load on the cores, over 1 minute.
+      "host": {"cpu_cores": config_lib.default_num_workers(),
+               "load_average_before": load[0],
+               "load_average_after": os.getloadavg()[0]},
+      "config": vars(args),
+      "results": results,
+  }
+
+
+def _cell(value: float | None, scale: float = 1.0) -> float | str:
+  return "n/a" if value is None else scale * value
+
+
+def report(record: dict[str, Any]) -> str:
+  """The table a run prints: "n/a" where the loop records nothing."""
+  env = record["environment"]
+  rows = [[
+      f"{r['model']} {r['image_size']}px", r["algorithm"],
+      f"{r['domains']} x {r['batch']}", _cell(r["loop_step_ms"]),
+      r["update_ms"], _cell(r["loop_over_update"]), _cell(r["data_wait_ms"]),
+      _cell(r["runs"]["cold"]["time_to_first_step"]),
+      _cell(r["runs"]["warm"]["time_to_first_step"]),
+      _cell(r["runs"]["cold"]["compile_time"]),
+      _cell(r["runs"]["warm"]["compile_time"]),
+      r["runs"]["cold"]["wall_s"], r["runs"]["warm"]["wall_s"],
+  ] for r in record["results"]]
+  return (f"{env['device_kind']} ({env['platform']}), jax {env['jax']}, "
+          f"{record['config']['steps']} steps, evaluated every "
+          f"{record['config']['checkpoint_freq']}\n\n"
+          + common.format_table(
+              ["model", "algorithm", "batch", "loop step ms", "update ms",
+               "loop / update", "data wait ms", "first step s (cold)",
+               "first step s (warm)", "compile s (cold)", "compile s (warm)",
+               "run s (cold)", "run s (warm)"], rows))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  args = parse_args(argv)
+  record = run(args)
+  common.publish(record, report(record), args.out)
+  return record
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
