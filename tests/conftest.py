@@ -11,6 +11,10 @@ import pytest
 # the library's tests as a sibling module, the algorithms' tests from here.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pgrad_jax"))
 
+# Fixtures, and the script that writes some of them with PyTorch, which the
+# tests do not need: nothing there to collect, doctests included.
+collect_ignore = ["data"]
+
 
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
 
