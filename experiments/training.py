@@ -43,6 +43,10 @@ from experiments import tasks
 from experiments import wilds
 
 CHECKPOINTS_KEPT = 2
+# Steps timed after the first, before a photo run on a CPU estimates its
+# time; more than ESTIMATE_WARNED_SECONDS of steps is warned about.
+ESTIMATE_STEPS = 2
+ESTIMATE_WARNED_SECONDS = 3600
 # The signals that stop a run at its next step, once it has checkpointed it.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A record of an interrupt between checkpoints (`Interrupted`) names the
@@ -168,9 +172,14 @@ class Sharder:
   def __init__(self, devices: int = 1):
     available = jax.device_count()
     if devices > available:
+      # A CPU host has one device unless XLA is told to make several.
+      hint = ("" if jax.default_backend() != "cpu" else
+              " On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
+              f"{devices} before the command makes {devices} devices of its "
+              "cores.")
       raise config_lib.UsageError(
           f"--devices {devices}: only {available} {jax.default_backend()} "
-          f"device{'s' if available > 1 else ''} here.")
+          f"device{'s' if available > 1 else ''} here.{hint}")
     self.mesh = None if devices == 1 else jax.make_mesh(
         (devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
         devices=jax.devices()[:devices])
@@ -373,7 +382,8 @@ def final_line(record: records.Record, output_dir: str | Path) -> str:
             else "Pearson's r")
   held_out = ", ".join(f"{record['domains'][t]} (env{t}) "
                        f"{held_out_metric(record, t):.4f}" for t in test_envs)
-  return (f"Held-out {metric} after {record['step']} steps (the last step's, "
+  steps = f"{record['step']} step{'' if record['step'] == 1 else 's'}"
+  return (f"Held-out {metric} after {steps} (the last step's, "
           f"on the held-out domains' in splits; no model selection): "
           f"{held_out}. Run directory: {output_dir}")
 
@@ -524,6 +534,65 @@ def _checkpoint_kept_on_interrupt(
     raise
 
 
+def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
+               augmented: bool) -> str:
+  """What a run says of itself before it trains: its schedule, its input
+  and where it writes."""
+  height, width, channels = dataset.input_shape
+  return (f"{config.steps} steps, a checkpoint every {config.checkpoint_freq}; "
+          f"{height}x{width}x{channels} images, augmentation "
+          f"{'on' if augmented else 'off'}, {config.num_workers} input "
+          f"worker{'' if config.num_workers == 1 else 's'}; run directory "
+          f"{config.output_dir}.")
+
+
+def _hours(seconds: float) -> str:
+  return (f"{seconds / 3600:.1f} h" if seconds >= 3600 else
+          f"{seconds / 60:.0f} min")
+
+
+class _Screen:
+  """The progress bar of a run: its phase (compiling, training, evaluating)
+  and, while training, the images per second of the training steps alone
+  and the share of their time spent waiting for data."""
+
+  def __init__(self, bar: tqdm.tqdm, images_per_step: int):
+    self.bar = bar
+    self.images_per_step = images_per_step
+
+  def phase(self, name: str) -> None:
+    """Labels the bar with ``name``, at once."""
+    self.bar.set_description_str(name, refresh=True)
+
+  def training(self, steps: int, seconds: float, data_wait: float) -> None:
+    """Says how fast the ``steps`` timed since the last evaluation went,
+    in ``seconds``, ``data_wait`` of which waiting for batches."""
+    if steps and seconds > 0:
+      self.bar.set_postfix_str(
+          f"images/s={self.images_per_step * steps / seconds:.0f}, data wait "
+          f"{100 * data_wait / seconds:.0f}%" + self._results, refresh=False)
+
+  def results(self, record: records.Record,
+              test_envs: Sequence[int]) -> None:
+    """Shows a record's training loss and mean held-out metric."""
+    held_out = [held_out_metric(record, t) for t in test_envs]
+    self._results = (f", loss={record['loss']:.4f}, "
+                     f"held_out={np.mean(held_out):.4f}")
+
+  _results = ""
+
+
+def _warn_if_long(seconds: float, config: config_lib.Config) -> None:
+  """Warns of a run whose remaining steps take ``seconds`` on a CPU, when
+  more than ESTIMATE_WARNED_SECONDS."""
+  if seconds > ESTIMATE_WARNED_SECONDS:
+    tqdm.tqdm.write(
+        f"Warning: {config.model} on {config.dataset} takes about "
+        f"{_hours(seconds)} more on this CPU (its first {ESTIMATE_STEPS} "
+        "steps after compiling, evaluations not counted); a GPU, a smaller "
+        "--model or image_size, or fewer --steps take less.", file=sys.stderr)
+
+
 def train(config: config_lib.Config) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
 
@@ -616,6 +685,9 @@ def train(config: config_lib.Config) -> records.Record:
   state = sharder.replicate(TrainState(
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
   augment = augmentation.training_augmentation(dataset, hparams)
+  print(start_line(config, dataset, augment is not None), file=sys.stderr)
+  on_cpu_photos = (jax.default_backend() == "cpu"
+                   and datasets.is_photo_dataset(dataset))
   train_iter = input_pipeline.make_train_iterator(
       dataset if augment is None else augment.dataset, train_domains, splits,
       batch_size=hparams["batch_size"], seed=config.seed,
@@ -659,39 +731,59 @@ def train(config: config_lib.Config) -> records.Record:
   step = int(state.step)
   if config.trajectory_freq and step == 0:
     save_trajectory_point(output_dir, 0, state.params)
-  postfix = {}
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
                      lambda: manager), _StopRequests() as stop:
+    screen = _Screen(bar, images_per_step)
+    # The first step of this process compiles the step's program: it is
+    # labelled, and timed apart from the training steps.
+    screen.phase("compiling")
+    compiled = False
     interval_start = time.time()
+    timed = 0  # Training steps timed since interval_start.
     data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
     while step < config.steps and not stops_at(config, written, step):
       wait_start = time.time()
       batch = next(train_iter)
       data_wait += time.time() - wait_start
       state, metrics = train_step(state, sharder.batch(batch, 1))
+      # Nothing holds a batch once its step has it: a worker's batch is in
+      # shared memory, freed when the last reference goes.
+      del batch
       meter.add(metrics)
       step += 1
+      timed += 1
+      if not compiled:
+        jax.block_until_ready(state)
+        compiled = True
+        first_step_time = time.time() - interval_start
+        screen.phase("training")
+        interval_start, timed, data_wait = time.time(), 0, 0.0
+      elif timed == ESTIMATE_STEPS and on_cpu_photos:
+        jax.block_until_ready(state)
+        _warn_if_long((config.steps - step)
+                      * (time.time() - interval_start) / timed, config)
+      screen.training(timed, time.time() - interval_start, data_wait)
       bar.update()
-      if bar.format_dict["rate"]:  # Steps per second, smoothed by tqdm.
-        postfix["images/s"] = f"{images_per_step * bar.format_dict['rate']:.0f}"
-        bar.set_postfix(postfix, refresh=False)
       if config.trajectory_freq and step % config.trajectory_freq == 0:
         save_trajectory_point(output_dir, step, state.params)
       scheduled = not step % config.checkpoint_freq or step == config.steps
       if not scheduled and stop.signum is None:
         continue
       jax.block_until_ready(state)
-      step_time = (time.time() - interval_start) / meter.count
+      # Where the first step alone is in the interval, its own time.
+      step_time = ((time.time() - interval_start) / timed if timed
+                   else first_step_time)
       if manager is None:
         _start_run_directory(requested, hparams, fingerprint)
         manager = _checkpoint_manager(output_dir)
+      screen.phase("evaluating")
       record = {
           "args": config.record_args(), "hparams": hparams,
           "domains": list(dataset.domain_names), "step": step,
           "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
-          "data_wait_time": data_wait / meter.count,
+          "data_wait_time": data_wait / max(timed, 1),
           **evaluate(eval_step, state, dataset, sets, config, sharder,
                      augment)}
       if not scheduled:
@@ -707,15 +799,12 @@ def train(config: config_lib.Config) -> records.Record:
       manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=grain.checkpoint.CheckpointSave(train_iter)))
-      held_out = [held_out_metric(record, t) for t in config.test_envs]
-      postfix.update(loss=f"{record['loss']:.4f}",
-                     held_out=f"{np.mean(held_out):.4f}")
-      bar.set_postfix(postfix)
+      screen.results(record, config.test_envs)
+      screen.phase("training")
       if stop.signum is not None:
         break
       meter = MetricMeter()
-      interval_start = time.time()
-      data_wait = 0.0
+      interval_start, timed, data_wait = time.time(), 0, 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
   manager.wait_until_finished()
   manager.close()

@@ -437,7 +437,9 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
       (["--init_params", str(a_file)],
        f"--init_params: {str(a_file)!r} is not a .npz file"),
       # More devices than there are.
-      (["--devices", "2"], "--devices 2: only 1 cpu device here"),
+      (["--devices", "2"], "--devices 2: only 1 cpu device here. On a CPU, "
+       "XLA_FLAGS=--xla_force_host_platform_device_count=2 before the "
+       "command makes 2 devices of its cores."),
   ]:
     flags = [*FLAGS, *flags]
     if "--output_dir" not in flags:
@@ -447,6 +449,24 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
     assert message in err, (flags, err)
     assert out == ""
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_the_final_line_counts_steps_in_words():
+  record = make_record("RotatedDigits", "ERM", 0, 0, 0, 1,
+                       in_accs=[0.5] * 6, out_accs=[0.5] * 6,
+                       domains=[f"{15 * i}°" for i in range(6)])
+  assert "after 1 step (the last step's" in training.final_line(record, "r")
+  record["step"] = 2
+  assert "after 2 steps (the last" in training.final_line(record, "r")
+
+
+def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):
+  config = config_lib.parse_args(["--dataset", "PACS", "--model", "resnet18"])
+  training._warn_if_long(training.ESTIMATE_WARNED_SECONDS, config)
+  assert capsys.readouterr().err == ""
+  training._warn_if_long(2.5 * 3600, config)
+  assert ("Warning: resnet18 on PACS takes about 2.5 h more on this CPU"
+          in capsys.readouterr().err)
 
 
 def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):

@@ -63,14 +63,32 @@ def _params(output_dir):
     return {key: npz[key] for key in npz.files}
 
 
+# The reference run's standard error, by its output directory.
+_LOGS = {}
+
+
 @pytest.fixture(name="reference", scope="module")
 def fixture_reference(data_dir, tmp_path_factory):
-  """An uninterrupted run, its images read by two threads."""
+  """An uninterrupted run, its batches built by two worker processes."""
   output_dir = tmp_path_factory.mktemp("reference")
   result = subprocess.run(_command(data_dir, output_dir, 2), cwd=REPO,
                           capture_output=True, text=True, check=False)
   assert result.returncode == 0, result.stderr
+  _LOGS[output_dir] = result.stderr
   return output_dir
+
+
+@pytest.mark.slow
+def test_photo_run_says_what_it_runs_and_ends_without_a_warning(reference):
+  log = _LOGS[reference]
+  assert (f"{STEPS} steps, a checkpoint every {FREQ}; 32x32x3 images, "
+          f"augmentation on, 2 input workers; run directory {reference}."
+          in log), log
+  # The bar's phases are labelled: compiling before the first step, then
+  # training, and evaluating at every checkpoint.
+  for phase in ("compiling", "training", "evaluating"):
+    assert f"{phase}:" in log, phase
+  assert "data wait" in log and "images/s=" in log
 
 
 @pytest.mark.slow
