@@ -22,6 +22,12 @@ BatchNorm (ResNets only) has two modes:
 
 Either way the statistics are in the model's dtype (`statistics_dtype`).
 
+Every module takes ``dtype`` (computation) and ``param_dtype``, float32 by
+default as DomainBed's; `build_model` hands its own to every part, and the
+parts with state of their own follow the parameters: BatchNorm's statistics
+(`statistics_dtype`) and, in ``experiments.algorithms``, DANN's
+discriminator and GroupDRO's and Fishr's state.
+
 Dropout on the pooled features (DomainBed's ``resnet_dropout``) draws its mask
 from the ``rngs`` passed to ``__call__`` when given (an ``nnx.Rngs`` or a raw
 key), else from the ``dropout`` stream (or ``default``) of the ``rngs`` the
@@ -161,6 +167,8 @@ def torch_default_init(fan_in: int) -> nnx.Initializer:
   ``U(-1 / sqrt(fan_in), 1 / sqrt(fan_in))``."""
   bound = fan_in**-0.5
 
+  # Flax passes the layer's param_dtype; float32 is only the protocol's
+  # default, as Flax's own initializers have it.
   def init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 

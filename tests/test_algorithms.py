@@ -86,13 +86,15 @@ def linear_model(num_features=4, seed=0):
   return algorithms.Network.split(model)
 
 
-def build_model(name, featurizer, *, in_channels=1, seed=1):
+def build_model(name, featurizer, *, in_channels=1, seed=1,
+                dtype=jnp.float32):
   """``name``'s model on ``featurizer``: with ARM's context network if the
   catalog says so (the featurizer then takes ``in_channels + 1``)."""
+  kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
   if catalog.ALGORITHMS[name].model_options.get("context_net"):
     return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
-                                    rngs=nnx.Rngs(seed))
-  return models.Classifier(featurizer, NUM_CLASSES, rngs=nnx.Rngs(seed))
+                                    **kwargs)
+  return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
 
 
 @pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
@@ -121,6 +123,40 @@ def test_every_algorithm_takes_a_finite_step(name):
     eigenvalues = np.asarray(metrics["eigenvalues"])
     np.testing.assert_allclose(eigenvalues.sum(), 1.0, rtol=1e-5)
     assert np.all(np.diff(eigenvalues) <= 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
+def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
+  # With float64 enabled, so that JAX's default dtype is float64: state made
+  # in the default dtype, or in float32, shows in one of the two models.
+  with jax.enable_x64(True):
+    pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+    model = build_model(name, LinearFeaturizer(pixels, 5, rngs=nnx.Rngs(0),
+                                               dtype=dtype), dtype=dtype)
+    network, params, stats = algorithms.Network.split(model)
+    algorithm = algorithms.build_algorithm(name, network,
+                                           algorithm_hparams(name),
+                                           num_domains=NUM_DOMAINS)
+    batches = make_batches()
+    batches["image"] = batches["image"].astype(dtype)
+    state = algorithm.init(params)
+    outputs = jax.jit(algorithm.update)(params, stats, state, batches,
+                                        jax.random.PRNGKey(1))
+  # The rollouts' pgrad_jax keeps its diagnostics (state and metrics) in
+  # float32 (docs/api.md).
+  rollout = name.startswith("PGrad") or name == "Fish"
+  diagnostics = ("eigenvalues", "ref_norm", "loss", "losses")
+
+  def checked(path, leaf):
+    field = getattr(path[-1], "name", getattr(path[-1], "key", None))
+    return (jnp.issubdtype(leaf.dtype, jnp.floating)
+            and not (rollout and field in diagnostics))
+
+  floating = {leaf.dtype for path, leaf in
+              jax.tree_util.tree_leaves_with_path((state, outputs))
+              if checked(path, leaf)}
+  assert floating == {jnp.dtype(dtype)}
 
 
 class NormalizedPixels(nnx.Module):

@@ -31,7 +31,8 @@ def mixup_algorithm(network: base.Network, hparams: base.HParams, *,
   del num_domains, seed
 
   def objective(params, stats, batches, key):
-    mixed = base.mixup(batches, key, hparams["mixup_alpha"])
+    mixed = base.mixup(batches, key, hparams["mixup_alpha"],
+                       dtype=base.model_dtype(params))
     model = network.bind(params, stats)
     if base.trains_batch_norm(model.featurizer):
       order = jnp.argsort(mixed["mix_pass"][:, 0])

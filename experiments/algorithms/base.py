@@ -126,6 +126,13 @@ def merge_domains(batches: Batches) -> Batches:
   return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batches)
 
 
+def model_dtype(params: Params) -> jnp.dtype:
+  """The dtype of the model's parameters, which an algorithm's own floating
+  state (GroupDRO's weights, Fishr's averages) takes too, as a PyTorch
+  module's buffers take its dtype."""
+  return jnp.result_type(*jax.tree.leaves(params))
+
+
 def trains_batch_norm(module: nnx.Module) -> bool:
   """Whether a forward pass of ``module``, as it is now, updates BatchNorm
   statistics: a BatchNorm in it is neither frozen nor in eval mode."""
@@ -214,7 +221,8 @@ def domain_losses(
 
 
 def mixup(
-    batches: Batches, key: jax.Array, alpha: float, num_chunks: int = 1
+    batches: Batches, key: jax.Array, alpha: float, num_chunks: int = 1,
+    dtype: jnp.dtype | None = None,
 ) -> Batches:
   """DomainBed's inter-domain MixUp, separately for every chunk.
 
@@ -231,6 +239,8 @@ def mixup(
     key: a PRNG key.
     alpha: the Beta distribution's parameter.
     num_chunks: chunks per domain batch; must divide ``b``.
+    dtype: the dtype of ``lambda``, which weighs the losses: the model's
+      (`model_dtype`); ``None``, JAX's default.
 
   Returns:
     The batches with mixed images, the partner's labels as ``"mix_label"``,
@@ -244,8 +254,8 @@ def mixup(
     order_key, weight_key = jax.random.split(key)
     order = jax.random.permutation(order_key, n)
     # Domain order[i] is mixed with domain order[i + 1], cyclically.
-    partner = jnp.zeros(n, jnp.int32).at[order].set(jnp.roll(order, -1))
-    weight = jax.random.beta(weight_key, alpha, alpha, (n,))
+    partner = jnp.zeros(n, order.dtype).at[order].set(jnp.roll(order, -1))
+    weight = jax.random.beta(weight_key, alpha, alpha, (n,), dtype)
     images = batch["image"]
     w = weight.reshape((n,) + (1,) * (images.ndim - 1)).astype(images.dtype)
     place = jnp.zeros(n, jnp.int32).at[order].set(
@@ -342,7 +352,8 @@ def rollout_algorithm(
     data_key, mix_key = jax.random.split(key)
     batches = with_example_keys(batches, data_key)
     if mix_chunks is not None:
-      batches = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks)
+      batches = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks,
+                      model_dtype(params))
     # Trained statistics ride along as the rollout's model state for this one
     # update; the algorithm's own state keeps None there, so its structure
     # (and checkpoints) do not depend on the BatchNorm mode.

@@ -137,7 +137,8 @@ def fishr(network: base.Network, hparams: base.HParams, *, num_domains: int,
 
   def init(params):
     size = sum(leaf.size for leaf in jax.tree.leaves(params["head"]))
-    return FishrState(tx.init(params), jnp.zeros((num_domains, size)),
+    return FishrState(tx.init(params),
+                      jnp.zeros((num_domains, size), base.model_dtype(params)),
                       jnp.zeros((), jnp.int32))
 
   def objective(params, stats, batches, state):

@@ -43,8 +43,11 @@ def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
 
   def domain_penalty(outputs, labels):
     grad = jax.grad(risk)
-    return (grad(1.0, outputs[::2], labels[::2])
-            * grad(1.0, outputs[1::2], labels[1::2]))
+    # The multiplier in the outputs' dtype: a Python 1.0 would be JAX's
+    # default dtype, float64 where enabled.
+    scale = jnp.ones((), outputs.dtype)
+    return (grad(scale, outputs[::2], labels[::2])
+            * grad(scale, outputs[1::2], labels[1::2]))
 
   return jax.vmap(domain_penalty)(outputs, labels)
 

@@ -83,7 +83,8 @@ def group_dro(network: base.Network, hparams: base.HParams, *,
             GroupDROState(opt_state, q), metrics)
 
   return base.Algorithm(
-      lambda params: GroupDROState(tx.init(params), jnp.ones(num_domains)),
+      lambda params: GroupDROState(
+          tx.init(params), jnp.ones(num_domains, base.model_dtype(params))),
       update)
 
 
@@ -185,7 +186,7 @@ def mldg(network: base.Network, hparams: base.HParams, *, num_domains: int,
     zeros = jax.tree.map(jnp.zeros_like, params)
     # Unrolled, as `base.domain_losses` is: at most num_domains pairs.
     (grads, objective), _ = jax.lax.scan(
-        add_pair, (zeros, jnp.zeros(())),
+        add_pair, (zeros, jnp.zeros((), base.model_dtype(params))),
         meta_pairs(pairs_key, num_domains, n_meta_test, rule), unroll=True)
     grads = jax.tree.map(lambda g: g / num_domains, grads)
     updates, state = tx.update(grads, state, params)
