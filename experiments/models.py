@@ -9,7 +9,7 @@ Train/eval modes follow the NNX convention: a freshly built model is in train
 mode; ``model.eval()`` switches dropout off and makes ``bn_mode="train"``
 BatchNorm use its running statistics; ``model.train()`` switches back.
 
-BatchNorm (ResNets only) has two modes:
+BatchNorm (the ResNets' and DenseNet's) has two modes:
 
 * ``bn_mode="frozen"`` (default, as DomainBed when fine-tuning): normalizes with
   the running statistics in both modes and never updates them. BN scale and
