@@ -34,7 +34,9 @@ and applies them as torchvision's PIL backend does
 brightness, contrast and colour blends for the first three factors (here
 `blend`, equal to Pillow's and computed outside the GIL); a shift of the hue
 channel of Pillow's HSV image by ``uint8(255 * hue)`` levels (modulo 256);
-``convert("L")`` for grayscale.
+``convert("L")`` for grayscale. ``ToTensor`` and ``Normalize`` come last,
+in the training step: the augmented photos are uint8 bytes until then
+(`experiments.training.normalized`, equal to `datasets.normalize`).
 
 The random draws come from a NumPy Generator rather than torch's and Python's
 generators, so the same image gets other crops than in DomainBed, drawn from
@@ -213,8 +215,9 @@ def apply(image: Image.Image, augmentation: PhotoAugmentation,
     size: the side of the square result.
 
   Returns:
-    A float32 ``(size, size, 3)`` array, normalised as
-    `datasets.photo_to_array`.
+    The uint8 ``(size, size, 3)`` pixels, not yet normalised: batches cross
+    to the device as bytes, and the training step normalises them
+    (`experiments.training.normalized`, equal to `datasets.normalize`).
   """
   top, left, height, width = augmentation.crop
   pixels = np.asarray(image.crop((left, top, left + width, top + height))
@@ -228,7 +231,7 @@ def apply(image: Image.Image, augmentation: PhotoAugmentation,
       saturation=adjust_saturation, hue=adjust_hue)
   if augmentation.grayscale:
     pixels = grayscale(pixels)
-  return datasets.normalize(pixels)
+  return pixels
 
 
 def augment_photo(example: datasets.Element, rng: np.random.Generator,
@@ -243,7 +246,8 @@ def augment_photo(example: datasets.Element, rng: np.random.Generator,
     size: the side of the result.
 
   Returns:
-    The example with its image augmented: float32 ``(size, size, 3)``.
+    The example with its image augmented: uint8 ``(size, size, 3)``
+    pixels, normalised in the training step (`apply`).
   """
   image = Image.fromarray(example["image"])
   return {**example,

@@ -42,7 +42,11 @@ LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
 # Fields that say how a run executes, not what it computes: out of its
 # identity and of its records, so that a run resumed with other values is
 # the same run with the same records.
-EXECUTION_FIELDS = ("devices", "num_workers")
+EXECUTION_FIELDS = ("devices", "num_workers", "compile_cache_dir")
+# The environment variable that JAX reads for its persistent compilation
+# cache, and the cache's place under the user's cache directory otherwise.
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+COMPILE_CACHE_SUBDIR = Path("pgrad_jax") / "jax_cache"
 PROG = "python -m experiments.train"
 
 
@@ -142,6 +146,12 @@ class Config:
       "ahead of the training step, and threads that read the evaluation "
       "batches; 0 builds every batch when it is needed. The results do not "
       "depend on it. Default: the CPU cores of this host.")
+  compile_cache_dir: str | None = _field(
+      None, "Where compiled steps are kept for later runs of the same shape "
+      "to load instead of compiling (JAX's persistent compilation cache); "
+      "none: off. Default: $JAX_COMPILATION_CACHE_DIR, else "
+      "$XDG_CACHE_HOME/pgrad_jax/jax_cache, else "
+      "~/.cache/pgrad_jax/jax_cache.")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked.
@@ -321,6 +331,17 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
           f"{records.FINAL_PARAMS_FILE} does, not featurizer weights: start "
           f"from it with --init_params {path} instead.")
   return config.pretrained
+
+
+def compile_cache_path(flag: str | None) -> Path | None:
+  """Where a run keeps its compiled programs (``--compile_cache_dir``'s
+  help), or None for no cache (``none``)."""
+  if flag is not None:
+    return None if flag.lower() == "none" else Path(flag)
+  if os.environ.get(COMPILE_CACHE_ENV):
+    return Path(os.environ[COMPILE_CACHE_ENV])
+  cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+  return Path(cache_home) / COMPILE_CACHE_SUBDIR
 
 
 def _flag_type(annotation: Any) -> Any:

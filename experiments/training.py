@@ -9,12 +9,14 @@ its records in `experiments.records`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,6 +45,13 @@ from experiments import tasks
 from experiments import wilds
 
 CHECKPOINTS_KEPT = 2
+# DomainBed's ToTensor and Normalize (`datasets.normalize`) of every uint8
+# level, by RGB channel: photos cross to the device as uint8 and the step
+# looks their values up here (`normalized`), the same float32 values as on
+# the host. (XLA divides by a constant as a multiplication by its
+# reciprocal, which is a last bit off NumPy's division at some levels.)
+_LEVELS = datasets.normalize(
+    np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, axis=1))
 # Steps timed after the first, before a photo run on a CPU estimates its
 # time; more than ESTIMATE_WARNED_SECONDS of steps is warned about.
 ESTIMATE_STEPS = 2
@@ -100,14 +109,27 @@ def build_model(
   return model
 
 
+def normalized(images: jax.Array) -> jax.Array:
+  """uint8 RGB images as `datasets.normalize` makes them, bit for bit, on
+  the device; other images as they are."""
+  if images.dtype != jnp.uint8:
+    return images
+  return jnp.asarray(_LEVELS)[images.astype(jnp.int32),
+                              jnp.arange(_LEVELS.shape[1])]
+
+
 def make_train_step(
     algorithm: algorithms.Algorithm, key: jax.Array
 ) -> Callable[[TrainState, algorithms.Batches],
               tuple[TrainState, algorithms.Metrics]]:
-  """The jitted step; step ``t`` draws its randomness from fold_in(key, t)."""
+  """The jitted step; step ``t`` draws its randomness from fold_in(key, t).
+
+  uint8 images (augmented photos) are normalised in the step (`normalized`),
+  so that a quarter of float32's bytes cross to the device."""
 
   @jax.jit
   def train_step(state, batches):
+    batches = {**batches, "image": normalized(batches["image"])}
     params, stats, algorithm_state, metrics = algorithm.update(
         state.params, state.stats, state.algorithm_state, batches,
         jax.random.fold_in(key, state.step))
@@ -197,12 +219,29 @@ class Sharder:
              "domain on each")
     return f"batch of {domains} domains x {examples} examples, {where}"
 
-  def batch(self, batch: dict[str, np.ndarray], axis: int) -> Any:
-    """Splits ``axis`` of every leaf over the devices; it must divide."""
+  def _batch_sharding(self, axis: int) -> NamedSharding | None:
     if self.mesh is None:
-      return batch
-    return jax.device_put(
-        batch, NamedSharding(self.mesh, P(*[None] * axis, "data")))
+      return None
+    return NamedSharding(self.mesh, P(*[None] * axis, "data"))
+
+  def batch(self, batch: dict[str, np.ndarray], axis: int) -> Any:
+    """Puts a batch on the devices, ``axis`` of every leaf split over them
+    (it must divide). The copy is asynchronous where the device is not the
+    host's memory: it overlaps a step already running."""
+    sharding = self._batch_sharding(axis)
+    return jax.device_put(batch) if sharding is None else jax.device_put(
+        batch, sharding)
+
+  def abstract_batch(self, example: datasets.Element,
+                     leading: tuple[int, ...]) -> Any:
+    """The shapes, dtypes and layout of `batch`'s result for batches of
+    ``example``-like examples stacked on ``leading`` axes, split on the
+    last of them; for compiling a step before its first batch."""
+    sharding = self._batch_sharding(len(leading) - 1)
+    return {key: jax.ShapeDtypeStruct(leading + np.shape(value),
+                                      jnp.asarray(value).dtype,
+                                      sharding=sharding)
+            for key, value in example.items()}
 
   def replicate(self, tree: Any) -> Any:
     """Copies ``tree`` to every device."""
@@ -263,6 +302,10 @@ def evaluate(
           transform=augment.transform if augmented else None,
           seed=config.seed, step=step):
         count = len(batch["label"])
+        if batch["image"].dtype == np.uint8:
+          # Augmented photos: normalised here, so that one program (of
+          # float32 images, as the test domains') evaluates every domain.
+          batch = {**batch, "image": datasets.normalize(batch["image"])}
         # One batch shape, so one compilation: pad the last batch.
         padded = {k: np.concatenate([v, np.zeros((size - count,) + v.shape[1:],
                                                  v.dtype)])
@@ -285,6 +328,10 @@ def evaluate(
         results[records.env_key(i, "in", "loss")] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
   return results
+
+
+# One dispatch per step for the metric sums, rather than one per metric.
+_add = jax.jit(functools.partial(jax.tree.map, jnp.add))
 
 
 class MetricMeter:
@@ -319,8 +366,7 @@ class MetricMeter:
     return meter
 
   def add(self, metrics: algorithms.Metrics) -> None:
-    self.sums = metrics if self.sums is None else jax.tree.map(
-        jnp.add, self.sums, metrics)
+    self.sums = metrics if self.sums is None else _add(self.sums, metrics)
     self.latest = metrics
     self.count += 1
 
@@ -593,6 +639,55 @@ def _warn_if_long(seconds: float, config: config_lib.Config) -> None:
         "--model or image_size, or fewer --steps take less.", file=sys.stderr)
 
 
+def use_compile_cache(path: Path | None) -> None:
+  """Keeps compiled programs in ``path`` (JAX's persistent compilation
+  cache), for later runs of the same shape to load; None: none kept."""
+  jax.config.update("jax_enable_compilation_cache", path is not None)
+  if path is not None:
+    jax.config.update("jax_compilation_cache_dir", str(path))
+
+
+def _example(dataset: datasets.MultiDomainDataset,
+             augment: augmentation.Augmentation | None,
+             train_domains: Sequence[int],
+             splits: Sequence[input_pipeline.Split]) -> datasets.Element:
+  """A training example as batched: its shapes and dtypes are a batch's."""
+  domain = train_domains[0]
+  index = int(splits[domain][0][0])
+  if augment is None:
+    return dataset.domains[domain][index]
+  return augment.transform(augment.dataset.domains[domain][index],
+                           np.random.default_rng(0))
+
+
+def _compile_while_reading(
+    train_step: Any, state: TrainState, sharder: Sharder,
+    example: datasets.Element, leading: tuple[int, int],
+    read: Callable[[], Any],
+) -> tuple[float, Any]:
+  """Compiles the jitted ``train_step`` for ``state`` and batches of
+  ``example``s in a thread, while this thread reads the first batch, which
+  starts the input workers (the thread that starts them must outlive them:
+  `input_pipeline`). Calls of ``train_step`` then run the compiled program.
+
+  Returns:
+    The seconds compiling took (reading from the persistent compilation
+    cache, where it holds the program), and the batch ``read()`` returned.
+  """
+
+  def compile_step() -> float:
+    start = time.time()
+    train_step.lower(state, sharder.abstract_batch(example, leading)).compile()
+    return time.time() - start
+
+  compile_step = sharder.on_mesh(compile_step)
+
+  with futures.ThreadPoolExecutor(1, thread_name_prefix="compile") as pool:
+    compiling = pool.submit(compile_step)
+    batch = read()
+    return compiling.result(), batch
+
+
 def train(config: config_lib.Config) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
 
@@ -614,6 +709,8 @@ def train(config: config_lib.Config) -> records.Record:
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete.
   """
+  started = time.time()
+  use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
   hparams = config.hyperparameters()
   config.check_devices(hparams)
   resume = config_lib.claim_run_directory(config, hparams)
@@ -719,8 +816,9 @@ def train(config: config_lib.Config) -> records.Record:
   record = written[-1] if written else None
 
   # Stream 1 of the seed; the model's initialisation uses nnx.Rngs(seed).
-  train_step = sharder.on_mesh(make_train_step(
-      algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)))
+  step_program = make_train_step(
+      algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1))
+  train_step = sharder.on_mesh(step_program)
   eval_step = sharder.on_mesh(make_eval_step(network, algorithm.predict))
   sets = eval_sets(splits, config)
   sizes = [len(splits[d][0]) for d in train_domains]
@@ -735,45 +833,59 @@ def train(config: config_lib.Config) -> records.Record:
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
                      lambda: manager), _StopRequests() as stop:
     screen = _Screen(bar, images_per_step)
-    # The first step of this process compiles the step's program: it is
-    # labelled, and timed apart from the training steps.
-    screen.phase("compiling")
-    compiled = False
+    batch = None  # The next step's, on the device.
+    if step < config.steps and not stops_at(config, written, step):
+      screen.phase("compiling")
+      compile_time, batch = _compile_while_reading(
+          step_program, state, sharder, _example(dataset, augment, train_domains,
+                                               splits),
+          (domains_per_step or len(train_domains), hparams["batch_size"]),
+          lambda: sharder.batch(next(train_iter), 1))
+    steps_run = 0  # By this process.
     interval_start = time.time()
     timed = 0  # Training steps timed since interval_start.
     data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
     while step < config.steps and not stops_at(config, written, step):
-      wait_start = time.time()
-      batch = next(train_iter)
-      data_wait += time.time() - wait_start
-      state, metrics = train_step(state, sharder.batch(batch, 1))
+      if batch is None:  # The first step after a checkpoint.
+        wait_start = time.time()
+        batch = sharder.batch(next(train_iter), 1)
+        data_wait += time.time() - wait_start
+      state, metrics = train_step(state, batch)
       # Nothing holds a batch once its step has it: a worker's batch is in
       # shared memory, freed when the last reference goes.
-      del batch
+      batch = None
       meter.add(metrics)
       step += 1
       timed += 1
-      if not compiled:
+      steps_run += 1
+      if steps_run == 1:
         jax.block_until_ready(state)
-        compiled = True
-        first_step_time = time.time() - interval_start
+        time_to_first_step = time.time() - started
         screen.phase("training")
-        interval_start, timed, data_wait = time.time(), 0, 0.0
-      elif timed == ESTIMATE_STEPS and on_cpu_photos:
+        tqdm.tqdm.write(
+            f"Compiled the step in {compile_time:.1f} s; the first step "
+            f"ended {time_to_first_step:.1f} s after the run started.",
+            file=sys.stderr)
+        estimate_start = time.time()
+      elif steps_run == 1 + ESTIMATE_STEPS and on_cpu_photos:
         jax.block_until_ready(state)
-        _warn_if_long((config.steps - step)
-                      * (time.time() - interval_start) / timed, config)
+        _warn_if_long((config.steps - step) * (time.time() - estimate_start)
+                      / ESTIMATE_STEPS, config)
       screen.training(timed, time.time() - interval_start, data_wait)
       bar.update()
       if config.trajectory_freq and step % config.trajectory_freq == 0:
         save_trajectory_point(output_dir, step, state.params)
       scheduled = not step % config.checkpoint_freq or step == config.steps
       if not scheduled and stop.signum is None:
+        # The next step's batch goes to the device while this step runs.
+        # (At a checkpoint none is read ahead: the iterator's state saved
+        # is that of the batches trained on.)
+        wait_start = time.time()
+        batch = sharder.batch(next(train_iter), 1)
+        data_wait += time.time() - wait_start
         continue
       jax.block_until_ready(state)
-      # Where the first step alone is in the interval, its own time.
-      step_time = ((time.time() - interval_start) / timed if timed
-                   else first_step_time)
+      step_time = (time.time() - interval_start) / timed
       if manager is None:
         _start_run_directory(requested, hparams, fingerprint)
         manager = _checkpoint_manager(output_dir)
@@ -783,7 +895,9 @@ def train(config: config_lib.Config) -> records.Record:
           "domains": list(dataset.domain_names), "step": step,
           "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
-          "data_wait_time": data_wait / max(timed, 1),
+          "data_wait_time": data_wait / timed,
+          "compile_time": compile_time,
+          "time_to_first_step": time_to_first_step,
           **evaluate(eval_step, state, dataset, sets, config, sharder,
                      augment)}
       if not scheduled:

@@ -38,7 +38,7 @@ def test_every_config_field_is_a_flag(tmp_path):
            "init_params": "p.npz", "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
            "trajectory_freq": 11, "plateau_check_freq": 12, "devices": 1,
-           "num_workers": 2}
+           "num_workers": 2, "compile_cache_dir": "c"}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
   argv = []
   for name, value in flags.items():

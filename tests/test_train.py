@@ -15,10 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from experiments import config as config_lib
+from experiments import datasets
 from experiments import convergence
 from experiments import records
 from experiments import train
@@ -35,7 +37,8 @@ FLAGS = [
 ]
 NUM_DOMAINS, TRAIN_DOMAINS, B = 6, 2, 3
 # The fields of a record that time the run, which no rerun reproduces.
-TIMING = ("step_time", "data_wait_time")
+TIMING = ("step_time", "data_wait_time", "compile_time",
+          "time_to_first_step")
 
 
 def _command(output_dir):
@@ -74,7 +77,7 @@ def test_run_writes_domainbed_results_and_done(reference):
     assert record["args"]["test_envs"] == [0, 1, 2, 3]
     assert record["domains"] == ["0°", "15°", "30°", "45°", "60°", "75°"]
     assert record["hparams"]["B"] == B and record["hparams"]["batch_size"] == 6
-    for key in ("epoch", "loss", "step_time", "data_wait_time", "ref_norm"):
+    for key in ("epoch", "loss", *TIMING, "ref_norm"):
       assert np.isfinite(record[key]), key
     assert record["num_skipped"] == 0
     for i in range(NUM_DOMAINS):
@@ -355,23 +358,19 @@ def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
 
 
 # Prepended to a train command: the run sends itself SIG once its training
-# step has run CALLS times (the step's program is called; the loop has not
-# seen its result yet), so that the signal lands within that step.
+# step has run CALLS times (its metrics are summed; the loop has not
+# checked for signals yet), so that the signal lands within that step.
 _SIGNAL_IN_STEP = """\
 import os
 from experiments import training
-make = training.make_train_step
-def make_signalling(*args, **kwargs):
-  step = make(*args, **kwargs)
-  calls = []
-  def signalling_step(*step_args):
-    result = step(*step_args)
-    calls.append(1)
-    if len(calls) == {calls}:
-      os.kill(os.getpid(), {sig})
-    return result
-  return signalling_step
-training.make_train_step = make_signalling
+add = training.MetricMeter.add
+calls = []
+def add_and_signal(self, metrics):
+  add(self, metrics)
+  calls.append(1)
+  if len(calls) == {calls}:
+    os.kill(os.getpid(), {sig})
+training.MetricMeter.add = add_and_signal
 """
 
 
@@ -449,6 +448,42 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
     assert message in err, (flags, err)
     assert out == ""
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_the_step_normalises_uint8_photos_as_the_host_does():
+  # Every level in every channel, and each channel's levels in the others'.
+  levels = np.arange(256, dtype=np.uint8)
+  pixels = np.stack([levels, levels[::-1], np.roll(levels, 85)], axis=-1)
+  images = pixels.reshape(2, 2, 8, 8, 3)
+  got = np.asarray(jax.jit(training.normalized)(images))
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, datasets.normalize(images))
+  # torchvision's ToTensor and Normalize, in float64: float32 rounding.
+  expected = (images / 255.0 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+  floats = np.linspace(-1, 1, 12, dtype=np.float32).reshape(1, 1, 2, 2, 3)
+  assert training.normalized(floats) is floats
+
+
+def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
+                                                            tmp_path):
+  monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert config_lib.compile_cache_path(None) == (
+      tmp_path / "xdg" / "pgrad_jax" / "jax_cache")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert config_lib.compile_cache_path(None) == (
+      tmp_path / "home" / ".cache" / "pgrad_jax" / "jax_cache")
+  monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(tmp_path / "env"))
+  assert config_lib.compile_cache_path(None) == tmp_path / "env"
+  assert config_lib.compile_cache_path(str(tmp_path / "flag")) == (
+      tmp_path / "flag")
+  assert config_lib.compile_cache_path("none") is None
+  # Where runs execute, not what they compute: not in their identity.
+  config = config_lib.parse_args(["--compile_cache_dir", "none"])
+  assert config.identity() == config_lib.parse_args([]).identity()
+  assert "compile_cache_dir" not in config.record_args()
 
 
 def test_the_final_line_counts_steps_in_words():

@@ -36,7 +36,8 @@ FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
          "--hparams", '{"batch_size": 2, "image_size": 32}',
          "--eval_examples", "4", "--eval_batch_size", "8",
          "--loss_examples", "4"]
-TIMING = ("step_time", "data_wait_time")
+TIMING = ("step_time", "data_wait_time", "compile_time",
+          "time_to_first_step")
 
 
 @pytest.fixture(name="data_dir", scope="module")
@@ -214,4 +215,5 @@ def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
       seed=config.seed, num_workers=config.num_workers,
       transform=augment.transform))
   assert batch["image"].shape == (3, 33, 224, 224, 3)
-  assert batch["image"].dtype == np.float32
+  # Normalised in the training step (training.normalized).
+  assert batch["image"].dtype == np.uint8
