@@ -523,8 +523,11 @@ class _StopRequests:
 
   def __enter__(self) -> _StopRequests:
     if threading.current_thread() is threading.main_thread():
+      # A signal the run was started ignoring (nohup, a launcher's own
+      # signal) stays ignored.
       self._previous = {s: signal.signal(s, self._handle)
-                        for s in STOP_SIGNALS}
+                        for s in STOP_SIGNALS
+                        if signal.getsignal(s) != signal.SIG_IGN}
     return self
 
   def __exit__(self, *exc_info) -> None:

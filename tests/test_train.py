@@ -450,6 +450,17 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
 
 
+def test_a_signal_the_run_was_started_ignoring_stays_ignored():
+  previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  try:
+    with training._StopRequests():
+      assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+      assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_step_normalises_uint8_photos_as_the_host_does():
   # Every level in every channel, and each channel's levels in the others'.
   levels = np.arange(256, dtype=np.uint8)
