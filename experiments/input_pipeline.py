@@ -168,9 +168,10 @@ def train_batches(
 
   Returns:
     An endless Grain map dataset whose element ``k`` is the batch of step
-    ``start_step + k``: ``{"image": float32 (D, B, H, W, C), "label": (D, B),
-    ...}`` with ``D = len(train_domains)`` (or ``domains_per_step``),
-    ``B = batch_size``.
+    ``start_step + k``: ``{"image": (D, B, H, W, C), "label": (D, B), ...}``
+    with ``D = len(train_domains)`` (or ``domains_per_step``), ``B =
+    batch_size``; the images are float32, or the transform's dtype (uint8
+    for augmented photos, which the training step normalises).
   """
   if not train_domains:
     raise ValueError("train_domains is empty.")
@@ -380,8 +381,8 @@ def eval_batches(
     step: the training step evaluated, which seeds the transform's draws.
 
   Yields:
-    ``{"image": float32 (b, H, W, C), "label": int32 (b,)}`` with
-    ``b <= batch_size``.
+    ``{"image": (b, H, W, C), "label": int32 (b,)}`` with
+    ``b <= batch_size``; float32 images, or the transform's dtype.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be positive: {batch_size}")
