@@ -226,11 +226,14 @@ class Sharder:
 
   def batch(self, batch: dict[str, np.ndarray], axis: int) -> Any:
     """Puts a batch on the devices, ``axis`` of every leaf split over them
-    (it must divide). The copy is asynchronous where the device is not the
-    host's memory: it overlaps a step already running."""
+    (it must divide). The copy is asynchronous on an accelerator: it
+    overlaps a step already running. On one CPU device the batch stays as
+    it is: the step's call copies it, in less time than a put (measured on
+    the digits: 0.5 against 2 ms a step)."""
     sharding = self._batch_sharding(axis)
-    return jax.device_put(batch) if sharding is None else jax.device_put(
-        batch, sharding)
+    if sharding is not None:
+      return jax.device_put(batch, sharding)
+    return batch if jax.default_backend() == "cpu" else jax.device_put(batch)
 
   def abstract_batch(self, example: datasets.Element,
                      leading: tuple[int, ...]) -> Any:
