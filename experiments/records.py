@@ -20,8 +20,15 @@ A *record* is one evaluation::
    "step": int,           # updates done
    "epoch": float,        # steps * batch_size / smallest training in split
    "loss": float,         # mean training loss since the previous record
-   "step_time": float,    # mean seconds per step since the previous record
-   "data_wait_time": float,  # of which waiting for the training batch
+   "step_time": float,    # mean seconds per step since the previous record,
+                          # compiling excepted
+   "data_wait_time": float,  # of which reading the next training batch
+   "compile_time": float,    # seconds compiling the step (a cache hit: less)
+   "time_to_first_step": float,  # from the start of training to the end of
+                          # its first step in this process
+   "interrupted": str,    # only on a record written at SIGINT or SIGTERM
+   "meter": {...},        # with it: the metric sums since the last record,
+                          # carried on when the run resumes
    "env{i}_in_acc", "env{i}_out_acc": float,   # every domain i
    "env{i}_in_loss": float,  # loss on a fixed subset of the in split
    ...}                   # the algorithm's other metrics; for PGrad:

@@ -20,7 +20,10 @@ def _record(step, acc, **args):
 
 def test_first_difference_ignores_only_where_and_how_fast():
   committed = [_record(1, 0.5), _record(2, 0.75)]
-  moved = [{**r, "args": {**r["args"], "output_dir": "b"}, "step_time": 9.0}
+  # Timed again, and by a loop that also times its start (committed records
+  # predate those fields).
+  moved = [{**r, "args": {**r["args"], "output_dir": "b"}, "step_time": 9.0,
+            "compile_time": 3.0, "time_to_first_step": 4.0}
            for r in committed]
   assert rerun.first_difference(committed, moved) is None
   changed = [moved[0], {**moved[1], "env0_in_acc": 0.7500001}]
