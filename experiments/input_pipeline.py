@@ -273,11 +273,6 @@ def _init_worker(worker_index: int, worker_count: int) -> None:
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-# Batches come from the workers pickled through their queues rather than in
-# shared memory: Python's resource tracker counts shared memory that a
-# worker creates and this process frees as leaked, and says so at every
-# exit. A batch is one pipe write and read, while the step runs.
-_PICKLED = grain.experimental.DatasetOptions(min_shm_size=2**62)
 
 
 class _WorkerBatches(grain.DatasetIterator):
@@ -312,10 +307,14 @@ class _WorkerBatches(grain.DatasetIterator):
       flags.FLAGS.mark_as_parsed()
     rest = self._batches[self._next_index:]
     return [
-        iter(grain.experimental.WithOptionsIterDataset(
-            rest[i::self._num_workers].to_iter_dataset(_read_ahead(0)),
-            _PICKLED).mp_prefetch(grain.MultiprocessingOptions(num_workers=1),
-                                  worker_init_fn=_init_worker))
+        # Batches travel in shared memory, not pickled through the
+        # workers' queues: a batch larger than a pipe holds, half written
+        # by a worker when the run stops it, leaves the run waiting at exit
+        # for the rest (tests/test_train_photos.py).
+        iter(rest[i::self._num_workers].to_iter_dataset(
+            _read_ahead(0)).mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=1),
+                worker_init_fn=_init_worker))
         for i in range(self._num_workers)]
 
   def __next__(self) -> dict[str, np.ndarray]:
