@@ -31,14 +31,17 @@ newer than the checkpoint is dropped and recomputed.
 SIGINT (Ctrl-C) and SIGTERM (e.g. SLURM's preemption, or its time limit)
 lose no work: the run finishes its step, evaluates and checkpoints it, and
 exits with status 130 or 143, saying where the rerun resumes; a second
-signal stops it at once, from the last checkpoint. Between the
+signal stops it at once, from the last checkpoint. The loop is never more
+than one step ahead of the device, so that step is at most the one after
+the step running when the signal came; a signal before the first step, or
+once a step is checkpointed, stops the run there. Between the
 ``checkpoint_freq`` steps, the record of such an interrupt is marked
 ``"interrupted"`` (the signal's name) and holds the metrics summed since
 the previous record; the run resumed from it sums on, then deletes that
 checkpoint and record, so that its records and params are those of a run
 never interrupted. The interrupt evaluates, as every checkpoint does, so
 that the record of a run left interrupted reads as any other: ask the
-scheduler for the signal at least a step and an evaluation before the end
+scheduler for the signal at least two steps and an evaluation before the end
 (SLURM: ``--signal=TERM@<seconds>``, its default grace period being 30 s).
 
 Records that contradict themselves or the checkpoints (which no run, even

@@ -515,9 +515,9 @@ class _StopRequests:
   """Catches `STOP_SIGNALS` while a run trains, for it to stop at a step.
 
   The first signal sets ``signum`` (the loop checkpoints the step it is in,
-  then stops); a second raises `Interrupted` at once, which loses the steps
-  since the last checkpoint. Only the main thread receives signals: in
-  another, nothing is caught.
+  if not checkpointed yet, then stops); a second raises `Interrupted` at
+  once, which loses the steps since the last checkpoint. Only the main
+  thread receives signals: in another, nothing is caught.
   """
 
   def __init__(self):
@@ -542,9 +542,9 @@ class _StopRequests:
     if self.signum is not None:
       raise Interrupted(signum)
     self.signum = signum
-    print(f"\n{signal.Signals(signum).name}: finishing this step and "
-          "checkpointing it (again to stop at once, from the last "
-          "checkpoint).", file=sys.stderr)
+    print(f"\n{signal.Signals(signum).name}: stopping once the step in "
+          "progress, if any, is checkpointed (again to stop at once, from "
+          "the last checkpoint).", file=sys.stderr)
 
 
 def _forget_interrupt_checkpoint(
@@ -713,9 +713,19 @@ def train(config: config_lib.Config) -> records.Record:
       data (`datasets.check_run_data`), or the data have problems; nothing
       was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
-      complete.
+      complete; `Interrupted` on a signal of `STOP_SIGNALS`, from its
+      arrival on, once the step in progress (if any) is checkpointed.
   """
   started = time.time()
+  # From the start: a signal before the first step stops the run there.
+  with _StopRequests() as stop:
+    return _train(config, stop, started)
+
+
+def _train(config: config_lib.Config, stop: _StopRequests,
+           started: float) -> records.Record:
+  """`train`'s work, stopped as ``stop`` asks; ``started`` is its start
+  time."""
   use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
   hparams = config.hyperparameters()
   config.check_devices(hparams)
@@ -837,10 +847,15 @@ def train(config: config_lib.Config) -> records.Record:
     save_trajectory_point(output_dir, 0, state.params)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
-                     lambda: manager), _StopRequests() as stop:
+                     lambda: manager):
     screen = _Screen(bar, images_per_step)
     batch = None  # The next step's, on the device.
-    if step < config.steps and not stops_at(config, written, step):
+    # Whether the state holds steps that no checkpoint has (after one
+    # resumed from an interrupt's, deleted, it does): a signal stops the run
+    # at once only where that loses none.
+    unsaved = run is not None and start != manager.latest_step()
+    if (step < config.steps and not stops_at(config, written, step)
+        and (stop.signum is None or unsaved)):
       screen.phase("compiling")
       compile_time, batch = _compile_while_reading(
           step_program, state, sharder, _example(dataset, augment, train_domains,
@@ -848,10 +863,13 @@ def train(config: config_lib.Config) -> records.Record:
           (domains_per_step or len(train_domains), hparams["batch_size"]),
           lambda: sharder.batch(next(train_iter), 1))
     steps_run = 0  # By this process.
+    in_flight = None  # The metrics of the step dispatched before this one.
     interval_start = time.time()
     timed = 0  # Training steps timed since interval_start.
     data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
     while step < config.steps and not stops_at(config, written, step):
+      if stop.signum is not None and not unsaved:
+        break
       if batch is None:  # The first step after a checkpoint.
         wait_start = time.time()
         batch = sharder.batch(next(train_iter), 1)
@@ -861,6 +879,13 @@ def train(config: config_lib.Config) -> records.Record:
       # shared memory, freed when the last reference goes.
       batch = None
       meter.add(metrics)
+      # At most this step runs ahead of the loop: left to itself, JAX
+      # dispatches all the steps to the next checkpoint before the device
+      # has run them, and a signal meanwhile stopped the run only there
+      # (or let it finish), that many steps later.
+      jax.block_until_ready(in_flight)
+      in_flight = metrics
+      unsaved = True
       step += 1
       timed += 1
       steps_run += 1
@@ -919,15 +944,15 @@ def train(config: config_lib.Config) -> records.Record:
       manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=grain.checkpoint.CheckpointSave(train_iter)))
+      unsaved = False
       screen.results(record, config.test_envs)
       screen.phase("training")
-      if stop.signum is not None:
-        break
       meter = MetricMeter()
       interval_start, timed, data_wait = time.time(), 0, 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
-  manager.wait_until_finished()
-  manager.close()
+  if manager is not None:  # None: stopped before a fresh run's first step.
+    manager.wait_until_finished()
+    manager.close()
   if stop.signum is not None and step < config.steps and not stops_at(
       config, written, step):
     raise Interrupted(stop.signum)

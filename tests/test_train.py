@@ -414,6 +414,104 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
           == [comparable(r) for r in read_records(reference)])
 
 
+# Prepended to a train command: from step CALLS on, each step computes for
+# a while longer on the device (its results unchanged bit for bit), and SIG
+# comes DELAY seconds after the loop has dispatched step CALLS. JAX lets the
+# loop run ahead of the device, so without a bound the loop has dispatched
+# every step to the next checkpoint by then.
+_SIGNAL_WHILE_THE_DEVICE_LAGS = """\
+import os, threading
+import jax, jax.numpy as jnp
+from experiments import training
+make_train_step = training.make_train_step
+def busy(_):
+  matrix = jnp.full((400, 400), 1 / 400, jnp.float32)
+  return jax.lax.fori_loop(0, 300, lambda _, m: jnp.tanh(m @ m), matrix)[0, 0]
+def make_lagging_step(algorithm, key):
+  train_step = make_train_step(algorithm, key)
+  @jax.jit
+  def lagging_step(state, batches):
+    # tanh is at most 1: the step is unchanged, but waits for the product.
+    over = jax.lax.cond(state.step >= {calls} - 1, busy,
+                        lambda _: jnp.zeros((), jnp.float32), state) > 2
+    state, metrics = train_step(state, batches)
+    return state._replace(step=jnp.where(over, 0, state.step)), metrics
+  return lagging_step
+training.make_train_step = make_lagging_step
+add = training.MetricMeter.add
+calls = []
+def add_and_signal_later(self, metrics):
+  add(self, metrics)
+  calls.append(1)
+  if len(calls) == {calls}:
+    threading.Timer({delay}, os.kill, (os.getpid(), {sig})).start()
+training.MetricMeter.add = add_and_signal_later
+"""
+
+
+def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
+    reference, tmp_path):
+  # The case reported: a SIGTERM while the device was still on the steps
+  # after a checkpoint, which the loop had all dispatched, was acknowledged,
+  # and the run trained to the end and exited 0. The run now keeps at most
+  # the next step in flight: it stops within a step or two of the device.
+  freq, stop = 5, 6
+  output_dir = tmp_path / "run"
+  command = [*_command(output_dir), "--checkpoint_freq", str(freq)]
+  stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
+      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), command)
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  run = records.read_run(output_dir)
+  assert stop <= run.checkpoint_step < STEPS, run.checkpoint_step
+  assert stopped.stderr.endswith(
+      f"stopped by SIGTERM; checkpoint at step {run.checkpoint_step} in "
+      f"{output_dir}; rerun the same command to resume from it.\n"
+  ), stopped.stderr
+  assert [r["step"] for r in run.records] == [freq, run.checkpoint_step]
+
+  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                           check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  assert records.checkpoint_steps(output_dir) == [freq, STEPS]
+
+
+# Prepended to a train command: the run sends itself SIG as it calls
+# MODULE.FUNCTION.
+_SIGNAL_ON_CALL = """\
+import importlib, os
+module = importlib.import_module("{module}")
+function = module.{function}
+def signal_and_call(*args, **kwargs):
+  os.kill(os.getpid(), {sig})
+  return function(*args, **kwargs)
+module.{function} = signal_and_call
+"""
+
+
+@pytest.mark.parametrize("module, function", [
+    ("experiments.input_pipeline", "make_train_iterator"),  # Setting up.
+    ("experiments.training", "_compile_while_reading"),  # Compiling.
+])
+def test_a_signal_before_the_first_step_stops_there(tmp_path, module,
+                                                     function):
+  output_dir = tmp_path / "run"
+  stopped = run_after(_SIGNAL_ON_CALL.format(
+      module=module, function=function, sig=int(signal.SIGTERM)),
+                      _command(output_dir))
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  assert stopped.stderr.endswith(
+      "stopped by SIGTERM; no checkpoint yet; rerun the same command to "
+      "start again.\n"), stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  assert "the first step ended" not in stopped.stderr
+  assert not output_dir.exists() or not any(output_dir.iterdir())
+
+
 def test_flags_that_cannot_run_are_usage_errors_before_any_work(
     tmp_path, capsys):
   a_file = tmp_path / "notes.txt"
