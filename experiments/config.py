@@ -419,6 +419,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
   try:
     config = config.resolve()
     config.check_devices(config.hyperparameters())
+    # Checked here rather than in `Config.resolve`: a sweep lists runs whose
+    # --init_params an earlier phase of it writes.
+    if config.init_params is not None and not Path(
+        config.init_params).is_file():
+      raise UsageError(f"--init_params {config.init_params}: no such file; "
+                       f"pass a run's {records.FINAL_PARAMS_FILE}.")
   except UsageError as e:
     parser.error(str(e))
   return config

@@ -28,14 +28,16 @@ from test_train import REPO, read_records
 
 
 def test_every_config_field_is_a_flag(tmp_path):
-  weights = tmp_path / "w.npz"  # --pretrained must exist.
+  weights = tmp_path / "w.npz"  # --pretrained and --init_params must exist.
   weights.touch()
+  params = tmp_path / "p.npz"
+  params.touch()
   flags = {"dataset": "PACS", "algorithm": "Fishr", "test_envs": [1, 2],
            "data_dir": "d", "output_dir": "o", "overwrite": True, "steps": 7,
            "checkpoint_freq": 3, "seed": 4, "hparams_seed": 5,
            "trial_seed": 6, "holdout_fraction": 0.3, "hparams": '{"ema": 0.9}',
            "model": "resnet18", "pretrained": str(weights),
-           "init_params": "p.npz", "eval_examples": 8,
+           "init_params": str(params), "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
            "trajectory_freq": 11, "plateau_check_freq": 12, "devices": 1,
            "num_workers": 2, "compile_cache_dir": "c"}
@@ -83,7 +85,10 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
     (["--dataset", "PACS", "--pretrained", "none"], "none"),
     (["--pretrained", "none"], None),
 ])
-def test_pretrained_defaults_follow_the_references(flags, pretrained):
+def test_pretrained_defaults_follow_the_references(flags, pretrained,
+                                                  tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "p.npz").touch()  # --init_params must exist.
   config = config_lib.parse_args(flags)
   assert config.pretrained == pretrained
   assert config.resolve().pretrained == pretrained  # Resolved once for all.
@@ -99,6 +104,8 @@ def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
        "no such file or directory. Pass imagenet"),
       (["--pretrained", str(params)], f"--init_params {params} instead"),
       (["--pretrained", "imagenet"], "no ImageNet weights of mnist_cnn"),
+      (["--init_params", str(tmp_path / "nope.npz")],
+       f"no such file; pass a run's {records.FINAL_PARAMS_FILE}"),
   ]:
     with pytest.raises(SystemExit) as exit_info:
       config_lib.parse_args(flags)
