@@ -418,15 +418,24 @@ def wait_for_progress(run, steps, timeout_s=60):
     time.sleep(0.05)
 
 
-@pytest.mark.slow
-def test_slurm_preempted_job_is_requeued_and_resumes(
-    tmp_path, train_command, monkeypatch):
+def start_slurm_sweep_past_step_3(tmp_path, train_command, monkeypatch,
+                                  steps):
+  """A 2-run slurm sweep of ``steps`` fake steps launched in a thread, once
+  its first run has trained 3 steps; its flags, runs, thread and result."""
   monkeypatch.setenv("FAKE_STEP_S", "0.1")
   flags = slurm_flags(tmp_path, train_command, n_hparams=1) + [
-      "--steps", "30"]
+      "--steps", str(steps)]
   runs = sweep.runs_for(sweep.parse_args(flags))
   thread, result = run_in_thread(sweep.main, flags)
   wait_for_progress(runs[0], 3)
+  return flags, runs, thread, result
+
+
+@pytest.mark.slow
+def test_slurm_preempted_job_is_requeued_and_resumes(
+    tmp_path, train_command, monkeypatch):
+  _, runs, thread, result = start_slurm_sweep_past_step_3(
+      tmp_path, train_command, monkeypatch, steps=30)
   # SLURM's warning of preemption, to the job's process (the training's
   # parent); SLURM then requeues the job, as the local executor does.
   os.kill(launches(runs[0])[0]["ppid"], signal.SIGUSR2)
@@ -444,12 +453,8 @@ def test_slurm_preempted_job_is_requeued_and_resumes(
 @pytest.mark.slow
 def test_slurm_killed_job_resumes_when_submitted_again(
     tmp_path, train_command, monkeypatch, capsys):
-  monkeypatch.setenv("FAKE_STEP_S", "0.1")
-  flags = slurm_flags(tmp_path, train_command, n_hparams=1) + [
-      "--steps", "20"]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  thread, result = run_in_thread(sweep.main, flags)
-  wait_for_progress(runs[0], 3)
+  flags, runs, thread, result = start_slurm_sweep_past_step_3(
+      tmp_path, train_command, monkeypatch, steps=20)
   os.kill(launches(runs[0])[0]["pid"], signal.SIGKILL)
   thread.join(timeout=120)
   assert result == [1]
