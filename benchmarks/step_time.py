@@ -8,7 +8,12 @@ rollout uses), so "ratio to rollout" is what PGrad's principal components
 cost on top. Fish keeps only the rollout's end point, so it can come in under
 the bare rollout. A PGrad-B update is also split into its parts, each jitted
 and timed on its own: rollout (storing the trajectory), Gram matrix, the
-``m x m`` eigendecomposition and coefficients, and the weighted sum.
+``m x m`` eigendecomposition and coefficients, and the weighted sum
+(projection). The Gram matrix and the projection each read the whole
+trajectory once, so they also report that read's rate, trajectory bytes per
+second, to set against the device's memory bandwidth. Where the trajectory
+is contiguous (one GPU, ``pgrad_jax._src.layout``), both are also timed on
+the same trajectory stored leaf by leaf, the layout it replaces there.
 
 DANN and MLDG, the baselines the paper's appendix times against PGrad-B, are
 the study's own updates (``experiments.algorithms``) with DomainBed's default
@@ -35,12 +40,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
 import pgrad_jax
 from benchmarks import common
 from pgrad_jax._src import principal
+from pgrad_jax._src import trajectory as trajectory_lib
 
 INNER_LR = 1e-3
 # The experiments' algorithms timed beside PGrad-B, by their names here, with
@@ -198,12 +205,16 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
   return calls
 
 
-def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
-  """Zero-argument calls for the four parts of a PGrad-B update."""
+def split_calls(methods: Methods, params, batches,
+                unroll) -> tuple[dict[str, Any], int]:
+  """Zero-argument calls for the four parts of a PGrad-B update (and the
+  leaf-by-leaf Gram matrix and projection, where the trajectory is
+  contiguous), and the trajectory's size in bytes."""
   args = methods.args
   step, inner_state = methods.rollout(unroll, trajectory=True)
   inner_state = common.place(inner_state, methods.mesh)
   displacements = step(params, inner_state, batches).displacements
+  trajectory_bytes = common.num_bytes(displacements)
   gram = jax.jit(pgrad_jax.gram)
   centring = principal.centring_matrix(displacements)
 
@@ -222,12 +233,26 @@ def split_calls(methods: Methods, params, batches, unroll) -> dict[str, Any]:
   small = eigh_to_weights(gram_matrix)
   project_back = jax.jit(lambda small, d: principal.project_back(
       *small, centring, d))
-  return {
+  calls = {
       "rollout (with trajectory)": lambda: step(params, inner_state, batches),
       "gram": lambda: gram(displacements),
       "eigh (m x m)": lambda: eigh_to_weights(gram_matrix),
       "projection": lambda: project_back(small, displacements),
   }
+  if isinstance(displacements, trajectory_lib.ContiguousTrajectory):
+    steps = trajectory_lib.num_steps(displacements)
+    leaf_by_leaf = jax.jit(lambda d: jax.tree.map(
+        lambda *points: jnp.stack(points),
+        *[trajectory_lib.point(d, i) for i in range(steps)]))(displacements)
+    calls["gram (leaf by leaf)"] = lambda: gram(leaf_by_leaf)
+    calls["projection (leaf by leaf)"] = lambda: project_back(small,
+                                                              leaf_by_leaf)
+  return calls, trajectory_bytes
+
+
+def reads_trajectory(part: str) -> bool:
+  """Whether a part of the split reads the whole trajectory once."""
+  return part.startswith(("gram", "projection"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,11 +301,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timings[name] = common.Timing(
         timings[name].compile_ms, [t / cycle for t in timings[name].times_ms])
 
-  split = {}
+  split, trajectory_bytes = {}, None
   if not (args.no_split or args.compare_unroll):
-    split = common.time_interleaved(
-        split_calls(methods, params, batches, unrolls[0]), args.repeats,
-        args.warmup)
+    parts, trajectory_bytes = split_calls(methods, params, batches,
+                                          unrolls[0])
+    split = common.time_interleaved(parts, args.repeats, args.warmup)
 
   erm_ms = timings["erm"].median_ms
   results = {}
@@ -304,9 +329,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           "unroll_default": common.unroll_name(default),
           "unrolls": [common.unroll_name(u) for u in unrolls],
           "inner_opt": f"adam({INNER_LR})",
+          "trajectory_bytes": trajectory_bytes,
       },
       "results": results,
-      "split": {name: t.as_dict() | {"share_of_update": t.median_ms / update_ms}
+      "split": {name: t.as_dict() | {
+          "share_of_update": t.median_ms / update_ms,
+          "read_gb_per_s": (trajectory_bytes / t.median_ms / 1e6
+                            if reads_trajectory(name) else None)}
                 for name, t in split.items()},
   }
 
@@ -327,8 +356,10 @@ def report(record: dict[str, Any]) -> str:
   ]
   if record["split"]:
     lines.append(common.format_table(
-        ["part of pgrad-B", "median ms", "share of update"],
-        [[name, r["median_ms"], r["share_of_update"]]
+        ["part of pgrad-B", "median ms", "share of update",
+         "trajectory read GB/s"],
+        [[name, r["median_ms"], r["share_of_update"],
+          "" if r.get("read_gb_per_s") is None else r["read_gb_per_s"]]
          for name, r in record["split"].items()]))
   return "\n\n".join(lines)
 

@@ -12,8 +12,16 @@ rollout and the trajectory take the :class:`TrajectoryLayout` it returns.
   by its transpose on one thread, after copying it transposed; interleaved
   (``trajectory.py``), the Gram matrix needs no copy and runs about twice as
   fast (2-core CPU, 4.2M-parameter MLP, 16 points: 40 ms against 77 ms).
-  Only on a single CPU device: GPU and TPU libraries multiply stacked leaves
-  well, and slicing a leaf sharded over several devices would gather it.
+  Only on a single CPU device: slicing a leaf sharded over several devices
+  would gather it.
+* **Contiguity.** On a single GPU the whole trajectory is one ``(s, n)``
+  array (``trajectory.py``), so that the Gram matrix and the projection are
+  one product each over all ``n`` parameters rather than one per leaf: a
+  ResNet-50's 161 leaves made 161 small products that read the trajectory at
+  about a fifteenth of the memory bandwidth (docs/design.md gives the
+  measurements). Not on CPU, where the interleaved layout is faster, nor on
+  TPU, whose (8, 128) tiles would pad the ``s`` rows of one array (9 to 16 in
+  the paper's setting) where stacked leaves pad nothing.
 """
 
 import dataclasses
@@ -38,16 +46,23 @@ class TrajectoryLayout:
     interleave_block: None: every leaf is stored stacked. Else a block size
       ``c``: each float32 or float64 leaf whose size ``c`` divides is stored
       interleaved (``trajectory.py``).
+    contiguous: store the whole trajectory as one ``(s, n)`` array, when
+      every leaf is stored in one dtype (else as ``interleave_block`` says);
+      it takes precedence over ``interleave_block``.
   """
 
   unroll: int | bool = 1
   interleave_block: int | None = None
+  contiguous: bool = False
 
   def __post_init__(self):
     if self.unroll is not True:
       validation.positive_int("unroll", self.unroll)
     if self.interleave_block is not None:
       validation.positive_int("interleave_block", self.interleave_block)
+    if not isinstance(self.contiguous, bool):
+      raise ValueError(
+          f"contiguous must be True or False; got {self.contiguous!r}.")
 
 
 def has_convolution(jaxpr: Any) -> bool:
@@ -73,6 +88,7 @@ def default_layout(loss_jaxpr: Any,
   on_cpu = jax.default_backend() == "cpu"
   if unroll is None:
     unroll = True if on_cpu and has_convolution(loss_jaxpr) else 1
-  one_cpu_device = on_cpu and jax.device_count() == 1
+  one_device = jax.device_count() == 1
   return TrajectoryLayout(
-      unroll, CPU_INTERLEAVE_BLOCK if one_cpu_device else None)
+      unroll, CPU_INTERLEAVE_BLOCK if on_cpu and one_device else None,
+      contiguous=one_device and jax.default_backend() == "gpu")

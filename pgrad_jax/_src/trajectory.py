@@ -1,15 +1,24 @@
-"""The stored trajectory: displacements from theta_0, in one of two layouts.
+"""The stored trajectory: displacements from theta_0, in one of three layouts.
 
 A rollout stores each point ``theta_i`` as its displacement
 ``D_i = theta_i - theta_0``: small numbers, whose Gram matrix is free of the
-float32 cancellation the raw points would suffer. ``layout.py`` chooses how
-each leaf is stored: **stacked**, ``(s, *leaf_shape)`` for the ``s = m - 1``
-steps, keeping the leaf's own axes so that a sharded leaf stays sharded, or
-**interleaved** (:class:`InterleavedLeaf`).
+float32 cancellation the raw points would suffer. ``layout.py`` chooses the
+layout: the whole trajectory **contiguous** (:class:`ContiguousTrajectory`),
+or leaf by leaf, each leaf **stacked**, ``(s, *leaf_shape)`` for the
+``s = m - 1`` steps, keeping the leaf's own axes so that a sharded leaf stays
+sharded, or **interleaved** (:class:`InterleavedLeaf`).
+
+The products over the trajectory ask for full float32 precision: left to its
+default, XLA:GPU may multiply float32 in TensorFloat-32 (10-bit mantissas),
+which would perturb the Gram matrix, and so the principal axes, by about
+1e-3. They read the trajectory once and are bound by memory, not arithmetic,
+so full precision costs no time (docs/design.md).
 """
 
 import dataclasses
 import functools
+import itertools
+import math
 from typing import Any
 
 import jax
@@ -41,6 +50,36 @@ class InterleavedLeaf:
   shape: tuple[int, ...]
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows"],
+                   meta_fields=["treedef", "shapes"])
+@dataclasses.dataclass(frozen=True)
+class ContiguousTrajectory:
+  """A whole trajectory as one array: row ``i`` is ``D_{i+1}``, the leaves of
+  the displacement flattened and concatenated in pytree order.
+
+  Attributes:
+    rows: ``(s, n)``, ``n`` the number of parameters.
+    treedef: the params' tree structure.
+    shapes: the shape of each leaf of one point, in pytree order.
+  """
+
+  rows: jax.Array
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+
+  def unflatten(self, vector: jax.Array) -> Any:
+    """A pytree like one point from an ``(n,)`` vector in its layout."""
+    sizes = [math.prod(shape) for shape in self.shapes]
+    pieces = jnp.split(vector, list(itertools.accumulate(sizes))[:-1])
+    return jax.tree.unflatten(
+        self.treedef,
+        [piece.reshape(shape) for piece, shape in zip(pieces, self.shapes)])
+
+
+def _flatten(tree: Any) -> jax.Array:
+  return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
 def _is_interleaved(x: Any) -> bool:
   return isinstance(x, InterleavedLeaf)
 
@@ -57,6 +96,10 @@ def _accumulation_dtype(dtype) -> Any:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+# See the module docstring.
+_FULL_PRECISION = jax.lax.Precision.HIGHEST
+
+
 def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
              dtype=None) -> Any:
   """A buffer of ``num_steps`` zero displacements like ``params``, which the
@@ -65,12 +108,20 @@ def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
   Args:
     params: ``theta_0``.
     num_steps: ``s``, the points after ``theta_0``.
-    layout: which leaves are interleaved.
+    layout: contiguous, or which leaves are interleaved.
     dtype: the stored dtype; None keeps each leaf's.
 
   Returns:
-    A pytree like ``params`` of stacked arrays and ``InterleavedLeaf``.
+    A :class:`ContiguousTrajectory`, or a pytree like ``params`` of stacked
+    arrays and ``InterleavedLeaf``.
   """
+  leaves, treedef = jax.tree.flatten(params)
+  stored_dtypes = {jnp.dtype(dtype or jnp.result_type(x)) for x in leaves}
+  if layout.contiguous and len(stored_dtypes) == 1:
+    rows = jnp.zeros((num_steps, sum(jnp.size(x) for x in leaves)),
+                     stored_dtypes.pop())
+    return ContiguousTrajectory(rows, treedef,
+                                tuple(tuple(jnp.shape(x)) for x in leaves))
   block = layout.interleave_block
 
   def leaf_zeros(leaf):
@@ -96,6 +147,11 @@ def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
 
 def write(trajectory: Any, step, displacement: Any) -> Any:
   """Stores ``displacement`` (a pytree like the params) as step ``step``."""
+  if isinstance(trajectory, ContiguousTrajectory):
+    rows = trajectory.rows
+    return dataclasses.replace(trajectory, rows=(
+        jax.lax.dynamic_update_index_in_dim(
+            rows, _flatten(displacement).astype(rows.dtype), step, 0)))
 
   def write_stacked(buffer, x):
     return jax.lax.dynamic_update_index_in_dim(buffer, x.astype(buffer.dtype),
@@ -113,6 +169,8 @@ def write(trajectory: Any, step, displacement: Any) -> Any:
 
 def point(trajectory: Any, step: int) -> Any:
   """The displacement stored at ``step`` (negative counts from the end)."""
+  if isinstance(trajectory, ContiguousTrajectory):
+    return trajectory.unflatten(trajectory.rows[step])
   return _map(
       lambda x: x[step],
       lambda leaf: leaf.blocks[:, 1:][:, step].reshape(leaf.shape),
@@ -121,6 +179,8 @@ def point(trajectory: Any, step: int) -> Any:
 
 def num_steps(trajectory: Any) -> int:
   """``s``, the points stored after ``theta_0``."""
+  if isinstance(trajectory, ContiguousTrajectory):
+    return trajectory.rows.shape[0]
   leaf = jax.tree.leaves(trajectory, is_leaf=_is_interleaved)[0]
   return leaf.blocks.shape[1] - 1 if _is_interleaved(leaf) else leaf.shape[0]
 
@@ -129,8 +189,9 @@ def gram(trajectory: Any) -> jax.Array:
   """The Gram matrix ``K[i, j] = <D_i, D_j>`` of the stored steps (without
   theta_0's zero row and column), leaf by leaf.
 
-  Accumulated in at least float32. A stacked leaf is contracted over its own
-  axes, never reshaped; an interleaved leaf is a batch of tiles.
+  Accumulated in at least float32, at full precision. A contiguous
+  trajectory is one product; a stacked leaf is contracted over its own axes,
+  never reshaped; an interleaved leaf is a batch of tiles.
 
   Args:
     trajectory: displacements as :func:`allocate` lays them out, or any
@@ -145,6 +206,11 @@ def gram(trajectory: Any) -> jax.Array:
     >>> gram({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}).tolist()
     [[5.0, 11.0], [11.0, 25.0]]
   """
+  if isinstance(trajectory, ContiguousTrajectory):
+    rows = trajectory.rows
+    return jax.lax.dot_general(
+        rows, rows, (((1,), (1,)), ((), ())), precision=_FULL_PRECISION,
+        preferred_element_type=_accumulation_dtype(rows.dtype))
 
   def stacked_gram(x):
     axes = tuple(range(1, x.ndim))
@@ -157,13 +223,14 @@ def gram(trajectory: Any) -> jax.Array:
                                               jax.sharding.PartitionSpec())
     return jax.lax.dot_general(
         x, x, ((axes, axes), ((), ())),
+        precision=_FULL_PRECISION,
         preferred_element_type=_accumulation_dtype(x.dtype),
         out_sharding=replicated)
 
   def interleaved_gram(leaf):
     b = leaf.blocks
     tiles = jax.lax.dot_general(
-        b, b, (((2,), (2,)), ((0,), (0,))),
+        b, b, (((2,), (2,)), ((0,), (0,))), precision=_FULL_PRECISION,
         preferred_element_type=_accumulation_dtype(b.dtype))
     return tiles.sum(axis=0)[1:, 1:]
 
@@ -173,11 +240,17 @@ def gram(trajectory: Any) -> jax.Array:
 
 def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
   """``sum_i beta_i D_i`` leaf by leaf, in each point's shape and dtype,
-  accumulated in at least float32."""
+  accumulated in at least float32, at full precision."""
+  if isinstance(trajectory, ContiguousTrajectory):
+    rows = trajectory.rows
+    total = jnp.tensordot(beta.astype(_accumulation_dtype(rows.dtype)), rows,
+                          axes=1, precision=_FULL_PRECISION)
+    return trajectory.unflatten(total.astype(rows.dtype))
 
   def stacked_sum(x):
     acc = _accumulation_dtype(x.dtype)
-    return jnp.tensordot(beta.astype(acc), x, axes=1).astype(x.dtype)
+    return jnp.tensordot(beta.astype(acc), x, axes=1,
+                         precision=_FULL_PRECISION).astype(x.dtype)
 
   def interleaved_sum(leaf):
     b = leaf.blocks

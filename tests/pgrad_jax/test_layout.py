@@ -41,6 +41,7 @@ def test_default_layout_on_one_cpu_device():
   block = layout_lib.CPU_INTERLEAVE_BLOCK
   assert conv == pgrad_jax.TrajectoryLayout(unroll=True,
                                             interleave_block=block)
+  assert not conv.contiguous  # Only on one GPU.
   assert dense == pgrad_jax.TrajectoryLayout(unroll=1, interleave_block=block)
 
 
@@ -61,6 +62,7 @@ def test_layout_is_a_hashable_value():
     (dict(unroll=1.5), "unroll must be a positive integer"),
     (dict(interleave_block=0), "interleave_block must be a positive integer"),
     (dict(interleave_block=True), "interleave_block must be a positive"),
+    (dict(contiguous=1), "contiguous must be True or False"),
 ])
 def test_layout_rejects_bad_values(kw, match):
   with pytest.raises(ValueError, match=match):

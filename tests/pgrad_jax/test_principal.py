@@ -36,12 +36,12 @@ def numpy_gram(tree):
   return flat @ flat.T
 
 
-def stored(tree, block):
+def stored(tree, block, contiguous=False):
   """The stacked trajectory ``tree`` written as a rollout with ``block``
-  would store it."""
+  (and ``contiguous``) would store it."""
   points = jax.tree.map(lambda x: x[0], tree)
   steps = jax.tree.leaves(tree)[0].shape[0]
-  out = trajectory_lib.allocate(points, steps, Layout(1, block))
+  out = trajectory_lib.allocate(points, steps, Layout(1, block, contiguous))
   for i in range(steps):
     out = trajectory_lib.write(out, i, jax.tree.map(lambda x: x[i], tree))
   return out
@@ -87,6 +87,42 @@ def test_gram_and_weighted_sum_of_either_layout_match_numpy(block):
                                rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("block", [None, 2])
+def test_contiguous_trajectory_matches_numpy(block):
+  disp = random_trajectory(steps=6, seed=4)
+  beta = np.random.default_rng(5).standard_normal(6)
+  with jax.enable_x64(True):
+    tree = stored(jax.tree.map(jnp.asarray, disp), block, contiguous=True)
+    # One (s, n) array, whatever the block; leaves in pytree order.
+    assert isinstance(tree, trajectory_lib.ContiguousTrajectory)
+    np.testing.assert_array_equal(
+        np.asarray(tree.rows),
+        np.concatenate([disp[name].reshape(6, -1) for name in sorted(SHAPES)],
+                       axis=1))
+    unstacked = stacked(tree)
+    got = jax.jit(pgrad_jax.gram)(tree)
+    summed = jax.jit(trajectory_lib.weighted_sum)(jnp.asarray(beta), tree)
+  for name in SHAPES:
+    np.testing.assert_array_equal(np.asarray(unstacked[name]), disp[name])
+  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
+  for name, shape in SHAPES.items():
+    assert summed[name].shape == shape and summed[name].dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(summed[name]),
+                               np.tensordot(beta, disp[name], axes=1),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_contiguous_needs_one_stored_dtype():
+  params = {"w": jnp.zeros((4, 8), jnp.float32),
+            "h": jnp.zeros((3,), jnp.bfloat16)}
+  layout = Layout(1, None, contiguous=True)
+  mixed = trajectory_lib.allocate(params, 3, layout)
+  assert mixed["w"].shape == (3, 4, 8) and mixed["h"].dtype == jnp.bfloat16
+  narrow = trajectory_lib.allocate(params, 3, layout, jnp.bfloat16)
+  assert isinstance(narrow, trajectory_lib.ContiguousTrajectory)
+  assert narrow.rows.shape == (3, 35) and narrow.rows.dtype == jnp.bfloat16
+
+
 def test_interleaved_float32_accumulates_and_keeps_dtype():
   disp = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
                       random_trajectory())
@@ -123,7 +159,8 @@ def flat(tree):
 
 
 @pytest.mark.parametrize("layout", [Layout(1, None), Layout(True, None),
-                                    Layout(1, 2), Layout(True, 3)], ids=str)
+                                    Layout(1, 2), Layout(True, 3),
+                                    Layout(1, None, True)], ids=str)
 def test_principal_gradient_matches_numpy_oracle(layout):
   # Block 2 interleaves both leaves (sizes 6 and 2), block 3 only w.
   schedule = oracle.fixed_schedule(3, 3)

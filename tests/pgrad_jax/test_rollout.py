@@ -26,7 +26,8 @@ def dense_loss(params, batch):
 
 @pytest.mark.parametrize("layout", [
     Layout(1, None), Layout(2, None), Layout(True, None), Layout(1, 2),
-    Layout(2, 3), Layout(True, 2)], ids=str)
+    Layout(2, 3), Layout(True, 2), Layout(1, None, True),
+    Layout(True, 2, True)], ids=str)
 def test_trajectory_matches_plain_python_steps(layout):
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.standard_normal((3, 2)), jnp.float32)}
@@ -45,8 +46,12 @@ def test_trajectory_matches_plain_python_steps(layout):
                           batches, domains, chunks,
                           pgrad_jax.RolloutOptions(B=2),
                           layout=layout)
-  stored = out.displacements["w"]
   block = layout.interleave_block
+  if layout.contiguous:
+    assert out.displacements.rows.shape == (4, 6)
+    block = None
+  stored = stacked(out.displacements)["w"] if layout.contiguous else (
+      out.displacements["w"])
   assert isinstance(stored, trajectory_lib.InterleavedLeaf) == (
       block is not None)
   if block is not None:
@@ -92,7 +97,8 @@ def test_rollout_without_trajectory_keeps_the_end(unroll, parallel):
 
 
 @pytest.mark.parametrize("layout", [Layout(1, None), Layout(1, 1024),
-                                    Layout(True, 1024)], ids=str)
+                                    Layout(True, 1024),
+                                    Layout(1, None, True)], ids=str)
 def test_same_shaped_leaves_get_their_own_trajectory_buffers(layout):
   # XLA merges equal zero broadcasts; the loop writing two trajectories in
   # place would then copy the merged buffer. No trajectory-shaped copy here.
@@ -112,7 +118,8 @@ def test_same_shaped_leaves_get_their_own_trajectory_buffers(layout):
     return pgrad_jax.principal_gradient(out.displacements, 2).update
 
   hlo = jax.jit(update).lower(params).compile().as_text()
-  shape = "6,64,64" if layout.interleave_block is None else "4,7,1024"
+  shape = ("6,12288" if layout.contiguous else
+           "6,64,64" if layout.interleave_block is None else "4,7,1024")
   entry = hlo[hlo.index("ENTRY"):]
   copies = [line for line in entry.splitlines()
             if f"f32[{shape}]" in line and " copy(" in line]
