@@ -3,7 +3,7 @@
 # end against its update (ResNet-50 at 224 px on a PACS-sized folder of 672
 # JPEGs; steps 31-60 steady), the step time of ResNet-50 at 224 px in the
 # paper's DomainBed setting (3 domains x 33 examples, B = 3, k = 4) with its
-# split into parts, the Gram matrix's precision, then ResNet-18, ResNet-50
+# split into parts, the products over its trajectory, then ResNet-18, ResNet-50
 # with six times the examples (66-image inner steps, where the GPU is busier),
 # the MLP, the MNIST CNN, the digits CNN's loop end to end and the memory
 # benchmark with device peaks. Run from the repository root on a GPU or TPU
@@ -24,7 +24,7 @@ mkdir -p "$out"
 declare -A flags=(
   [end_to_end_resnet50_224px]="benchmarks.end_to_end --models resnet50 --image-size 224 --photo-size 227 --per-class 24 --steps 60 --checkpoint-freq 30"
   [step_time_resnet50_224px]="benchmarks.step_time --model resnet50 --domains 3 --batch 33 --repeats 10 --warmup 2"
-  [gram_precision_resnet50]="benchmarks.gram_precision"
+  [trajectory_products_resnet50]="benchmarks.trajectory_products"
   [step_time_resnet18_224px]="benchmarks.step_time --model resnet18 --domains 3 --batch 33 --repeats 10 --warmup 2"
   [step_time_resnet50_224px_batch198]="benchmarks.step_time --model resnet50 --domains 3 --batch 198 --repeats 10 --warmup 2 --no-split"
   [step_time_mlp]="benchmarks.step_time --model mlp --repeats 20 --warmup 2"
@@ -33,7 +33,7 @@ declare -A flags=(
   [memory_mlp]="benchmarks.memory"
 )
 order=(end_to_end_resnet50_224px step_time_resnet50_224px
-       gram_precision_resnet50 step_time_resnet18_224px
+       trajectory_products_resnet50 step_time_resnet18_224px
        step_time_resnet50_224px_batch198 step_time_mlp step_time_mnist_cnn
        end_to_end_mnist_cnn memory_mlp)
 names=("$@")
@@ -48,7 +48,7 @@ platform=$(python3 -c "import jax; print(jax.default_backend())")
 status=0
 for name in "${names[@]}"; do
   # The file name puts the platform after the benchmark: step_time_gpu_mlp.
-  for benchmark in end_to_end step_time gram_precision memory; do
+  for benchmark in end_to_end step_time trajectory_products memory; do
     [[ $name == "$benchmark"_* ]] && break
   done
   file=${benchmark}_${platform}_${name#"$benchmark"_}

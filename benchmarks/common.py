@@ -270,8 +270,10 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], repeats: int,
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-  """A plain-text table; floats get 4 significant digits."""
+  """A plain-text table; floats get 4 significant digits, None a dash."""
   def cell(v):
+    if v is None:
+      return "-"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
   cells = [list(map(str, header))] + [[cell(v) for v in row] for row in rows]

@@ -335,6 +335,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             data_dir, args), cache_dir, output_dir)
           runs.append(records)
           walls.append(wall)
+          # Each run as it ends, so a benchmark cut short keeps what ran.
+          first = start_up(records, wall)
+          step_s = steady([records], "step_time")
+          print(f"  {wall:.1f} s; compile {_rounded(first['compile_time'])} "
+                f"s, first step {_rounded(first['time_to_first_step'])} s; "
+                f"steady step {_rounded(step_s, 1e3)} ms, data wait "
+                f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms.",
+                file=sys.stderr, flush=True)
         loop[algorithm] = runs, walls
       print(f"Timing the updates of {model}.", file=sys.stderr, flush=True)
       updates = time_updates(case, args.algorithms, args)
@@ -351,6 +359,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "config": vars(args),
       "results": results,
   }
+
+
+def _rounded(value: float | None, scale: float = 1.0) -> str:
+  return "n/a" if value is None else f"{scale * value:.1f}"
 
 
 def _cell(value: float | None, scale: float = 1.0) -> float | str:

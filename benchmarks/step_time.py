@@ -54,6 +54,7 @@ INNER_LR = 1e-3
 # the hparams that differ from DomainBed's defaults.
 BASELINES = {"dann": ("DANN", {}),
              "mldg": ("MLDG", {"mldg_pairs": "random_pairs"})}
+METHODS = ("erm", "rollout", "fish", "pgrad-B", *BASELINES)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -79,6 +80,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--compare-unroll", action="store_true",
                       help="Time the rollout and PGrad-B rolled (unroll=1) "
                       "and fully unrolled instead of the default set.")
+  parser.add_argument("--methods", nargs="+", choices=METHODS,
+                      default=list(METHODS),
+                      help="The methods to time (default: all).")
   parser.add_argument("--no-split", action="store_true",
                       help="Skip timing the parts of a PGrad-B update.")
   parser.add_argument("--out", default=None, help="Write the results as JSON.")
@@ -158,9 +162,12 @@ class Methods:
 
 
 def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
-                   host_batches: dict[str, Any]) -> dict[str, Any]:
-  """Zero-argument calls of `BASELINES`, each a cycle of updates, and each
-  cycle's number of updates."""
+                   host_batches: dict[str, Any],
+                   names: Sequence[str]) -> dict[str, Any]:
+  """Zero-argument calls of the `BASELINES` ``names``, each a cycle of
+  updates, and each cycle's number of updates."""
+  if not names:
+    return {}
   # Only these baselines need flax, an optional dependency.
   # pylint: disable=g-import-not-at-top
   from flax import nnx
@@ -185,7 +192,8 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
                             "label": host_batches["y"]})
   dataset = "PACS" if args.model.startswith("resnet") else "RotatedDigits"
   calls = {}
-  for name, (algorithm, hparams) in BASELINES.items():
+  for name in names:
+    algorithm, hparams = BASELINES[name]
     hparams = {**hparams_registry.default_hparams(algorithm, dataset),
                **hparams}
     built = algorithms.build_algorithm(algorithm, network, hparams,
@@ -271,7 +279,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       default if chosen is None else chosen]
   # name -> (builder, unroll name); each method is compared with the bare
   # rollout of the same unroll, ERM with the first.
-  builders = {"erm": (methods.erm, common.unroll_name(unrolls[0]))}
+  chosen_methods = set(args.methods)
+  builders = {}
+  if "erm" in chosen_methods:
+    builders["erm"] = (methods.erm, common.unroll_name(unrolls[0]))
   names = ("rollout", "pgrad-B") if args.compare_unroll else (
       "rollout", "fish", "pgrad-B")
   build = {"rollout": methods.rollout, "fish": methods.fish,
@@ -280,8 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unroll_name = common.unroll_name(unroll)
     suffix = f" [unroll={unroll_name}]" if args.compare_unroll else ""
     for name in names:
-      builders[name + suffix] = (
-          lambda b=build[name], u=unroll: b(u), unroll_name)
+      if name in chosen_methods:
+        builders[name + suffix] = (
+            lambda b=build[name], u=unroll: b(u), unroll_name)
   rollout_of = {unroll: name for name, (_, unroll) in builders.items()
                 if name.startswith("rollout")}
 
@@ -293,7 +305,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   cycles = {}
   if args.devices == 1 and not args.compare_unroll:
     for name, (call, cycle) in baseline_calls(
-        args, model.input_shape, host_batches).items():
+        args, model.input_shape, host_batches,
+        [b for b in BASELINES if b in chosen_methods]).items():
       calls[name], cycles[name] = call, cycle
   timings = common.time_interleaved(calls, args.repeats, args.warmup)
   # A cycle of updates, timed as one call: per update.
@@ -307,19 +320,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                           unrolls[0])
     split = common.time_interleaved(parts, args.repeats, args.warmup)
 
-  erm_ms = timings["erm"].median_ms
+  def ratio(timing, denominator):
+    """None where the denominator's method was not timed."""
+    return (timing.median_ms / timings[denominator].median_ms
+            if denominator in timings else None)
+
   results = {}
   for name, timing in timings.items():
     # ERM and the baselines run no rollout; they compare with the first.
-    unroll = builders[name if name in builders else "erm"][1]
-    rollout_ms = timings[rollout_of[unroll]].median_ms
+    unroll = builders[name][1] if name in builders else common.unroll_name(
+        unrolls[0])
     results[name] = timing.as_dict() | {
         "unroll": None if name == "erm" or name in cycles else unroll,
-        "ratio_to_rollout": timing.median_ms / rollout_ms,
-        "ratio_to_erm": timing.median_ms / erm_ms,
+        "ratio_to_rollout": ratio(timing, rollout_of.get(unroll)),
+        "ratio_to_erm": ratio(timing, "erm"),
     }
-  update_ms = next(t.median_ms for n, t in timings.items()
-                   if n.startswith("pgrad-B"))
+  update_ms = next((t.median_ms for n, t in timings.items()
+                    if n.startswith("pgrad-B")), None)
   return {
       "benchmark": "step_time",
       "environment": common.environment(),
@@ -333,7 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       },
       "results": results,
       "split": {name: t.as_dict() | {
-          "share_of_update": t.median_ms / update_ms,
+          "share_of_update": update_ms and t.median_ms / update_ms,
           "read_gb_per_s": (trajectory_bytes / t.median_ms / 1e6
                             if reads_trajectory(name) else None)}
                 for name, t in split.items()},

@@ -12,6 +12,7 @@ import pytest
 from benchmarks import common
 from benchmarks import memory
 from benchmarks import step_time
+from benchmarks import trajectory_products
 from pgrad_jax._src import layout
 
 # A rolled scan compiles fastest.
@@ -45,7 +46,43 @@ def test_step_time(tmp_path, capsys):
   assert record["results"]["rollout"]["ratio_to_rollout"] == 1
   assert record["split"].keys() == {"rollout (with trajectory)", "gram",
                                     "eigh (m x m)", "projection"}
+  # The read rate: the trajectory's bytes over each reading part's time.
+  trajectory_bytes = record["config"]["trajectory_bytes"]
+  for name, part in record["split"].items():
+    if name in ("gram", "projection"):
+      assert part["read_gb_per_s"] == pytest.approx(
+          trajectory_bytes / part["median_ms"] / 1e6)
+    else:
+      assert part["read_gb_per_s"] is None
   assert "pgrad-B" in capsys.readouterr().out
+
+
+def test_step_time_times_only_the_methods_asked_for(tmp_path, capsys):
+  record = run_json(step_time.main, [
+      "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
+      "--methods", "fish", "pgrad-B", "--no-split"], tmp_path)
+  assert record["results"].keys() == {"fish", "pgrad-B"}
+  for result in record["results"].values():
+    # Without ERM or the rollout, no ratio to them.
+    assert result["ratio_to_rollout"] is None
+    assert result["ratio_to_erm"] is None
+  assert "fish" in capsys.readouterr().out
+
+
+def test_trajectory_products_match_float64(tmp_path):
+  record = run_json(trajectory_products.main, [
+      "--steps", "3", "--params", "1000", "--blocks", "64", "4096",
+      "--repeats", "1"], tmp_path)
+  results = record["results"]
+  assert set(results) == {
+      "gram, one block", "projection, one block", "gram, blocks of 64",
+      "projection, blocks of 64", "gram, blocks of 4096",
+      "projection, blocks of 4096", "gram, one block, default precision",
+      "projection, matrix-vector product", "eigh (m x m)"}
+  for name, row in results.items():
+    if name != "eigh (m x m)":
+      # float32 products of float32 numbers: a few float32 roundings off.
+      assert row["max_relative_error"] < 1e-5, name
 
 
 def test_step_time_compare_unroll(tmp_path):

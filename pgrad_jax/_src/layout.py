@@ -14,14 +14,15 @@ rollout and the trajectory take the :class:`TrajectoryLayout` it returns.
   fast (2-core CPU, 4.2M-parameter MLP, 16 points: 40 ms against 77 ms).
   Only on a single CPU device: slicing a leaf sharded over several devices
   would gather it.
-* **Contiguity.** On a single GPU the whole trajectory is one ``(s, n)``
-  array (``trajectory.py``), so that the Gram matrix and the projection are
-  one product each over all ``n`` parameters rather than one per leaf: a
-  ResNet-50's 161 leaves made 161 small products that read the trajectory at
-  about a fifteenth of the memory bandwidth (docs/design.md gives the
-  measurements). Not on CPU, where the interleaved layout is faster, nor on
-  TPU, whose (8, 128) tiles would pad the ``s`` rows of one array (9 to 16 in
-  the paper's setting) where stacked leaves pad nothing.
+* **Contiguity.** On a single GPU the whole trajectory is one array of
+  blocks of `GPU_BLOCK` parameters (``trajectory.py``), so that the Gram
+  matrix is one batch of products and the projection one elementwise pass,
+  rather than one of each per leaf: a ResNet-50's 161 leaves made 161 small
+  products that read the trajectory at about a fifteenth of the memory
+  bandwidth (docs/design.md gives the measurements). Not on CPU, where the
+  interleaved leaves are faster, nor on TPU, whose (8, 128) tiles would pad
+  the ``s`` rows of each block (9 to 16 in the paper's setting) where
+  stacked leaves pad nothing.
 """
 
 import dataclasses
@@ -35,6 +36,10 @@ from pgrad_jax._src import validation
 # Elements per interleaved block on CPU: a 4 KiB page of float32, so each
 # step's strided write touches one page per block.
 CPU_INTERLEAVE_BLOCK = 1 << 10
+# Parameters per block of a contiguous trajectory on one GPU. On an H200, a
+# ResNet-50-sized Gram matrix took 0.99 ms in blocks of 8192, 1.49 ms in one
+# block and 2.11 ms in blocks of 32768 or 131072 (docs/design.md).
+GPU_BLOCK = 1 << 13
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +51,9 @@ class TrajectoryLayout:
     interleave_block: None: every leaf is stored stacked. Else a block size
       ``c``: each float32 or float64 leaf whose size ``c`` divides is stored
       interleaved (``trajectory.py``).
-    contiguous: store the whole trajectory as one ``(s, n)`` array, when
-      every leaf is stored in one dtype (else as ``interleave_block`` says);
-      it takes precedence over ``interleave_block``.
+    contiguous: store the whole trajectory as one array, in blocks of
+      ``interleave_block`` parameters (None: one block), when every leaf is
+      stored in one dtype; else leaf by leaf, as ``interleave_block`` says.
   """
 
   unroll: int | bool = 1
@@ -88,7 +93,10 @@ def default_layout(loss_jaxpr: Any,
   on_cpu = jax.default_backend() == "cpu"
   if unroll is None:
     unroll = True if on_cpu and has_convolution(loss_jaxpr) else 1
-  one_device = jax.device_count() == 1
-  return TrajectoryLayout(
-      unroll, CPU_INTERLEAVE_BLOCK if on_cpu and one_device else None,
-      contiguous=one_device and jax.default_backend() == "gpu")
+  if jax.device_count() > 1:
+    return TrajectoryLayout(unroll)
+  if on_cpu:
+    return TrajectoryLayout(unroll, CPU_INTERLEAVE_BLOCK)
+  if jax.default_backend() == "gpu":
+    return TrajectoryLayout(unroll, GPU_BLOCK, contiguous=True)
+  return TrajectoryLayout(unroll)

@@ -50,34 +50,44 @@ class InterleavedLeaf:
   shape: tuple[int, ...]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"],
                    meta_fields=["treedef", "shapes"])
 @dataclasses.dataclass(frozen=True)
 class ContiguousTrajectory:
-  """A whole trajectory as one array: row ``i`` is ``D_{i+1}``, the leaves of
-  the displacement flattened and concatenated in pytree order.
+  """A whole trajectory as one array of ``G`` blocks of ``c`` parameters.
+
+  Each point's leaves are flattened and concatenated in pytree order into
+  one vector of ``n`` parameters, zero-padded to ``G * c``; block ``j`` of
+  every step sits together. The Gram matrix is then ``G`` products of
+  ``(s, c)`` tiles, which a GPU runs in parallel, where one product over all
+  ``n`` columns (``G = 1``) leaves most of it idle (docs/design.md).
 
   Attributes:
-    rows: ``(s, n)``, ``n`` the number of parameters.
+    blocks: ``(G, s, c)``: ``blocks[j, i]`` holds elements
+      ``[j * c, (j + 1) * c)`` of ``D_{i+1}`` flattened.
     treedef: the params' tree structure.
     shapes: the shape of each leaf of one point, in pytree order.
   """
 
-  rows: jax.Array
+  blocks: jax.Array
   treedef: Any
   shapes: tuple[tuple[int, ...], ...]
 
-  def unflatten(self, vector: jax.Array) -> Any:
-    """A pytree like one point from an ``(n,)`` vector in its layout."""
+  def flatten(self, point: Any) -> jax.Array:
+    """One point as a ``(G, c)`` array in this layout."""
+    vector = jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(point)])
+    num_blocks, _, block = self.blocks.shape
+    vector = jnp.pad(vector, (0, num_blocks * block - vector.size))
+    return vector.reshape(num_blocks, block).astype(self.blocks.dtype)
+
+  def unflatten(self, blocks: jax.Array) -> Any:
+    """A pytree like one point from its ``(G, c)`` blocks."""
     sizes = [math.prod(shape) for shape in self.shapes]
-    pieces = jnp.split(vector, list(itertools.accumulate(sizes))[:-1])
+    pieces = jnp.split(blocks.reshape(-1)[:sum(sizes)],
+                       list(itertools.accumulate(sizes))[:-1])
     return jax.tree.unflatten(
         self.treedef,
         [piece.reshape(shape) for piece, shape in zip(pieces, self.shapes)])
-
-
-def _flatten(tree: Any) -> jax.Array:
-  return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
 
 
 def _is_interleaved(x: Any) -> bool:
@@ -117,12 +127,13 @@ def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
   """
   leaves, treedef = jax.tree.flatten(params)
   stored_dtypes = {jnp.dtype(dtype or jnp.result_type(x)) for x in leaves}
-  if layout.contiguous and len(stored_dtypes) == 1:
-    rows = jnp.zeros((num_steps, sum(jnp.size(x) for x in leaves)),
-                     stored_dtypes.pop())
-    return ContiguousTrajectory(rows, treedef,
-                                tuple(tuple(jnp.shape(x)) for x in leaves))
   block = layout.interleave_block
+  if layout.contiguous and len(stored_dtypes) == 1:
+    size = sum(jnp.size(x) for x in leaves)
+    block = min(block or size, size) or 1
+    return ContiguousTrajectory(
+        jnp.zeros((-(-size // block), num_steps, block), stored_dtypes.pop()),
+        treedef, tuple(tuple(jnp.shape(x)) for x in leaves))
 
   def leaf_zeros(leaf):
     # ``leaf * 0`` rather than ``jnp.zeros``: XLA merges equal constant
@@ -148,10 +159,9 @@ def allocate(params: Any, num_steps: int, layout: layout_lib.TrajectoryLayout,
 def write(trajectory: Any, step, displacement: Any) -> Any:
   """Stores ``displacement`` (a pytree like the params) as step ``step``."""
   if isinstance(trajectory, ContiguousTrajectory):
-    rows = trajectory.rows
-    return dataclasses.replace(trajectory, rows=(
+    return dataclasses.replace(trajectory, blocks=(
         jax.lax.dynamic_update_index_in_dim(
-            rows, _flatten(displacement).astype(rows.dtype), step, 0)))
+            trajectory.blocks, trajectory.flatten(displacement), step, 1)))
 
   def write_stacked(buffer, x):
     return jax.lax.dynamic_update_index_in_dim(buffer, x.astype(buffer.dtype),
@@ -170,7 +180,7 @@ def write(trajectory: Any, step, displacement: Any) -> Any:
 def point(trajectory: Any, step: int) -> Any:
   """The displacement stored at ``step`` (negative counts from the end)."""
   if isinstance(trajectory, ContiguousTrajectory):
-    return trajectory.unflatten(trajectory.rows[step])
+    return trajectory.unflatten(trajectory.blocks[:, step])
   return _map(
       lambda x: x[step],
       lambda leaf: leaf.blocks[:, 1:][:, step].reshape(leaf.shape),
@@ -180,7 +190,7 @@ def point(trajectory: Any, step: int) -> Any:
 def num_steps(trajectory: Any) -> int:
   """``s``, the points stored after ``theta_0``."""
   if isinstance(trajectory, ContiguousTrajectory):
-    return trajectory.rows.shape[0]
+    return trajectory.blocks.shape[1]
   leaf = jax.tree.leaves(trajectory, is_leaf=_is_interleaved)[0]
   return leaf.blocks.shape[1] - 1 if _is_interleaved(leaf) else leaf.shape[0]
 
@@ -190,8 +200,8 @@ def gram(trajectory: Any) -> jax.Array:
   theta_0's zero row and column), leaf by leaf.
 
   Accumulated in at least float32, at full precision. A contiguous
-  trajectory is one product; a stacked leaf is contracted over its own axes,
-  never reshaped; an interleaved leaf is a batch of tiles.
+  trajectory or an interleaved leaf is a batch of tiles; a stacked leaf is
+  contracted over its own axes, never reshaped.
 
   Args:
     trajectory: displacements as :func:`allocate` lays them out, or any
@@ -207,10 +217,10 @@ def gram(trajectory: Any) -> jax.Array:
     [[5.0, 11.0], [11.0, 25.0]]
   """
   if isinstance(trajectory, ContiguousTrajectory):
-    rows = trajectory.rows
+    b = trajectory.blocks
     return jax.lax.dot_general(
-        rows, rows, (((1,), (1,)), ((), ())), precision=_FULL_PRECISION,
-        preferred_element_type=_accumulation_dtype(rows.dtype))
+        b, b, (((2,), (2,)), ((0,), (0,))), precision=_FULL_PRECISION,
+        preferred_element_type=_accumulation_dtype(b.dtype)).sum(axis=0)
 
   def stacked_gram(x):
     axes = tuple(range(1, x.ndim))
@@ -241,11 +251,19 @@ def gram(trajectory: Any) -> jax.Array:
 def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
   """``sum_i beta_i D_i`` leaf by leaf, in each point's shape and dtype,
   accumulated in at least float32, at full precision."""
+  def scaled_sum(blocks, step_axis):
+    """``sum_i beta_i * blocks[..., i, ...]``, one term per step: a single
+    elementwise pass over the blocks, where a product over the step axis
+    runs slower (XLA:CPU; on a GPU, a matrix-vector product read the
+    trajectory at about a twentieth of the memory bandwidth)."""
+    acc = _accumulation_dtype(blocks.dtype)
+    weights = beta.astype(acc)
+    return sum(weights[i] * jnp.take(blocks, i, axis=step_axis).astype(acc)
+               for i in range(len(beta)))
+
   if isinstance(trajectory, ContiguousTrajectory):
-    rows = trajectory.rows
-    total = jnp.tensordot(beta.astype(_accumulation_dtype(rows.dtype)), rows,
-                          axes=1, precision=_FULL_PRECISION)
-    return trajectory.unflatten(total.astype(rows.dtype))
+    b = trajectory.blocks
+    return trajectory.unflatten(scaled_sum(b, 1).astype(b.dtype))
 
   def stacked_sum(x):
     acc = _accumulation_dtype(x.dtype)
@@ -253,12 +271,7 @@ def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
                          precision=_FULL_PRECISION).astype(x.dtype)
 
   def interleaved_sum(leaf):
-    b = leaf.blocks
-    acc = _accumulation_dtype(b.dtype)
-    weights = beta.astype(acc)
-    # One term per step: XLA:CPU fuses the sum into a single pass over the
-    # blocks, where a product or reduction over the middle axis runs slower.
-    total = sum(weights[i] * b[:, i + 1].astype(acc) for i in range(len(beta)))
-    return total.reshape(leaf.shape).astype(b.dtype)
+    b = leaf.blocks[:, 1:]  # Row 0 is theta_0's zero.
+    return scaled_sum(b, 1).reshape(leaf.shape).astype(b.dtype)
 
   return _map(stacked_sum, interleaved_sum, trajectory)

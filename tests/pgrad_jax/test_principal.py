@@ -87,18 +87,23 @@ def test_gram_and_weighted_sum_of_either_layout_match_numpy(block):
                                rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("block", [None, 2])
+@pytest.mark.parametrize("block", [None, 1, 2, 7, 145, 1024])
 def test_contiguous_trajectory_matches_numpy(block):
   disp = random_trajectory(steps=6, seed=4)
   beta = np.random.default_rng(5).standard_normal(6)
   with jax.enable_x64(True):
     tree = stored(jax.tree.map(jnp.asarray, disp), block, contiguous=True)
-    # One (s, n) array, whatever the block; leaves in pytree order.
+    # One array of blocks, the leaves in pytree order, zero-padded (145
+    # parameters: one block where the block is None or larger).
     assert isinstance(tree, trajectory_lib.ContiguousTrajectory)
+    size = min(block or 145, 145)
+    num_blocks = -(-145 // size)
+    rows = np.concatenate([disp[name].reshape(6, -1)
+                           for name in sorted(SHAPES)], axis=1)
+    padded = np.pad(rows, ((0, 0), (0, num_blocks * size - 145)))
     np.testing.assert_array_equal(
-        np.asarray(tree.rows),
-        np.concatenate([disp[name].reshape(6, -1) for name in sorted(SHAPES)],
-                       axis=1))
+        np.asarray(tree.blocks),
+        padded.reshape(6, num_blocks, size).transpose(1, 0, 2))
     unstacked = stacked(tree)
     got = jax.jit(pgrad_jax.gram)(tree)
     summed = jax.jit(trajectory_lib.weighted_sum)(jnp.asarray(beta), tree)
@@ -120,7 +125,8 @@ def test_contiguous_needs_one_stored_dtype():
   assert mixed["w"].shape == (3, 4, 8) and mixed["h"].dtype == jnp.bfloat16
   narrow = trajectory_lib.allocate(params, 3, layout, jnp.bfloat16)
   assert isinstance(narrow, trajectory_lib.ContiguousTrajectory)
-  assert narrow.rows.shape == (3, 35) and narrow.rows.dtype == jnp.bfloat16
+  assert narrow.blocks.shape == (1, 3, 35)
+  assert narrow.blocks.dtype == jnp.bfloat16
 
 
 def test_interleaved_float32_accumulates_and_keeps_dtype():

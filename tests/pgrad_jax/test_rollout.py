@@ -47,8 +47,9 @@ def test_trajectory_matches_plain_python_steps(layout):
                           pgrad_jax.RolloutOptions(B=2),
                           layout=layout)
   block = layout.interleave_block
-  if layout.contiguous:
-    assert out.displacements.rows.shape == (4, 6)
+  if layout.contiguous:  # 6 parameters in blocks of 2, or in one.
+    assert out.displacements.blocks.shape == ((3, 4, 2) if block else
+                                              (1, 4, 6))
     block = None
   stored = stacked(out.displacements)["w"] if layout.contiguous else (
       out.displacements["w"])
@@ -118,7 +119,7 @@ def test_same_shaped_leaves_get_their_own_trajectory_buffers(layout):
     return pgrad_jax.principal_gradient(out.displacements, 2).update
 
   hlo = jax.jit(update).lower(params).compile().as_text()
-  shape = ("6,12288" if layout.contiguous else
+  shape = ("1,6,12288" if layout.contiguous else
            "6,64,64" if layout.interleave_block is None else "4,7,1024")
   entry = hlo[hlo.index("ENTRY"):]
   copies = [line for line in entry.splitlines()
