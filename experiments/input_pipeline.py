@@ -24,6 +24,8 @@ train state in an ``orbax.checkpoint.CheckpointManager``::
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -255,34 +257,49 @@ def make_train_iterator(
   return _WorkerBatches(batches, num_workers)
 
 
-def _init_worker(worker_index: int, worker_count: int) -> None:
-  """Leaves a worker process's end to the process that started it.
+def _init_worker(parent: int, worker_index: int, worker_count: int) -> None:
+  """Leaves a worker process's end to its parent, the process ``parent``.
 
   Ctrl-C interrupts the training run, which stops its workers (Grain's
   ``close``) once it has checkpointed, and so does SIGTERM, which a
   scheduler such as SLURM sends to every process of a job: the workers
-  ignore both. A run killed with SIGKILL cannot stop them; on Linux the
-  kernel then kills them (``PR_SET_PDEATHSIG``, sent when the thread that
-  started them ends: the one that asked for the first batch), so none is
-  left behind.
+  ignore Ctrl-C, and SIGTERM while ``parent`` lives. A run killed with
+  SIGKILL cannot stop them; on Linux the kernel then sends them SIGTERM
+  (``PR_SET_PDEATHSIG``), which ends them, so none is left behind.
+
+  The kernel sends that signal also when the thread that started a worker
+  ends, its process living on: Grain starts each worker from a thread of
+  its own, and ``close`` ends that thread before it tells the worker to
+  stop. A worker ended there would leave the batch it had built in shared
+  memory to Python's resource tracker, which frees it at exit and warns.
   """
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  if sys.platform.startswith("linux"):
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+  if not sys.platform.startswith("linux"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return
 
+  def end_if_orphaned(signum=None, frame=None) -> None:
+    del signum, frame
+    # The parent gone, the kernel makes another process the parent; a
+    # thread gone, its process stays the parent.
+    if os.getppid() != parent:
+      os._exit(1)
 
+  signal.signal(signal.SIGTERM, end_if_orphaned)
+  ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+  end_if_orphaned()  # The parent may have ended before the prctl.
 
 
 class _WorkerBatches(grain.DatasetIterator):
   """A map dataset's elements in order, built by Grain worker processes.
 
   Worker ``i`` of ``n`` builds elements ``i, i + n, ...`` of the rest of the
-  dataset, one ahead in its queue, and the elements are taken from the
-  workers in turn. (A worker per Grain pipeline, rather than Grain's
-  interleaving of several, holds no element in this process that it has
-  not returned, so stopping the workers frees everything they read ahead.)
+  dataset ahead of the caller, each a Grain pipeline of its own, and the
+  elements are taken from the workers in turn. Ahead of the caller, a
+  worker holds the element it builds and one in its queue, and a Grain
+  thread of this process takes up to two more from that queue; stopping
+  the workers frees them all (their arrays are in shared memory).
 
   The workers start with the first element asked for: a program that
   starts them must guard its main code with ``if __name__ == "__main__"``,
@@ -306,6 +323,7 @@ class _WorkerBatches(grain.DatasetIterator):
       # program parses none, which leaves them at their defaults.
       flags.FLAGS.mark_as_parsed()
     rest = self._batches[self._next_index:]
+    init_worker = functools.partial(_init_worker, os.getpid())
     return [
         # Batches travel in shared memory, not pickled through the
         # workers' queues: a batch larger than a pipe holds, half written
@@ -314,7 +332,7 @@ class _WorkerBatches(grain.DatasetIterator):
         iter(rest[i::self._num_workers].to_iter_dataset(
             _read_ahead(0)).mp_prefetch(
                 grain.MultiprocessingOptions(num_workers=1),
-                worker_init_fn=_init_worker))
+                worker_init_fn=init_worker))
         for i in range(self._num_workers)]
 
   def __next__(self) -> dict[str, np.ndarray]:

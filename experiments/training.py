@@ -673,8 +673,8 @@ def _compile_while_reading(
 ) -> tuple[float, Any]:
   """Compiles the jitted ``train_step`` for ``state`` and batches of
   ``example``s in a thread, while this thread reads the first batch, which
-  starts the input workers (the thread that starts them must outlive them:
-  `input_pipeline`). Calls of ``train_step`` then run the compiled program.
+  starts the input workers. Calls of ``train_step`` then run the compiled
+  program.
 
   Returns:
     The seconds compiling took (reading from the persistent compilation

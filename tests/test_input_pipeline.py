@@ -1,5 +1,11 @@
 """Tests for experiments/input_pipeline.py."""
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
@@ -8,6 +14,7 @@ import pytest
 from experiments import datasets
 from experiments import input_pipeline
 
+REPO = Path(__file__).resolve().parents[1]
 SIZES = (50, 37, 21)
 
 
@@ -271,3 +278,71 @@ def test_worker_processes_resume_from_a_state_on_any_number_of_workers(
     fresh = iterator(num_workers)
     fresh.set_state(state)
     _assert_same_batches(_take(fresh, 2), reference[3:])
+
+
+# A program that reads batches built by two worker processes, then does
+# THEN; its workers' process ids on the first line of its output.
+_READ_FROM_WORKERS = """
+import multiprocessing, os, signal, time
+import numpy as np
+from experiments import datasets, input_pipeline
+
+def shifted(example, rng):
+  return {{**example, "image": example["image"] + np.float32(rng.random())}}
+
+dataset = datasets.MultiDomainDataset(
+    name="Fake", domain_names=("a",), num_classes=2, input_shape=(4, 4, 1),
+    domains=(datasets.ArraySource(np.zeros((10, 4, 4, 1), np.float32),
+                                  np.arange(10) % 2),))
+batches = input_pipeline.make_train_iterator(
+    dataset, [0], input_pipeline.split_domains(dataset, seed=0),
+    batch_size=4, seed=0, num_workers=2, transform=shifted)
+for _ in range(3):
+  next(batches)
+print(*(p.pid for p in multiprocessing.active_children()), flush=True)
+time.sleep(1)  # The workers build their next batches meanwhile.
+{then}
+"""
+
+
+def _read_from_workers(then):
+  return subprocess.run(
+      [sys.executable, "-c", _READ_FROM_WORKERS.format(then=then)], cwd=REPO,
+      capture_output=True, text=True, check=False, timeout=120)
+
+
+@pytest.mark.slow
+def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker():
+  # Each worker holds a batch it has built, in shared memory, when the
+  # iterator closes: it frees it as it stops. (Killed instead, it left the
+  # batch to Python's resource tracker, which frees what is left at exit
+  # and warns of "leaked shared_memory objects".)
+  result = _read_from_workers("batches.close()")
+  assert result.returncode == 0, result.stderr
+  assert len(result.stdout.split()) == 2, result.stdout
+  assert "leaked" not in result.stderr, result.stderr
+
+
+def _running(pid):
+  """Whether process ``pid`` runs (a zombie has ended)."""
+  try:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[
+        0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="the kernel ends the workers on Linux only")
+def test_workers_end_when_their_process_is_killed():
+  # SIGKILL leaves the process no clean-up: the kernel signals its workers,
+  # which end once their parent has gone (not when a thread of it ends).
+  result = _read_from_workers("os.kill(os.getpid(), signal.SIGKILL)")
+  assert result.returncode == -signal.SIGKILL, result.stderr
+  workers = [int(pid) for pid in result.stdout.split()]
+  assert len(workers) == 2, result.stdout
+  deadline = time.time() + 30
+  while any(map(_running, workers)) and time.time() < deadline:
+    time.sleep(0.1)
+  assert not any(map(_running, workers)), workers
