@@ -1,4 +1,4 @@
-"""Tests for experiments/algorithms/augmentation.py: MixUp, ARM."""
+"""Tests for experiments/algorithms/mixing.py: MixUp, ARM."""
 
 import jax
 import jax.numpy as jnp

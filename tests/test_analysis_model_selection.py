@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.analysis import model_selection as ms
-from experiments import records as records_lib
+from experiments.runs import records as records_lib
 
 
 def make_record(dataset, algorithm, test_env, hparams_seed, trial_seed, step,

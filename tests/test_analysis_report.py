@@ -12,13 +12,13 @@ import pytest
 from matplotlib.figure import Figure
 
 from experiments import catalog
-from experiments import convergence
+from experiments.runs import convergence
 from experiments.analysis import claims as claims_lib
 from experiments.analysis import model_selection
 from experiments.analysis import plots
-from experiments import records as records_lib
+from experiments.runs import records as records_lib
 from experiments.analysis import report
-from experiments import sweep
+from experiments.runs import sweep
 from test_convergence import _run as converging_run
 from test_analysis_model_selection import make_record, write_runs
 
@@ -573,7 +573,8 @@ def test_claim_numbers_keep_four_digits_and_counts_whole(value, text):
 def test_training_imports_nothing_of_the_analysis():
   # A fresh interpreter: this one has imported the analysis already.
   script = ("import sys\n"
-            "from experiments import study, sweep, train, training\n"
+            "from experiments import train, training\n"
+            "from experiments.runs import study, sweep\n"
             "print(sorted(m for m in sys.modules if m == 'matplotlib' or "
             "m.startswith('experiments.analysis')))")
   out = subprocess.run([sys.executable, "-c", script], check=True,
@@ -581,10 +582,10 @@ def test_training_imports_nothing_of_the_analysis():
   assert out.strip() == "[]"
 
 
-def test_the_short_command_runs_the_report(tmp_path):
-  # `python -m experiments.report` stays the command the docs give.
+def test_the_command_runs_the_report(tmp_path):
+  # `python -m experiments.analysis.report`, the command the docs give.
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.report", "--input_dir",
+      [sys.executable, "-m", "experiments.analysis.report", "--input_dir",
        str(tmp_path), "--output_dir", str(tmp_path / "report")],
       capture_output=True, text=True)
   assert result.returncode == 1

@@ -1,4 +1,5 @@
-"""Tests for experiments/augmentation.py: DomainBed's photo augmentation.
+"""Tests for experiments/data/photo_augmentation.py: DomainBed's photo
+augmentation.
 
 The draws are checked against the distributions torchvision defines them by,
 the adjustments against Pillow (which torchvision calls) or float64 NumPy.
@@ -18,10 +19,10 @@ import pytest
 from PIL import Image
 from PIL import ImageEnhance
 
-from experiments import augmentation
-from experiments import color_jitter
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.data import photo_augmentation as augmentation
+from experiments.data import color_jitter
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 
 DRAWS = 20_000
 # DKW: P(sup |F_n - F| > eps) <= 2 exp(-2 n eps^2) = 2e-5 at this eps.

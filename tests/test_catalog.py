@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from experiments import catalog
-from experiments import datasets
-from experiments import wilds
+from experiments.data import datasets
+from experiments.data import wilds
 # The prepared TFDS data of the MNIST and DomainNet tests, as fixtures here.
 from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import
 from test_tfds_prepared import mnist_dir  # pylint: disable=unused-import

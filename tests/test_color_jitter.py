@@ -1,4 +1,4 @@
-"""Tests for experiments/color_jitter.py: ColorJitter's draws and order.
+"""Tests for experiments/data/color_jitter.py: ColorJitter's draws and order.
 
 The distributions of the draws are tested with each augmentation's ranges
 in test_augmentation.py and test_wilds_augmentation.py.
@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from experiments import color_jitter
+from experiments.data import color_jitter
 
 
 def test_draw_takes_the_order_then_the_factors_from_the_generator():

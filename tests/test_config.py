@@ -18,10 +18,10 @@ import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets
+from experiments.data import datasets
 from experiments import hparams_registry
-from experiments import records
-from experiments import sweep
+from experiments.runs import records
+from experiments.runs import sweep
 from experiments import train
 from experiments import training
 from test_train import REPO, read_records

@@ -1,10 +1,11 @@
-"""Tests for experiments/convergence.py against loops over hand-made records."""
+"""Tests for experiments/runs/convergence.py against loops over hand-made
+records."""
 
 import math
 
 import pytest
 
-from experiments import convergence
+from experiments.runs import convergence
 from test_analysis_model_selection import make_record
 
 # 3 domains, domain 0 held out; evaluations at steps 10, 20, ..., 50.

@@ -11,9 +11,9 @@ import shutil
 import tensorflow_datasets as tfds
 
 from benchmarks import input_pipeline as input_benchmark
-from experiments import datasets
-from experiments import photo_datasets
-from experiments import records
+from experiments.data import datasets
+from experiments.data import photo_datasets
+from experiments.runs import records
 from experiments import train
 from test_photo_datasets import truncate_photo
 from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import

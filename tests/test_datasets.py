@@ -1,12 +1,12 @@
-"""Tests for experiments/datasets.py."""
+"""Tests for experiments/data/datasets.py."""
 
 import numpy as np
 import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import records
+from experiments.data import datasets
+from experiments.runs import records
 
 
 def test_registry_knows_all_datasets():

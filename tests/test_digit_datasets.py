@@ -1,4 +1,4 @@
-"""Tests for experiments/digit_datasets.py."""
+"""Tests for experiments/data/digit_datasets.py."""
 
 import re
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments import datasets
-from experiments import digit_datasets
+from experiments.data import datasets
+from experiments.data import digit_datasets
 
 NUM_DIGITS = 1797
 

@@ -1,12 +1,12 @@
-"""Tests for experiments/input_pipeline.py."""
+"""Tests for experiments/data/pipeline.py."""
 
 import grain
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 
 SIZES = (50, 37, 21)
 

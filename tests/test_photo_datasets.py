@@ -1,4 +1,4 @@
-"""Tests for experiments/photo_datasets.py."""
+"""Tests for experiments/data/photo_datasets.py."""
 
 import re
 
@@ -9,9 +9,9 @@ from PIL import ImageFile
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import input_pipeline
-from experiments import photo_datasets
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
+from experiments.data import photo_datasets
 
 COLOURS = {"dog": (200, 30, 30), "horse": (20, 180, 90)}
 
@@ -156,7 +156,7 @@ def test_folder_problems_are_one_usage_error_listing_them_all(tmp_path):
                   f"{root / 'sketch' / 'horse' / 'notes.txt'}",
                   f"not an image: {garbage}"]:
     assert f"  - {problem}" in message, problem
-  assert "python -m experiments.datasets check --dataset PACS" in message
+  assert "python -m experiments.data.datasets check --dataset PACS" in message
 
 
 def test_hidden_and_system_entries_are_ignored(tmp_path):

@@ -345,8 +345,9 @@ def test_pretrained_none_builds_from_scratch_without_a_download(
   monkeypatch.setenv(pretrained.URL_VARIABLE,
                      f"http://127.0.0.1:{_free_port()}/models")
   monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "cache"))
-  from experiments import datasets  # pylint: disable=import-outside-toplevel
   from experiments import training  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from experiments.data import datasets
   config = config_lib.parse_args([*PACS_FLAGS, "--data_dir", str(data_dir),
                                   "--pretrained", "none"])
   assert config.pretrained == "none"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments import records
+from experiments.runs import records
 
 STEPS = (2, 4, 6)
 

@@ -1,12 +1,12 @@
-"""Tests for experiments/rerun.py: reproducing and lengthening finished runs,
-from a study's command line and from a plain sweep's."""
+"""Tests for experiments/runs/rerun.py: reproducing and lengthening finished
+runs, from a study's command line and from a plain sweep's."""
 
 import json
 
-from experiments import records
-from experiments import rerun
-from experiments import study
-from experiments import sweep
+from experiments.runs import records
+from experiments.runs import rerun
+from experiments.runs import study
+from experiments.runs import sweep
 from experiments.studies import digits
 
 LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",

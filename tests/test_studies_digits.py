@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from experiments import config as config_lib
-from experiments import records
-from experiments import rerun
+from experiments.runs import records
+from experiments.runs import rerun
 from experiments.studies import digits
 
 

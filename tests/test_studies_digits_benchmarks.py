@@ -1,5 +1,5 @@
-"""Tests for experiments/studies/digits_benchmarks/: the CPU what-if
-benchmarks of the digits study, on tiny sizes."""
+"""Tests for benchmarks/grad_accumulation.py and benchmarks/vmap_trials.py:
+the CPU what-if benchmarks of the digits study, on tiny sizes."""
 
 import json
 
@@ -13,7 +13,7 @@ from test_benchmarks import run_json
 @pytest.mark.slow
 def test_grad_accumulation_checks_its_gradients_and_times_every_variant(
     tmp_path):
-  from experiments.studies.digits_benchmarks import grad_accumulation
+  from benchmarks import grad_accumulation
   out = tmp_path / "accumulation.json"
   assert grad_accumulation.main(
       ["--image-sizes", "8", "--widths", "8", "--domains", "2", "--batch", "6",
@@ -27,7 +27,7 @@ def test_grad_accumulation_checks_its_gradients_and_times_every_variant(
 def test_accumulated_erm_gradient_is_the_full_batch_gradient():
   import numpy as np
   from flax import nnx
-  from experiments.studies.digits_benchmarks import grad_accumulation
+  from benchmarks import grad_accumulation
   from experiments import algorithms, models
   model = models.build_model("mnist_cnn", num_classes=10,
                              input_shape=(8, 8, 1), rngs=nnx.Rngs(0),
@@ -47,7 +47,7 @@ def test_accumulated_erm_gradient_is_the_full_batch_gradient():
 
 
 def test_vmap_trials_checks_every_trial_and_times_both_variants(tmp_path):
-  from experiments.studies.digits_benchmarks import vmap_trials
+  from benchmarks import vmap_trials
   record = run_json(vmap_trials.main,
                     ["--algorithms", "ERM", "--trials", "2", "--domains", "2",
                      "--batch", "3", "--repeats", "1"], tmp_path)
@@ -60,7 +60,7 @@ def test_vmap_trials_checks_every_trial_and_times_both_variants(tmp_path):
 
 def test_vmap_trials_check_catches_another_trials_step():
   import numpy as np
-  from experiments.studies.digits_benchmarks import vmap_trials
+  from benchmarks import vmap_trials
   params = {"w": np.zeros(3, np.float32)}
   step = ({"w": np.array([1e-3, 0, 0], np.float32)}, None, None,
           {"loss": np.float32(2.3)})

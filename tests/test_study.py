@@ -1,4 +1,4 @@
-"""Tests for experiments/study.py: a study's command line.
+"""Tests for experiments/runs/study.py: a study's command line.
 
 What reproduce and longer do is tested in test_rerun.py; here, that the
 study's command line reaches them with the study's runs.
@@ -6,9 +6,9 @@ study's command line reaches them with the study's runs.
 
 import pytest
 
-from experiments import records
-from experiments import study
-from experiments import sweep
+from experiments.runs import records
+from experiments.runs import study
+from experiments.runs import sweep
 from experiments.studies import digits
 
 

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from experiments import catalog
-from experiments import records
-from experiments import rerun
-from experiments import sweep
+from experiments.runs import records
+from experiments.runs import rerun
+from experiments.runs import sweep
 
 # Stands in for experiments.train: records each launch (its flags, the GPUs
 # it sees, its process ids and when it started), fails for hparams_seed 3,

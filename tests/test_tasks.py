@@ -1,4 +1,4 @@
-"""Tests for experiments/tasks.py."""
+"""Tests for experiments/data/tasks.py."""
 
 import warnings
 
@@ -12,8 +12,8 @@ from flax import nnx
 from experiments import algorithms
 from experiments import hparams_registry
 from experiments import models
-from experiments import tasks
-from experiments import wilds
+from experiments.data import tasks
+from experiments.data import wilds
 from test_algorithms import Flatten
 
 

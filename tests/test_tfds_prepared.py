@@ -12,9 +12,9 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from experiments import datasets
-from experiments import digit_datasets
-from experiments import photo_datasets
+from experiments.data import datasets
+from experiments.data import digit_datasets
+from experiments.data import photo_datasets
 
 NUM_MNIST = 36  # Divisible by the 6 rotated and the 3 coloured domains.
 NUM_MNIST_TRAIN = 24

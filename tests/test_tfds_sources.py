@@ -1,8 +1,8 @@
-"""Tests for experiments/tfds_sources.py."""
+"""Tests for experiments/data/tfds_sources.py."""
 
 import pytest
 
-from experiments import datasets
+from experiments.data import datasets
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import convergence
-from experiments import records
+from experiments.data import datasets
+from experiments.runs import convergence
+from experiments.runs import records
 from experiments import train
 from experiments import training
 from test_analysis_model_selection import make_record
@@ -494,7 +494,7 @@ module.{function} = signal_and_call
 
 
 @pytest.mark.parametrize("module, function", [
-    ("experiments.input_pipeline", "make_train_iterator"),  # Setting up.
+    ("experiments.data.pipeline", "make_train_iterator"),  # Setting up.
     ("experiments.training", "_compile_while_reading"),  # Compiling.
 ])
 def test_a_signal_before_the_first_step_stops_there(tmp_path, module,

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from benchmarks import input_pipeline as input_benchmark
-from experiments import augmentation
+from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 from experiments import training
 from test_models import random_state_dict
 from test_pretrained import fixture_server  # pylint: disable=unused-import

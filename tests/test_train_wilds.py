@@ -14,9 +14,9 @@ import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets
+from experiments.data import datasets
 from experiments import training
-from experiments import wilds
+from experiments.data import wilds
 from test_train import kill_at_first_checkpoint
 import wilds_data
 
@@ -171,7 +171,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
 
 def _command(data_dir, output_dir):
   # The tiny folder needs a smaller in-distribution evaluation set.
-  script = (f"from experiments import wilds; "
+  script = (f"from experiments.data import wilds; "
             f"wilds.POVERTY_ID_EVAL_SIZE = {ID_EVAL_SIZE}; "
             "from experiments import train; import sys; "
             "sys.exit(train.main(sys.argv[1:]))")

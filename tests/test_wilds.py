@@ -1,4 +1,4 @@
-"""Tests for experiments/wilds.py on tiny folders in WILDS's layout."""
+"""Tests for experiments/data/wilds.py on tiny folders in WILDS's layout."""
 
 import io
 import threading
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments import augmentation
+from experiments.data import photo_augmentation as augmentation
 from experiments import catalog
-from experiments import datasets
+from experiments.data import datasets
 from experiments import hparams_registry
-from experiments import input_pipeline
-from experiments import wilds
-from experiments import wilds_augmentation
+from experiments.data import pipeline as input_pipeline
+from experiments.data import wilds
+from experiments.data import wilds_augmentation
 import wilds_data
 
 

@@ -1,4 +1,4 @@
-"""Tests for experiments/wilds_augmentation.py: PovertyMap's training
+"""Tests for experiments/data/wilds_augmentation.py: PovertyMap's training
 augmentation against its definitions, in float64 NumPy and Python's
 colorsys."""
 
@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from experiments import color_jitter
-from experiments import wilds_augmentation as aug
+from experiments.data import color_jitter
+from experiments.data import wilds_augmentation as aug
 
 # Draws of the statistical tests, from fixed seeds. Each checks a rate or a
 # mean within 5 standard errors of its definition: a correct transform fails

@@ -12,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from experiments import catalog
-from experiments import wilds
+from experiments.data import wilds
 
 POVERTY_SIZE = FMOW_SIZE = 8
 # PovertyMap: every band of pixel (0, 0) holds the row.

@@ -1,13 +1,13 @@
 """Training finished runs again: a sample to reproduce, or one for longer.
 
 Both commands work on the runs of any sweep or study, however they were
-listed (`experiments.sweep`'s flags, or a study config's ``runs``):
+listed (`experiments.runs.sweep`'s flags, or a study config's ``runs``):
 
-    python -m experiments.sweep reproduce --datasets RotatedDigits \\
+    python -m experiments.runs.sweep reproduce --datasets RotatedDigits \\
         --algorithms ERM PGrad --n_hparams 2 --output_dir sweeps/digits
-    python -m experiments.study reproduce --hparams_seeds 1 \\
+    python -m experiments.runs.study reproduce --hparams_seeds 1 \\
         --output results/study_reproduction/draw1.json
-    python -m experiments.study longer --dataset RotatedDigits \\
+    python -m experiments.runs.study longer --dataset RotatedDigits \\
         --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
         --longer_steps 16000
 
@@ -28,7 +28,7 @@ total (the learning rates are constant, Fishr's anneal step is fixed), so its
 steps are the run's own up to where that one stopped; it shows what happens
 after.
 
-This module lists no runs and so imports neither `experiments.sweep` nor a
+This module lists no runs and so imports neither `experiments.runs.sweep` nor a
 study: it takes their runs (``sweep.Run``) and trains them with their own
 ``train`` method.
 """
@@ -47,11 +47,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from experiments import convergence
-from experiments import records
+from experiments.runs import convergence
+from experiments.runs import records
 
 if TYPE_CHECKING:
-  from experiments import sweep
+  from experiments.runs import sweep
 
 COMMANDS = ("reproduce", "longer")
 # Fields of a record that differ between two trainings of one run: where it

@@ -4,7 +4,7 @@
 image folders DomainBed's download script writes (`image_folder_dataset`;
 ``catalog.FOLDER_DATASETS`` names each one's folder and domains), and
 ``DomainNet`` from TFDS ``domainnet/<domain>`` prepared beforehand
-(``experiments.tfds_sources``). Photos are decoded when indexed
+(``experiments.data.tfds_sources``). Photos are decoded when indexed
 (`datasets.PhotoSource`).
 
 A folder is checked whenever it is built, so before any training step
@@ -20,7 +20,7 @@ That check stays cheap on a big folder: it lists the folders and opens every
 file with Pillow's lazy ``Image.open``, which reads its header only, in a
 thread pool; it does not decode. Since truncated images load (below), a
 file whose header reads is one training reads. ``python -m
-experiments.datasets check`` decodes every image as well (`check_images`),
+experiments.data.datasets check`` decodes every image as well (`check_images`),
 which also finds the truncated ones; it prints how long each pass took.
 
 Damaged images are read as DomainBed reads them: truncated images load, with
@@ -50,8 +50,8 @@ import tqdm
 from PIL import Image
 from PIL import ImageFile
 
-from experiments import datasets
-from experiments import tfds_sources
+from experiments.data import datasets
+from experiments.data import tfds_sources
 
 # DomainBed's setting (domainbed/datasets.py at 05a8cc0, line 17).
 ImageFile.LOAD_TRUNCATED_IMAGES = True
@@ -109,10 +109,10 @@ class FolderSource(datasets.PhotoSource):
       raise datasets.UnreadableImageError(
           f"Cannot read image {path} ({err}). The check before the run read "
           "its header, so it changed since or is damaged past it (`python -m "
-          "experiments.datasets check` decodes every file). The run stops "
-          "rather than train on other images than its steps draw. Restore "
-          "the file and rerun the same command to go on from the run's last "
-          "checkpoint, if any.") from None
+          "experiments.data.datasets check` decodes every file). The run "
+          "stops rather than train on other images than its steps draw. "
+          "Restore the file and rerun the same command to go on from the "
+          "run's last checkpoint, if any.") from None
 
   def label(self, index: int) -> np.int32:
     return self.labels[index]
@@ -300,7 +300,7 @@ def problems_message(name: str, root: Path, problems: Sequence[str]) -> str:
           f"{'them' if len(problems) > 1 else 'it'} and run again:\n"
           + "".join(f"  - {p}\n" for p in problems)
           + f"Hidden entries (.*) and __MACOSX are ignored. `python -m "
-          f"experiments.datasets check --dataset {name} --data_dir "
+          f"experiments.data.datasets check --dataset {name} --data_dir "
           f"{root.parent}` also decodes every image and counts them.")
 
 

@@ -16,8 +16,8 @@ It also reports how long each variant took to compile (its first call). The
 vmapped step is checked: every trial's metrics (loss, and PGrad's
 eigenvalues) and update equal those of its own separate step.
 
-Run ``python -m experiments.studies.digits_benchmarks.vmap_trials --help``
-for the flags; results go to stdout and, with ``--out``, to a JSON file.
+Run ``python -m benchmarks.vmap_trials --help`` for the flags; results go to
+stdout and, with ``--out``, to a JSON file.
 """
 
 import argparse

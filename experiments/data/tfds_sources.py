@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import datasets
+from experiments.data import datasets
 
 
 def _missing_message(

@@ -57,8 +57,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments import color_jitter
-from experiments import datasets
+from experiments.data import color_jitter
+from experiments.data import datasets
 
 # The bands of PovertyMap's images, in their stored order
 # (wilds/datasets/poverty_dataset.py, BAND_ORDER, line 13).
@@ -221,7 +221,7 @@ def apply(image: np.ndarray, augmentation: PovertyAugmentation) -> np.ndarray:
 def augment_poverty(example: datasets.Element,
                     rng: np.random.Generator) -> datasets.Element:
   """PovertyMap's training transform of one example, a per-example transform
-  of `input_pipeline.make_train_iterator`.
+  of `pipeline.make_train_iterator`.
 
   Args:
     example: ``{"image": float32 (H, W, 8), ...}`` as `wilds.poverty_map`

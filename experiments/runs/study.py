@@ -2,13 +2,13 @@
 
 Usage::
 
-    python -m experiments.study --jobs 2          # train what is missing
-    python -m experiments.study list              # where every run stands
-    python -m experiments.study reproduce --hparams_seeds 1 \\
+    python -m experiments.runs.study --jobs 2          # train what is missing
+    python -m experiments.runs.study list              # where every run stands
+    python -m experiments.runs.study reproduce --hparams_seeds 1 \\
         --output results/study_reproduction/draw1.json  # retrain a sample
     python -m experiments.analysis.report --input_dir results/study \\
         --output_dir results/study_report
-    python -m experiments.study longer --dataset RotatedDigits \\
+    python -m experiments.runs.study longer --dataset RotatedDigits \\
         --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
         --longer_steps 16000  # one run trained on, to see when it plateaus
 
@@ -26,9 +26,9 @@ clone from what was committed: finished runs are skipped, unfinished ones train
 again.
 
 ``reproduce`` retrains a sample of the finished runs and compares their
-records; ``longer`` trains one run on past its plateau (`experiments.rerun`,
-which serves plain sweeps too). ``--algorithms`` narrows ``reproduce``'s
-sample to some of the study's algorithms.
+records; ``longer`` trains one run on past its plateau
+(`experiments.runs.rerun`, which serves plain sweeps too). ``--algorithms``
+narrows ``reproduce``'s sample to some of the study's algorithms.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from experiments import rerun
+from experiments.runs import rerun
 from experiments import studies
-from experiments import sweep
+from experiments.runs import sweep
 
 DEFAULT_STUDY = "digits"
 

@@ -5,7 +5,7 @@ A run directory holds::
   config.json           the run's identity: its resolved arguments and
                         hyperparameters (`experiments.config.run_record`)
   dataset.json          the fingerprint of the data it trains on
-                        (`experiments.datasets.fingerprint`); runs from
+                        (`experiments.data.datasets.fingerprint`); runs from
                         before fingerprints have none
   results.jsonl         one record per evaluation, a JSON object per line
   checkpoints/<step>/   Orbax checkpoints of the last evaluations
@@ -36,7 +36,7 @@ A *record* is one evaluation::
                           # descending), "ref_norm", "num_skipped"
 
 Its per-domain keys are ``env{i}_{split}_{metric}`` (`env_key`), the
-metrics being `experiments.tasks.split_metrics`'s: ``acc`` (and
+metrics being `experiments.data.tasks.split_metrics`'s: ``acc`` (and
 ``worst_acc`` on WILDS) of classes, ``mse``, ``r`` and ``worst_r`` of
 regression values, and ``examples``, how many examples they are over.
 

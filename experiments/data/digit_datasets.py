@@ -9,7 +9,7 @@ digit images. The registered datasets are those recipes on:
   ``experiments`` extra), offline: ``RotatedMNIST5k`` / ``ColoredMNIST5k``.
   Subsets: their accuracies are not comparable with DomainBed's 70,000-image
   numbers;
-* TFDS ``mnist``, prepared beforehand (``experiments.tfds_sources``):
+* TFDS ``mnist``, prepared beforehand (``experiments.data.tfds_sources``):
   ``RotatedMNIST`` / ``ColoredMNIST``.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from experiments import datasets
-from experiments import tfds_sources
+from experiments.data import datasets
+from experiments.data import tfds_sources
 
 DIGIT_SIZE = 28
 ROTATION_ANGLES = (0, 15, 30, 45, 60, 75)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from experiments import tasks
+from experiments.data import tasks
 from experiments.algorithms import base
 
 # DomainBed evaluates in batches of 64 (``scripts/train.py`` lines 161-165),

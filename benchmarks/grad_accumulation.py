@@ -15,9 +15,8 @@ alternate within every repeat):
   experiments' algorithm, for scale.
 
 Every accumulated gradient is checked against the full one before timing.
-Run ``python -m experiments.studies.digits_benchmarks.grad_accumulation
---help`` for the flags; results go to stdout and, with ``--out``, to a JSON
-file.
+Run ``python -m benchmarks.grad_accumulation --help`` for the flags; results
+go to stdout and, with ``--out``, to a JSON file.
 """
 
 import argparse

@@ -9,7 +9,7 @@ the run's identity, as in DomainBed.
 The sweep is resumable: a run directory holding a ``done`` file is skipped, and
 one without is launched again (training resumes from its last checkpoint), so
 a killed sweep is restarted with the same command. A run whose records fail
-`experiments.records.read_run` (damage that no run leaves, even killed) is
+`experiments.runs.records.read_run` (damage that no run leaves, even killed) is
 neither skipped as done nor launched: it is listed as damaged with the
 reason, and ``delete_incomplete`` deletes it with the incomplete runs.
 
@@ -36,18 +36,19 @@ launched again.
 
 Usage::
 
-    python -m experiments.sweep launch --datasets RotatedDigits \\
+    python -m experiments.runs.sweep launch --datasets RotatedDigits \\
         --algorithms ERM PGrad --n_hparams 20 --n_trials 3 \\
         --output_dir sweeps/digits --jobs 2
-    python -m experiments.sweep launch --launcher multi_gpu ...
-    python -m experiments.sweep launch --launcher slurm \\
+    python -m experiments.runs.sweep launch --launcher multi_gpu ...
+    python -m experiments.runs.sweep launch --launcher slurm \\
         --slurm_partition gpu --slurm_time 240 ...
-    python -m experiments.sweep list --datasets RotatedDigits ...
-    python -m experiments.sweep delete_incomplete --datasets RotatedDigits ...
-    python -m experiments.sweep reproduce --datasets RotatedDigits ...
-    python -m experiments.sweep cost --step_ms 119 --steps 5000 ...
+    python -m experiments.runs.sweep list --datasets RotatedDigits ...
+    python -m experiments.runs.sweep delete_incomplete \\
+        --datasets RotatedDigits ...
+    python -m experiments.runs.sweep reproduce --datasets RotatedDigits ...
+    python -m experiments.runs.sweep cost --step_ms 119 --steps 5000 ...
 
-``reproduce`` and ``longer`` retrain finished runs (`experiments.rerun`);
+``reproduce`` and ``longer`` retrain finished runs (`experiments.runs.rerun`);
 ``cost`` estimates the GPU-hours of a sweep's training steps.
 """
 
@@ -79,8 +80,8 @@ import tqdm
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import hparams_registry
-from experiments import records
-from experiments import rerun
+from experiments.runs import records
+from experiments.runs import rerun
 
 # The datasets that ship with the code, so a default sweep needs no downloads.
 DEFAULT_DATASETS = ("RotatedDigits", "ColoredDigits")
@@ -851,7 +852,7 @@ def make_parser() -> argparse.ArgumentParser:
       "records are damaged; cost: the GPU-hours of the runs' training "
       "steps at --step_ms; reproduce: retrain a sample of the done runs and "
       "compare their records; longer: train one run for more steps and say "
-      "when it plateaus (experiments/rerun.py). Default: launch.")
+      "when it plateaus (experiments/runs/rerun.py). Default: launch.")
   parser.add_argument(
       "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
       choices=list(catalog.DATASETS), metavar="DATASET",

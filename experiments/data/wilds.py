@@ -50,8 +50,8 @@ from PIL import Image
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import wilds_augmentation
+from experiments.data import datasets
+from experiments.data import wilds_augmentation
 
 POVERTY_DIR = "poverty_v1.1"
 FMOW_DIR = "fmow_v1.1"

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments.records import Record, env_key, train_envs
+from experiments.runs.records import Record, env_key, train_envs
 
 WINDOW = 0.2  # The last fifth of the steps.
 
@@ -95,7 +95,7 @@ def run_ends(run: Sequence[Record]) -> list[tuple[int, RunEnd]]:
 
   The i-th entry is ``(step, run_end(run[:i + 1]))``: what the criterion
   says of the same run stopped at that step. It tells how long a run still
-  learning at its end needs (`experiments.study`'s ``longer`` command).
+  learning at its end needs (`experiments.runs.study`'s ``longer`` command).
   """
   return [(record["step"], run_end(run[:i + 1]))
           for i, record in enumerate(run)]

@@ -24,7 +24,7 @@ torchvision's defaults for what DomainBed leaves out (pytorch/vision,
 * ``RandomHorizontalFlip``: with probability 0.5.
 * ``ColorJitter``: brightness, contrast and saturation factors from
   ``U(0.7, 1.3)``, a hue shift from ``U(-0.3, 0.3)``, applied in a uniformly
-  random order of the four (`experiments.color_jitter`).
+  random order of the four (`experiments.data.color_jitter`).
 * ``RandomGrayscale``: with probability 0.1 (torchvision's default ``p``),
   luma copied to all three channels.
 
@@ -56,9 +56,9 @@ import numpy as np
 from PIL import Image
 from PIL import ImageEnhance
 
-from experiments import color_jitter
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.data import color_jitter
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 
 # RandomResizedCrop(224, scale=(0.7, 1.0)) with torchvision's default ratio.
 CROP_SCALE = (0.7, 1.0)
@@ -285,7 +285,7 @@ def training_augmentation(
     batches and in the evaluation of both of its splits, a test domain's
     never.
   * WILDS: the dataset's own ``train_transform``
-    (`experiments.wilds_augmentation`), for the training batches only, as
+    (`experiments.data.wilds_augmentation`), for the training batches only, as
     WILDS's examples apply it.
 
   Args:

@@ -6,11 +6,11 @@ random order of the four colour adjustments, then the brightness, contrast
 and saturation factors from ``U(1 - j, 1 + j)`` and the hue shift from
 ``U(-h, h)``; ``forward`` applies the adjustments in that order.
 
-Both training augmentations jitter colours so: `experiments.augmentation`
-on uint8 photos, as torchvision's PIL backend does, and
-`experiments.wilds_augmentation` on float reflectances, as its tensor
-backend does. Each brings its own adjustments; this module holds what they
-share, and imports neither Pillow nor a dataset.
+Both training augmentations jitter colours so:
+`experiments.data.photo_augmentation` on uint8 photos, as torchvision's PIL
+backend does, and `experiments.data.wilds_augmentation` on float
+reflectances, as its tensor backend does. Each brings its own adjustments;
+this module holds what they share, and imports neither Pillow nor a dataset.
 """
 
 from __future__ import annotations

