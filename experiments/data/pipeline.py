@@ -310,7 +310,7 @@ class _WorkerBatches(grain.DatasetIterator):
         # Batches travel in shared memory, not pickled through the
         # workers' queues: a batch larger than a pipe holds, half written
         # by a worker when the run stops it, leaves the run waiting at exit
-        # for the rest (tests/test_train_photos.py).
+        # for the rest (tests/experiments/test_train_photos.py).
         iter(rest[i::self._num_workers].to_iter_dataset(
             _read_ahead(0)).mp_prefetch(
                 grain.MultiprocessingOptions(num_workers=1),

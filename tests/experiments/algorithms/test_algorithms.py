@@ -2,7 +2,7 @@
 algorithms share) and experiments/hparams_registry.py.
 
 The shared models and batches here serve the per-category tests,
-tests/test_algorithms_<category>.py.
+tests/experiments/algorithms/test_<category>.py.
 """
 
 import json

@@ -29,7 +29,7 @@ from test_pretrained import serve_weights
 import torch_writer
 from test_train import kill_at_first_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, FREQ = 4, 2
 FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
          "--steps", str(STEPS), "--checkpoint_freq", str(FREQ),

@@ -13,7 +13,7 @@ import pytest
 
 from experiments.analysis import claims
 from experiments.analysis import plots
-from test_analysis_model_selection import make_record
+from test_model_selection import make_record
 
 def _roughness_by_loop(values):
   total = 0.0

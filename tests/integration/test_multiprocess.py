@@ -31,7 +31,7 @@ from benchmarks import common
 NUM_PROCESSES, LOCAL_DEVICES = 2, 2
 DOMAINS, BATCH, B, K, STEPS = 3, 8, 2, 3, 2
 HIDDEN = 16
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 # The relative error against one device: at most 5.5e-8 under
 # --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512; the tolerance is 18 times

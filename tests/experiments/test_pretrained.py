@@ -3,8 +3,8 @@
 The reader is checked against files that PyTorch wrote (tests/data/, made by
 tests/data/make_torch_state_dicts.py). The downloads come from an HTTP
 server on 127.0.0.1 that the tests start, serving those files or files of
-tests/torch_writer.py, under names whose hex digits start their SHA-256 as
-torchvision's do.
+tests/experiments/torch_writer.py, under names whose hex digits start their
+SHA-256 as torchvision's do.
 """
 
 import contextlib
@@ -32,8 +32,8 @@ from experiments import train
 from test_models import random_state_dict
 import torch_writer
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "tests" / "data"
 FIXTURES = {"zip": DATA / "basic_block.pth",
             "legacy": DATA / "basic_block_legacy.pth"}
 

@@ -20,7 +20,7 @@ from experiments.runs import records as records_lib
 from experiments.analysis import report
 from experiments.runs import sweep
 from test_convergence import _run as converging_run
-from test_analysis_model_selection import make_record, write_runs
+from test_model_selection import make_record, write_runs
 
 # {(dataset, algorithm): {held-out env: {trial: test accuracy}}}, one hparam
 # draw. ColoredDigits has 3 domains; "Toy" (not registered) has 2.

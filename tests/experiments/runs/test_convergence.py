@@ -6,7 +6,7 @@ import math
 import pytest
 
 from experiments.runs import convergence
-from test_analysis_model_selection import make_record
+from test_model_selection import make_record
 
 # 3 domains, domain 0 held out; evaluations at steps 10, 20, ..., 50.
 STEPS = (10, 20, 30, 40, 50)

@@ -49,7 +49,7 @@ def test_study_runs_follow_the_protocol(tmp_path):
   assert [r.args["algorithm"] for r in runs[:3]] == ["ERM"] * 3
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
 def _committed(results_dir):

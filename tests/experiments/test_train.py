@@ -25,10 +25,10 @@ from experiments.runs import convergence
 from experiments.runs import records
 from experiments import train
 from experiments import training
-from test_analysis_model_selection import make_record
+from test_model_selection import make_record
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS, FREQ = 10, 2
 FLAGS = [
     "--steps", str(STEPS), "--checkpoint_freq", str(FREQ),

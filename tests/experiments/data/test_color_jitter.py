@@ -1,7 +1,7 @@
 """Tests for experiments/data/color_jitter.py: ColorJitter's draws and order.
 
 The distributions of the draws are tested with each augmentation's ranges
-in test_augmentation.py and test_wilds_augmentation.py.
+in test_photo_augmentation.py and test_wilds_augmentation.py.
 """
 
 import itertools

@@ -2,7 +2,7 @@
 
 The runs are `experiments.train`'s command, in this process, on a generated
 PACS folder (DomainBed's layout) with DomainBed's MNIST CNN on 32x32 crops,
-as tests/test_train_photos.py trains them. The TFDS dataset is
+as tests/experiments/test_train_photos.py trains them. The TFDS dataset is
 test_tfds_prepared.py's tiny DomainNet.
 """
 

@@ -20,7 +20,7 @@ from experiments.data import wilds
 from test_train import kill_at_first_checkpoint
 import wilds_data
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ID_EVAL_SIZE = 6
 SMALL = ["--eval_batch_size", "16", "--model", "mnist_cnn"]
 
