@@ -10,7 +10,7 @@ host's cores, ``--num_workers``'s default) of two kinds, each building
 whole batches:
 
 * ``processes``: the pipeline as training runs it
-  (`experiments.input_pipeline.make_train_iterator`), Grain worker
+  (`experiments.data.pipeline.make_train_iterator`), Grain worker
   processes;
 * ``threads``: the same batches built by Grain's threads
   (``ReadOptions.num_threads``) in the training process.
@@ -45,10 +45,10 @@ from PIL import ImageDraw
 from PIL import ImageFilter
 
 from benchmarks import common
-from experiments import augmentation
+from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 
 PACS_DOMAINS = ("art_painting", "cartoon", "photo", "sketch")
 PACS_CLASSES = ("dog", "elephant", "giraffe", "guitar", "horse", "house",

@@ -1,10 +1,10 @@
 """Every dataset, model and algorithm by name, with its facts.
 
 Adding one is a few lines here: a ``register`` call naming its builder (in
-``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models.py`` or
-``algorithms/``) and its facts; an algorithm also needs its hparams in
-``hparams_registry.py``, unless it takes those of a ``family``. A folder
-dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
+``data/digit_datasets.py``, ``data/photo_datasets.py``, ``data/wilds.py``,
+``models.py`` or ``algorithms/``) and its facts; an algorithm also needs its
+hparams in ``hparams_registry.py``, unless it takes those of a ``family``. A
+folder dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
 
 This module imports no builder: it is what parses the command line, before
 JAX starts (see `registry`).
@@ -147,15 +147,19 @@ _DIGITS = {"model": "mnist_cnn", "small_images": True}
 _ROTATED = {"domains": tuple(f"{angle}°" for angle in range(0, 90, 15)),
             **_DIGITS}
 _COLORED = {"domains": ("+90%", "+80%", "-90%"), **_DIGITS}
-DATASETS.register("RotatedDigits", "experiments.digit_datasets:rotated_digits",
+DATASETS.register("RotatedDigits",
+                  "experiments.data.digit_datasets:rotated_digits",
                   steps=300, checkpoint_freq=50, upsampled=True, **_ROTATED)
-DATASETS.register("ColoredDigits", "experiments.digit_datasets:colored_digits",
+DATASETS.register("ColoredDigits",
+                  "experiments.data.digit_datasets:colored_digits",
                   steps=300, checkpoint_freq=50, upsampled=True, **_COLORED)
-DATASETS.register("RotatedMNIST", "experiments.digit_datasets:rotated_mnist",
+DATASETS.register("RotatedMNIST",
+                  "experiments.data.digit_datasets:rotated_mnist",
                   checkpoint_freq=100, **_ROTATED)
-DATASETS.register("ColoredMNIST", "experiments.digit_datasets:colored_mnist",
+DATASETS.register("ColoredMNIST",
+                  "experiments.data.digit_datasets:colored_mnist",
                   checkpoint_freq=100, **_COLORED)
-DATASETS.register("DomainNet", "experiments.photo_datasets:domainnet",
+DATASETS.register("DomainNet", "experiments.data.photo_datasets:domainnet",
                   steps=6000, checkpoint_freq=1000, small_batches=True,
                   domains=("clipart", "infograph", "painting", "quickdraw",
                            "real", "sketch"))
@@ -171,19 +175,22 @@ FOLDER_DATASETS = {
                                            "location_43", "location_46")),
 }
 for _name, (_folder, _domains) in FOLDER_DATASETS.items():
-  DATASETS.register(_name, "experiments.photo_datasets:image_folder_dataset",
+  DATASETS.register(_name,
+                    "experiments.data.photo_datasets:image_folder_dataset",
                     options={"name": _name, "folder": _folder,
                              "domains": _domains}, domains=_domains)
 
 DATASETS.register("RotatedMNIST5k",
-                  "experiments.digit_datasets:rotated_mnist_5k", **_ROTATED)
+                  "experiments.data.digit_datasets:rotated_mnist_5k",
+                  **_ROTATED)
 DATASETS.register("ColoredMNIST5k",
-                  "experiments.digit_datasets:colored_mnist_5k", **_COLORED)
+                  "experiments.data.digit_datasets:colored_mnist_5k",
+                  **_COLORED)
 
 # WILDS's datasets train WILDS's networks for the paper's epochs (its
 # appendix "WILDS": PovertyMap 200, FMoW 10): an ImageNet DenseNet-121 for
 # FMoW, a multispectral ResNet-18 from scratch for PovertyMap (every fold).
-# Their domains are their training domains (experiments/wilds.py), then
+# Their domains are their training domains (experiments/data/wilds.py), then
 # WILDS's evaluation splits: in distribution, then out of distribution.
 WILDS_EVAL_SPLITS = ("id_val", "id_test", "val", "test")
 # WILDS's country folds (wilds/datasets/poverty_dataset.py 22-64 at v2.0.0,
@@ -222,15 +229,16 @@ POVERTY_FOLDS = {
 # wilds/datasets/fmow_dataset.py 160-168 at v2.0.0) before its OOD
 # validation years (from 2013 in the official time_after_2016 split, 99-105).
 DATASETS.register(
-    "FMoW", "experiments.wilds:fmow", steps=None, epochs=10,
+    "FMoW", "experiments.data.wilds:fmow", steps=None, epochs=10,
     checkpoint_freq=500, model="densenet121", wilds="FMoW",
     domains=tuple(map(str, range(2002, 2013))) + WILDS_EVAL_SPLITS)
 for _fold, (_countries, _, _) in POVERTY_FOLDS.items():
   DATASETS.register(
       "PovertyMap" if _fold == "A" else f"PovertyMap-{_fold}",
-      "experiments.wilds:poverty_map", options={"fold": _fold}, steps=None,
-      epochs=200, checkpoint_freq=500, model="resnet18", from_scratch=True,
-      wilds="PovertyMap", domains=_countries + WILDS_EVAL_SPLITS)
+      "experiments.data.wilds:poverty_map", options={"fold": _fold},
+      steps=None, epochs=200, checkpoint_freq=500, model="resnet18",
+      from_scratch=True, wilds="PovertyMap",
+      domains=_countries + WILDS_EVAL_SPLITS)
 
 # ----------------------------------------------------------------------------
 # Models.
@@ -292,7 +300,7 @@ for _name, _fixed in (("PGrad-k1", {"k": 1}), ("PGrad-k2", {"k": 2}),
 _GRADIENTS = "experiments.algorithms.gradient_manipulation"
 ALGORITHMS.register("Fish", f"{_GRADIENTS}:fish", data_parallel=True)
 ALGORITHMS.register("Fishr", f"{_GRADIENTS}:fishr")
-_AUGMENTATION = "experiments.algorithms.augmentation"
+_AUGMENTATION = "experiments.algorithms.mixing"
 ALGORITHMS.register("MixUp", f"{_AUGMENTATION}:mixup_algorithm",
                     mixup=True)
 _INVARIANCE = "experiments.algorithms.invariance"

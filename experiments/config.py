@@ -5,9 +5,10 @@ same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
 
 A run directory belongs to one configuration: the run writes its resolved
-arguments and hyperparameters to its ``config.json`` (`experiments.records`
-describes the run directory), and a later run in the same directory resumes
-only if its own are the same and its records check (`claim_run_directory`).
+arguments and hyperparameters to its ``config.json``
+(`experiments.runs.records` describes the run directory), and a later run in
+the same directory resumes only if its own are the same and its records check
+(`claim_run_directory`).
 The default directory is ``runs/<dataset>-<algorithm>-test<envs>-<hash>``, the
 hash being that of the resolved arguments, so every configuration gets its
 own.
@@ -32,7 +33,7 @@ from typing import Any
 
 from experiments import catalog
 from experiments import hparams_registry
-from experiments import records
+from experiments.runs import records
 
 # Where runs go when no --output_dir is given, one folder per configuration.
 DEFAULT_RUNS_DIR = Path("runs")
@@ -102,8 +103,9 @@ class Config:
       None, "Steps between evaluations and checkpoints. Default: per dataset.")
   plateau_check_freq: int = _field(
       0, "Every this many steps, stop if the run has plateaued (the "
-      "criterion of experiments/convergence.py); --steps is then the most it "
-      "trains. A multiple of --checkpoint_freq. 0: train --steps steps.")
+      "criterion of experiments/runs/convergence.py); --steps is then the "
+      "most it trains. A multiple of --checkpoint_freq. 0: train --steps "
+      "steps.")
   seed: int = _field(0, "Seeds model init, data sampling and the algorithm.")
   hparams_seed: int = _field(0, "Hyperparameter draw; 0 means the defaults.")
   trial_seed: int = _field(

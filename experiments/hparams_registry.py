@@ -297,7 +297,7 @@ def _searched_hparams(
     # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
     add("bn_mode", "frozen", Allowed(str, choices=("frozen", "train")))
     # DomainBed's default: its training augmentation of the training domains
-    # (experiments/augmentation.py).
+    # (experiments/data/photo_augmentation.py).
     add("data_augmentation", True, Allowed(bool))
     # The photos' side: DomainBed's 224. A smaller side trains the photo
     # path on a CPU in seconds.

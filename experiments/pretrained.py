@@ -28,7 +28,7 @@ A ResNet with ``C != 3`` input channels gets an RGB stem adapted by
 the pretrained kernel of RGB channel ``i % 3``. (WILDS's PovertyMap baseline
 does not start from RGB weights: its 8-channel ResNet-18 is trained from a
 Kaiming-normal initialisation, which is also what ``resnet18`` without
-``--pretrained`` gives; see ``experiments.wilds``.)
+``--pretrained`` gives; see ``experiments.data.wilds``.)
 
 Reading a ``.pth`` file runs no code from it. A file is a pickle of the
 ``state_dict`` (an ``OrderedDict`` of tensors) whose tensors' data, their

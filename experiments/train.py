@@ -9,13 +9,13 @@ The protocol is DomainBed's (Gulrajani & Lopez-Paz, ICLR 2021): a fraction
 validation and the rest is the "in" split; every step samples one batch per
 training domain from its "in" split, with replacement. Every
 ``checkpoint_freq`` steps and at the end, the run evaluates every domain and
-appends a record of it to its results file (`experiments.records` describes
-the run directory and the records). The held-out domains' accuracy is their
-``in`` split's, as DomainBed reports; the run ends by printing the last
-step's, which no model selection has chosen.
+appends a record of it to its results file (`experiments.runs.records`
+describes the run directory and the records). The held-out domains'
+accuracy is their ``in`` split's, as DomainBed reports; the run ends by
+printing the last step's, which no model selection has chosen.
 
-On a WILDS dataset (``experiments.wilds``) the held-out domains are WILDS's
-evaluation splits and the training domains are not split (see
+On a WILDS dataset (``experiments.data.wilds``) the held-out domains are
+WILDS's evaluation splits and the training domains are not split (see
 `wilds.protocol`); every step trains on ``domains_per_step``
 sampled domains; an epoch is a pass over the whole training split; and the
 metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
@@ -79,7 +79,7 @@ import sys
 from collections.abc import Sequence
 
 from experiments import config as config_lib
-from experiments import records
+from experiments.runs import records
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 `train` runs a resolved `config.Config`: the protocol and checkpoints are
 described in `experiments.train`, the command line, which imports this
 module (and JAX) only once its flags have parsed, and the run directory and
-its records in `experiments.records`.
+its records in `experiments.runs.records`.
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import algorithms
-from experiments import augmentation
+from experiments.data import photo_augmentation as augmentation
 from experiments import catalog
 from experiments import config as config_lib
-from experiments import convergence
-from experiments import datasets
-from experiments import input_pipeline
+from experiments.runs import convergence
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
 from experiments import models
 from experiments import pretrained
-from experiments import records
-from experiments import tasks
-from experiments import wilds
+from experiments.runs import records
+from experiments.data import tasks
+from experiments.data import wilds
 
 CHECKPOINTS_KEPT = 2
 # DomainBed's ToTensor and Normalize (`datasets.normalize`) of every uint8

@@ -1,5 +1,6 @@
 import collections
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -7,9 +8,14 @@ import tempfile
 
 import pytest
 
-# The tests import their NumPy oracle, tests/pgrad_jax/oracle.py, by name:
-# the library's tests as a sibling module, the algorithms' tests from here.
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "pgrad_jax"))
+# The tests import their helpers and each other's fixtures by module name
+# (oracle, wilds_data, test_train, ...), whichever folder of tests/ holds
+# them: every folder with tests is on the path, so that a module finds them
+# whether or not pytest collects their folder in the same run. Test modules'
+# names are unique across tests/ (pytest refuses two of one name).
+_TESTS = pathlib.Path(__file__).parent
+sys.path[:0] = sorted({str(path.parent)
+                       for path in _TESTS.glob("*/**/test_*.py")})
 
 # Fixtures, and the script that writes some of them with PyTorch, which the
 # tests do not need: nothing there to collect, doctests included.

@@ -1,8 +1,12 @@
-"""Every relative link and image in the documentation resolves.
+"""Every relative link and image in the documentation resolves, and every
+command runs a module that is there.
 
 The documentation is README.md, docs/*.md and experiments/README.md. A
 relative link must name a file or folder of the repository, and a `#anchor`
 must name a heading of its target, spelled as GitHub spells heading anchors.
+A ``python -m`` command of the repository's own modules, there, in the
+results' reports or in a module's docstring, must name a module file (not
+the old path of one that moved, which only says where it went).
 """
 
 import pathlib
@@ -22,6 +26,8 @@ _REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 _HTML = re.compile(r"<(?:a|img)\b[^>]*?\b(?:href|src)=\"([^\"]*)\"", re.I)
 _HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", re.M)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:|^//")
+_MODULE_COMMAND = re.compile(
+    r"python -m\s+((?:pgrad_jax|experiments|benchmarks)(?:\.\w+)*)")
 
 
 def documentation():
@@ -123,3 +129,31 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path):
       "#nowhere: no heading #nowhere in page.md",
       "gone/: no such file",
   ]
+
+
+def commands_without_a_module(path, root=ROOT):
+  """The modules that ``python -m`` commands of a file run, of those under
+  ``root``, that have no file there."""
+  return [name for name in _MODULE_COMMAND.findall(path.read_text())
+          if not (root / (name.replace(".", "/") + ".py")).is_file()]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*documentation(), *sorted(ROOT.glob("results/*/*.md")),
+     *sorted(ROOT.glob("experiments/**/*.py")),
+     *sorted(ROOT.glob("benchmarks/*.py")), ROOT / ".ci" / "run"],
+    ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_command_runs_a_module_that_is_there(path):
+  assert commands_without_a_module(path) == []
+
+
+def test_a_command_of_a_missing_module_is_reported(tmp_path):
+  (tmp_path / "experiments" / "runs").mkdir(parents=True)
+  (tmp_path / "experiments" / "runs" / "sweep.py").write_text("")
+  page = tmp_path / "page.md"
+  page.write_text("python -m experiments.runs.sweep list\n"
+                  "`python -m\nexperiments.sweep list` python -m pip\n"
+                  "python -m experiments.runs launch\n")
+  assert commands_without_a_module(page, tmp_path) == [
+      "experiments.sweep", "experiments.runs"]

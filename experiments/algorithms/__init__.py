@@ -22,7 +22,7 @@ the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
 module each: `invariance` (IRM, MMD, DANN, CORAL), `optimization` (ERM,
-GroupDRO, MLDG), `augmentation` (MixUp, ARM), `gradient_manipulation` (Fish,
+GroupDRO, MLDG), `mixing` (MixUp, ARM), `gradient_manipulation` (Fish,
 Fishr) and `principal_gradients` (PGrad and its variants), on the shared
 pieces of `base`. Adding one is a builder in its module and a row in
 ``experiments/catalog.py`` (and its hparams in ``hparams_registry.py``).
@@ -75,10 +75,10 @@ builder's docstring gives them for its terms. Conventions shared by all:
   there are no statistics to carry.)
 """
 
-from experiments.algorithms.augmentation import ARM_EVAL_BATCH
-from experiments.algorithms.augmentation import arm
-from experiments.algorithms.augmentation import mixup_algorithm
-from experiments.algorithms.augmentation import support_context
+from experiments.algorithms.mixing import ARM_EVAL_BATCH
+from experiments.algorithms.mixing import arm
+from experiments.algorithms.mixing import mixup_algorithm
+from experiments.algorithms.mixing import support_context
 from experiments.algorithms.base import Algorithm
 from experiments.algorithms.base import AnnealState
 from experiments.algorithms.base import Batches

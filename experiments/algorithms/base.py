@@ -17,7 +17,7 @@ from flax import nnx
 
 from experiments import catalog
 from experiments import models
-from experiments import tasks
+from experiments.data import tasks
 
 Params = nnx.State
 Stats = nnx.State

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 import pgrad_jax
-from experiments import tasks
+from experiments.data import tasks
 from experiments.algorithms import base
 
 # Where Fish applies weight decay: DomainBed's inner Adam, or the meta step.

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from experiments import models
-from experiments import tasks
+from experiments.data import tasks
 from experiments.algorithms import base
 
 # The bandwidths of MMD's Gaussian kernels (``gaussian_kernel``, line 994).

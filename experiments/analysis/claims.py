@@ -46,7 +46,7 @@ import numpy as np
 
 from experiments.analysis.model_selection import by_run, group_by
 from experiments.catalog import TRAJECTORY_ALGORITHMS
-from experiments.records import Record, env_key, held_out_env, train_envs
+from experiments.runs.records import Record, env_key, held_out_env, train_envs
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 BOTTOM_ALGORITHMS = ("PGrad", "PGrad-Bottom")

@@ -1,6 +1,6 @@
 """The report's figures: training dynamics, and the paper's claims.
 
-Every training-dynamics function takes records (see `experiments.records`)
+Every training-dynamics function takes records (see `experiments.runs.records`)
 of one dataset and held-out domain and writes one PNG, titled with the
 dataset and the held-out domain; `plot_claims` draws what
 `experiments.analysis.claims` measures. Domains are named as
@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from experiments import catalog
 from experiments.analysis import claims
 from experiments.analysis.model_selection import by_run, group_by
-from experiments.records import Record, env_key, held_out_env, train_envs
+from experiments.runs.records import Record, env_key, held_out_env, train_envs
 
 
 def domain_name(env: int, names: Sequence[str] | None) -> str:

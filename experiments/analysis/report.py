@@ -5,7 +5,7 @@ algorithm and a column per held-out domain plus their average, and a summary
 table with a column per dataset. A cell is the selected test accuracy as mean ±
 standard error over trials, in percent; ``X`` marks a missing result. A
 training table per dataset says where the runs ended
-(`experiments.convergence`): final training loss and accuracy, whether the
+(`experiments.runs.convergence`): final training loss and accuracy, whether the
 validation accuracy had plateaued, and the training time. Training curves of
 the runs with default hparams (``hparams_seed`` 0) are plotted next to the
 tables: held-out accuracy and per-domain training loss of every algorithm, and
@@ -38,13 +38,13 @@ from matplotlib.figure import Figure
 
 from experiments import catalog
 from experiments.analysis import claims as claims_lib
-from experiments import convergence
+from experiments.runs import convergence
 from experiments.analysis import model_selection
 from experiments.analysis import plots
-from experiments import records as records_lib
+from experiments.runs import records as records_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
-from experiments.records import Record
+from experiments.runs.records import Record
 
 PLOTS_DIR = "plots"
 # The runs whose training curves are plotted: DomainBed's default hparams.
@@ -409,7 +409,7 @@ def render(records: Sequence[Record], output_dir: Path,
               summary_table(selected, algorithms, num_domains, draws)]
 
   lines += ["", "## Training", "",
-            "Where the runs ended (`experiments.convergence`): a run has "
+            "Where the runs ended (`experiments.runs.convergence`): a run has "
             "plateaued when its training-domain validation accuracy moved by "
             "at most one standard error over the last "
             f"{convergence.WINDOW:.0%} of its steps. The selected runs are "

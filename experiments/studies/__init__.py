@@ -1,8 +1,9 @@
 """Studies as configs: each module holds one study's constants and run list.
 
-A study module defines ``runs(output_dir)``, every `experiments.sweep.Run` of
-the study, and ``OUTPUT_DIR``, where they go by default (its longer runs go
-beside it, in ``OUTPUT_DIR`` with ``_longer`` appended: `experiments.rerun`).
-``python -m experiments.study --study NAME`` runs the study of
+A study module defines ``runs(output_dir)``, every
+`experiments.runs.sweep.Run` of the study, and ``OUTPUT_DIR``, where they go
+by default (its longer runs go beside it, in ``OUTPUT_DIR`` with ``_longer``
+appended: `experiments.runs.rerun`).
+``python -m experiments.runs.study --study NAME`` runs the study of
 ``experiments/studies/NAME.py``.
 """

@@ -6,11 +6,11 @@ RotatedDigits and ColoredDigits, every domain held out in turn,
 domain, and the claims' ablations at their defaults with domain 0 held out.
 Every run trains at `FIXED_HPARAMS` (the digits' native 8x8 inputs, a CNN of
 width 8), evaluating every `CHECKPOINT_FREQ` steps, until it has plateaued
-(`experiments.convergence`): it checks every `STEPS` steps and stops at the
-first check at which it has, training at most `MAX_STEPS` steps
+(`experiments.runs.convergence`): it checks every `STEPS` steps and stops at
+the first check at which it has, training at most `MAX_STEPS` steps
 (docs/study.md says how these were chosen and measured).
 
-    python -m experiments.study --study digits
+    python -m experiments.runs.study --study digits
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 
 from experiments import catalog
 from experiments import hparams_registry
-from experiments import sweep
+from experiments.runs import sweep
 
 DATASETS = ("RotatedDigits", "ColoredDigits")
 # Every algorithm of the paper's Table 2, in its order: ERM, the ten

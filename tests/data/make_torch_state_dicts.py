@@ -1,4 +1,5 @@
-"""Writes the PyTorch fixtures of tests/test_pretrained.py; needs PyTorch.
+"""Writes the PyTorch fixtures of tests/experiments/test_pretrained.py; needs
+PyTorch.
 
 The project never imports PyTorch: these files were written once, with
 torch 2.14.1 and torchvision 0.29.1 (CPU), by

@@ -1,0 +1,451 @@
+"""A run's directory: the files ``python -m experiments.train`` writes there.
+
+A run directory holds::
+
+  config.json           the run's identity: its resolved arguments and
+                        hyperparameters (`experiments.config.run_record`)
+  dataset.json          the fingerprint of the data it trains on
+                        (`experiments.data.datasets.fingerprint`); runs from
+                        before fingerprints have none
+  results.jsonl         one record per evaluation, a JSON object per line
+  checkpoints/<step>/   Orbax checkpoints of the last evaluations
+  trajectory/<step>.npy params snapshots, with --trajectory_freq
+  final_params.npz      the params and statistics at the end
+  done                  written last: the run finished
+
+A *record* is one evaluation::
+
+  {"args": {...the resolved config...}, "hparams": {...},
+   "domains": [str],      # the dataset's domain names; domain i is env{i}
+   "step": int,           # updates done
+   "epoch": float,        # steps * batch_size / smallest training in split
+   "loss": float,         # mean training loss since the previous record
+   "step_time": float,    # mean seconds per step since the previous record,
+                          # compiling excepted
+   "data_wait_time": float,  # of which reading the next training batch
+   "compile_time": float,    # seconds compiling the step (a cache hit: less)
+   "time_to_first_step": float,  # from the start of training to the end of
+                          # its first step in this process
+   "interrupted": str,    # only on a record written at SIGINT or SIGTERM
+   "meter": {...},        # with it: the metric sums since the last record,
+                          # carried on when the run resumes
+   "env{i}_in_acc", "env{i}_out_acc": float,   # every domain i
+   "env{i}_in_loss": float,  # loss on a fixed subset of the in split
+   ...}                   # the algorithm's other metrics; for PGrad:
+                          # "eigenvalues" (mean normalised spectrum,
+                          # descending), "ref_norm", "num_skipped"
+
+Its per-domain keys are ``env{i}_{split}_{metric}`` (`env_key`), the
+metrics being `experiments.data.tasks.split_metrics`'s: ``acc`` (and
+``worst_acc`` on WILDS) of classes, ``mse``, ``r`` and ``worst_r`` of
+regression values, and ``examples``, how many examples they are over.
+
+How a run writes, so that a run killed at any moment leaves a state the next
+one recognises: once the previous checkpoint is on disk, the run appends the
+record of an evaluation (flushed and synced to disk) and then checkpoints
+that step; at the end it writes ``done`` whole or not at all. A killed run
+therefore leaves at most one record after its last checkpoint, and maybe a
+last line cut short; the run that resumes it drops those, says so, and
+computes them again. Anything else is damage that no run leaves: `read_run`
+refuses it with `DamagedRunError`, and training, sweeps and reports alike
+refuse or skip the run, saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+DATASET_FILE = "dataset.json"
+RESULTS_FILE = "results.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+TRAJECTORY_DIR = "trajectory"
+FINAL_PARAMS_FILE = "final_params.npz"
+DONE_FILE = "done"
+# The files a run writes besides CONFIG_FILE; a directory holding any of them
+# but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
+# log there first.)
+RUN_FILES = (DATASET_FILE, RESULTS_FILE, CHECKPOINT_DIR, TRAJECTORY_DIR,
+             FINAL_PARAMS_FILE, DONE_FILE)
+
+Record = dict[str, Any]
+
+_ENV_KEY = re.compile(r"env(\d+)_(in|out)_(\w+)")
+
+
+def env_key(env: int, split: str, metric: str) -> str:
+  """The key of a domain's metric in a record, ``env{env}_{split}_{metric}``.
+
+  >>> env_key(2, "in", "acc")
+  'env2_in_acc'
+  """
+  return f"env{env}_{split}_{metric}"
+
+
+def parse_env_key(key: str) -> tuple[int, str, str] | None:
+  """``(env, split, metric)`` of an `env_key`, or None for another key.
+
+  >>> parse_env_key("env10_out_worst_acc"), parse_env_key("step")
+  ((10, 'out', 'worst_acc'), None)
+  """
+  match = _ENV_KEY.fullmatch(key)
+  return None if match is None else (int(match[1]), match[2], match[3])
+
+
+def held_out_env(record: Record) -> int:
+  """The single held-out domain of a record's run."""
+  (env,) = record["args"]["test_envs"]
+  return env
+
+
+def num_envs(record: Record) -> int:
+  """The number of domains a record has accuracies for."""
+  parsed = (parse_env_key(key) for key in record)
+  return sum(key is not None and key[1:] == ("out", "acc") for key in parsed)
+
+
+def train_envs(record: Record) -> list[int]:
+  """The training domains of a record's run: all but the held-out ones."""
+  held_out = record["args"]["test_envs"]
+  return [i for i in range(num_envs(record)) if i not in held_out]
+
+
+def is_done(run_dir: str | Path) -> bool:
+  """Whether the run finished (its ``done`` file exists)."""
+  return (Path(run_dir) / DONE_FILE).exists()
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int] | None:
+  """The steps of the run's finished checkpoints, in order, or None when it
+  has no checkpoint directory (e.g. a run copied without them).
+
+  A checkpoint being written has a temporary name until it is complete, so
+  only finished ones are listed.
+  """
+  directory = Path(run_dir) / CHECKPOINT_DIR
+  if not directory.is_dir():
+    return None
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.is_dir() and p.name.isdigit())
+
+
+def trajectory_file(run_dir: str | Path, step: int) -> Path:
+  """Where the params snapshot of ``step`` goes, ``trajectory/<step:07d>.npy``.
+  """
+  return Path(run_dir) / TRAJECTORY_DIR / f"{step:07d}.npy"
+
+
+def trajectory_files(run_dir: str | Path) -> dict[int, Path]:
+  """The run's params snapshots by step, in step order (none: empty)."""
+  files = (Path(run_dir) / TRAJECTORY_DIR).glob("*.npy")
+  return dict(sorted((int(p.stem), p) for p in files if p.stem.isdigit()))
+
+
+class DamagedRunError(ValueError):
+  """A run's records contradict themselves or its checkpoints; the message
+  names the file and what is wrong, for the caller to add the way out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecords:
+  """A run's records, checked against its checkpoints by `read_run`.
+
+  Attributes:
+    path: the results file.
+    records: every complete record, in step order.
+    checkpoint_step: the last checkpoint's step; None without checkpoints.
+    unsaved: how many of ``records`` come after ``checkpoint_step`` (0 or
+      1): written by a run killed before checkpointing them. Without a
+      checkpoint directory, none.
+    torn_bytes: the length of a last line cut short by a run killed while
+      writing it (0: none); it is not among ``records``.
+    kept_bytes: the length of the file up to the end of the last record a
+      resumed run keeps (the checkpoint's).
+  """
+
+  path: Path
+  records: list[Record]
+  checkpoint_step: int | None
+  unsaved: int
+  torn_bytes: int
+  kept_bytes: int
+
+  @property
+  def checkpointed(self) -> list[Record]:
+    """The records up to the last checkpoint, which a resumed run keeps."""
+    return self.records[:len(self.records) - self.unsaved]
+
+
+def _damaged(path: Path, problem: str, *, done: bool) -> DamagedRunError:
+  state = "a finished" if done else "an unfinished"
+  return DamagedRunError(f"{path} ({state} run): {problem}; no run leaves "
+                         "its records so, even when killed")
+
+
+# read_run's default: the last checkpoint that the run directory holds.
+_ON_DISK = object()
+
+
+def read_run(run_dir: str | Path,
+             checkpoint_step: int | None | object = _ON_DISK
+             ) -> RunRecords:
+  """Reads a run's records and checks them against its checkpoints.
+
+  The records must be JSON objects, one per line, with integer steps that
+  strictly increase. The last checkpoint's step must have its record, and
+  at most one record may follow it; a finished run must end on its last
+  checkpoint (where it has any) and on a whole line.
+
+  Args:
+    run_dir: the run's directory. No results file: no records.
+    checkpoint_step: the step of the checkpoint that a resumed run restores
+      (None: none). By default, the last one on disk (`checkpoint_steps`);
+      a run without a checkpoint directory is checked on its records alone.
+
+  Returns:
+    The records.
+
+  Raises:
+    DamagedRunError: the records fail the check; it says how.
+  """
+  run_dir = Path(run_dir)
+  path = run_dir / RESULTS_FILE
+  done = is_done(run_dir)
+  if checkpoint_step is _ON_DISK:
+    steps = checkpoint_steps(run_dir)
+    known = steps is not None
+    checkpoint_step = steps[-1] if steps else None
+  else:
+    known = True
+  data = path.read_bytes() if path.exists() else b""
+  whole, _, torn = data.rpartition(b"\n")
+  if torn and done:
+    raise _damaged(path, "its last line is cut short", done=done)
+  records, ends = [], []  # ends: each line's end offset, for truncation.
+  for number, line in enumerate(whole.split(b"\n") if whole else [], 1):
+    try:
+      record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+      raise _damaged(path, f"line {number} is not JSON", done=done) from None
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+      raise _damaged(path, f"line {number} has no step (a positive integer)",
+                     done=done)
+    if records and step <= records[-1]["step"]:
+      raise _damaged(path, f"line {number} is of step {step}, after step "
+                     f"{records[-1]['step']}", done=done)
+    records.append(record)
+    ends.append((ends[-1] if ends else 0) + len(line) + 1)
+  if done and not records:
+    raise _damaged(path, "it is done, yet holds no record", done=done)
+  steps = [r["step"] for r in records]
+  unsaved = 0
+  if known:
+    after = [s for s in steps if checkpoint_step is None or s > checkpoint_step]
+    unsaved = len(after)
+    if checkpoint_step is not None and checkpoint_step not in steps:
+      last = f"step {steps[-1]}" if steps else "no record"
+      raise _damaged(path, f"it has no record of step {checkpoint_step}, its "
+                     f"last checkpoint's (it ends at {last})", done=done)
+    if unsaved > 1:
+      where = ("its last checkpoint (step "
+               f"{checkpoint_step})" if checkpoint_step is not None else
+               "it has no checkpoint")
+      raise _damaged(path, f"{unsaved} records (steps {after[0]} to "
+                     f"{after[-1]}) come after {where}; a run checkpoints "
+                     "every record before writing the next", done=done)
+    if done and unsaved:
+      raise _damaged(path, f"it is done, yet its last record (step "
+                     f"{steps[-1]}) has no checkpoint", done=done)
+  kept = len(records) - unsaved
+  return RunRecords(path=path, records=records,
+                    checkpoint_step=checkpoint_step if known else None,
+                    unsaved=unsaved, torn_bytes=len(torn),
+                    kept_bytes=ends[kept - 1] if kept else 0)
+
+
+def append_record(run_dir: str | Path, record: Record) -> None:
+  """Appends ``record`` to the results file and syncs it to disk."""
+  with (Path(run_dir) / RESULTS_FILE).open("a") as f:
+    f.write(json.dumps(record) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def keep_checkpointed(run: RunRecords) -> list[str]:
+  """Cuts the results file after its last checkpoint's record, for a resumed
+  run to write the rest again.
+
+  Only what a killed run leaves goes (`RunRecords.unsaved` records and a
+  torn last line); the bytes kept are not rewritten.
+
+  Returns:
+    What was dropped, one sentence each, for the log.
+  """
+  dropped = []
+  if run.unsaved:
+    dropped.append(
+        f"Dropped the record of step {run.records[-1]['step']} from "
+        f"{run.path}: the run was killed before checkpointing it; it is "
+        "computed again.")
+  if run.torn_bytes:
+    dropped.append(f"Dropped a last line cut short ({run.torn_bytes} bytes) "
+                   f"from {run.path}: the run was killed while writing it.")
+  if dropped:
+    with run.path.open("r+b") as f:
+      f.truncate(run.kept_bytes)
+      os.fsync(f.fileno())
+  return dropped
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+  """Writes ``path`` whole or not at all: aside, synced, then renamed."""
+  partial = path.with_name(f"{path.name}.partial")
+  with partial.open("wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+  partial.replace(path)
+  directory = os.open(path.parent, os.O_RDONLY)
+  try:
+    os.fsync(directory)
+  finally:
+    os.close(directory)
+
+
+def write_config(run_dir: str | Path, run_record: Mapping[str, Any]) -> None:
+  """Writes the run's config file (`experiments.config.run_record`) whole."""
+  _write_whole(Path(run_dir) / CONFIG_FILE,
+               (json.dumps(run_record, indent=2) + "\n").encode())
+
+
+def write_fingerprint(run_dir: str | Path,
+                      fingerprint: Mapping[str, Any]) -> None:
+  """Writes the fingerprint of the run's data whole (`DATASET_FILE`)."""
+  _write_whole(Path(run_dir) / DATASET_FILE,
+               (json.dumps(fingerprint, indent=1) + "\n").encode())
+
+
+class DatasetChangedError(ValueError):
+  """A run meets other data than it recorded; the message says what
+  changed, for the caller to add the way out."""
+
+
+# How many changes a DatasetChangedError names.
+_CHANGES_NAMED = 8
+
+
+def _group_change(where: str, recorded: Mapping[str, Any],
+                  current: Mapping[str, Any]) -> str:
+  """How a group of files (``{"files", "bytes", "names", "sizes"}``)
+  changed."""
+  before, after = recorded["files"], current["files"]
+  if before != after:
+    verb = "added" if after > before else "removed"
+    return f"{where}: {abs(after - before)} files {verb} ({before} -> {after})"
+  if recorded["names"] != current["names"]:
+    return f"{where}: files renamed or replaced ({after} files)"
+  return (f"{where}: files resized ({recorded['bytes']} -> "
+          f"{current['bytes']} bytes)")
+
+
+def fingerprint_changes(recorded: Mapping[str, Any],
+                        current: Mapping[str, Any],
+                        where: str = "") -> list[str]:
+  """What differs between two fingerprints, one phrase each, by path
+  (``domain/class``); a group of files is described by its counts."""
+  if {"files", "names"} <= recorded.keys() and recorded.keys() == (
+      current.keys()):
+    return [] if recorded == current else [
+        _group_change(where, recorded, current)]
+  changes = []
+  for key in sorted(recorded.keys() | current.keys()):
+    path = key if where in ("", "domains") else f"{where}/{key}"
+    named = f"domain {key}" if where == "domains" else path
+    if key not in current:
+      changes.append(f"{named}: gone")
+    elif key not in recorded:
+      changes.append(f"{named}: new")
+    elif isinstance(recorded[key], Mapping) and isinstance(
+        current[key], Mapping):
+      changes += fingerprint_changes(recorded[key], current[key], path)
+    elif recorded[key] != current[key]:
+      changes.append(f"{path}: {recorded[key]} -> {current[key]}")
+  return changes
+
+
+def check_fingerprint(run_dir: str | Path,
+                      fingerprint: Mapping[str, Any]) -> None:
+  """Refuses data other than those the run recorded (`DATASET_FILE`).
+
+  A run without the file is accepted: it is from before runs recorded it,
+  or was killed between writing its config file and this one.
+
+  Raises:
+    DatasetChangedError: the run recorded another fingerprint; the message
+      names what changed.
+  """
+  path = Path(run_dir) / DATASET_FILE
+  if not path.exists():
+    return
+  changes = fingerprint_changes(json.loads(path.read_text()),
+                                json.loads(json.dumps(fingerprint)))
+  if changes:
+    more = len(changes) - _CHANGES_NAMED
+    raise DatasetChangedError(
+        f"{run_dir} was trained on other data than it is given now "
+        f"({path} records them): " + "; ".join(changes[:_CHANGES_NAMED])
+        + (f"; and {more} more" if more > 0 else ""))
+
+
+def mark_done(run_dir: str | Path) -> None:
+  """Writes ``done``, whole, once the run has finished."""
+  _write_whole(Path(run_dir) / DONE_FILE, b"")
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepRecords:
+  """The runs found under a directory, by `load_runs`.
+
+  Attributes:
+    runs: every run directory with records, to its records, in path order.
+    skipped: every run directory whose records are damaged, to why.
+  """
+
+  runs: dict[Path, list[Record]]
+  skipped: dict[Path, str]
+
+  @property
+  def records(self) -> list[Record]:
+    """Every run's records, run after run."""
+    return [record for records in self.runs.values() for record in records]
+
+
+def load_runs(input_dir: str | Path) -> SweepRecords:
+  """Reads and checks (`read_run`) every run below a directory, at any depth.
+
+  A run is a directory holding a results file. An unfinished run's records
+  are read as far as they go; a run without any is left out.
+
+  Args:
+    input_dir: the directory, typically a sweep's output directory.
+
+  Returns:
+    The runs and the damaged runs skipped.
+  """
+  runs, skipped = {}, {}
+  for path in sorted(Path(input_dir).rglob(RESULTS_FILE)):
+    try:
+      found = read_run(path.parent).records
+    except DamagedRunError as e:
+      skipped[path.parent] = str(e)
+      continue
+    if found:
+      runs[path.parent] = found
+  return SweepRecords(runs, skipped)

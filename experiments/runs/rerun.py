@@ -1,0 +1,301 @@
+"""Training finished runs again: a sample to reproduce, or one for longer.
+
+Both commands work on the runs of any sweep or study, however they were
+listed (`experiments.runs.sweep`'s flags, or a study config's ``runs``):
+
+    python -m experiments.runs.sweep reproduce --datasets RotatedDigits \\
+        --algorithms ERM PGrad --n_hparams 2 --output_dir sweeps/digits
+    python -m experiments.runs.study reproduce --hparams_seeds 1 \\
+        --output results/study_reproduction/draw1.json
+    python -m experiments.runs.study longer --dataset RotatedDigits \\
+        --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
+        --longer_steps 16000
+
+``reproduce`` retrains a sample of the finished runs from scratch in a
+scratch directory, one per ``(dataset, algorithm, hparams_seed, trial_seed)``
+(the run holding out the lowest domain), ``--jobs`` at a time, and checks
+that every record comes out equal to the committed one, timing excepted. It
+times each run whole (start-up, compilation, training and evaluation) and
+estimates from them what the sampled groups cost on this machine: each
+sampled run's time stands for the other held-out domains of its group.
+
+``longer`` trains one run for a given number of steps without stopping at its
+plateau, in its own directory (default: the runs' directory with
+``_longer`` appended), and prints where the convergence criterion says the
+run would have ended at each evaluation. It has the run's arguments but
+``steps`` and the plateau checks, and nothing in training depends on the
+total (the learning rates are constant, Fishr's anneal step is fixed), so its
+steps are the run's own up to where that one stopped; it shows what happens
+after.
+
+This module lists no runs and so imports neither `experiments.runs.sweep` nor a
+study: it takes their runs (``sweep.Run``) and trains them with their own
+``train`` method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from experiments.runs import convergence
+from experiments.runs import records
+
+if TYPE_CHECKING:
+  from experiments.runs import sweep
+
+COMMANDS = ("reproduce", "longer")
+# Fields of a record that differ between two trainings of one run: where it
+# was written and how fast it went (records written before the loop timed
+# its compilation lack the last two).
+_UNREPRODUCIBLE = ("output_dir", "step_time", "data_wait_time",
+                   "compile_time", "time_to_first_step")
+# The flags that pick the longer command's run, and its length.
+_LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
+                 "test_env", "longer_steps")
+
+
+def _comparable(record: dict[str, Any]) -> dict[str, Any]:
+  args = {k: v for k, v in record["args"].items() if k not in _UNREPRODUCIBLE}
+  return {**{k: v for k, v in record.items() if k not in _UNREPRODUCIBLE},
+          "args": args}
+
+
+def first_difference(committed: Sequence[dict[str, Any]],
+                     retrained: Sequence[dict[str, Any]]) -> str | None:
+  """Where two runs' records first differ (timing excepted), or None."""
+  if len(committed) != len(retrained):
+    return f"{len(retrained)} records, {len(committed)} committed"
+  for old, new in zip(map(_comparable, committed), map(_comparable, retrained)):
+    for key in sorted(old.keys() | new.keys()):
+      if old.get(key) != new.get(key):
+        return (f"step {old.get('step')}: {key} = {new.get(key)!r}, "
+                f"{old.get(key)!r} committed")
+  return None
+
+
+def group(run: sweep.Run) -> tuple[Any, ...]:
+  """The run's ``(dataset, algorithm, hparams_seed, trial_seed)``."""
+  a = run.args
+  return a["dataset"], a["algorithm"], a["hparams_seed"], a["trial_seed"]
+
+
+def sample(runs: Sequence[sweep.Run],
+           hparams_seeds: Sequence[int] | None = None,
+           algorithms: Sequence[str] | None = None) -> list[sweep.Run]:
+  """One run per (dataset, algorithm, hparams_seed, trial_seed) group, the one
+  holding out the lowest domain, from the given draws and algorithms
+  (default: all)."""
+  chosen = {}
+  for run in sorted(runs, key=lambda run: run.args["test_envs"]):
+    if ((hparams_seeds is None or run.args["hparams_seed"] in hparams_seeds)
+        and (algorithms is None or run.args["algorithm"] in algorithms)):
+      chosen.setdefault(group(run), run)
+  return list(chosen.values())
+
+
+def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
+              scratch_dir: Path, jobs: int) -> dict[str, Any]:
+  """Retrains ``chosen`` (finished runs among ``runs``) under ``scratch_dir``.
+
+  Args:
+    runs: every run of the sweep, for the size of each chosen run's group.
+    chosen: the runs to retrain, each from scratch, ``jobs`` at a time.
+    scratch_dir: where the copies train (with their own compilation cache).
+    jobs: how many copies train at once.
+
+  Returns:
+    A report: for every chosen run its group, whether its records (not its
+    trajectory snapshots) came out equal, timing excepted, or where they
+    first differ, and its wall time in seconds; and the estimated wall time
+    of all of ``runs`` in the chosen groups at ``jobs`` runs at a time (each
+    chosen run's time times its group's size, over ``jobs``).
+  """
+  def retrain(run):
+    copy = dataclasses.replace(run,
+                               output_dir=scratch_dir / run.output_dir.name)
+    start = time.monotonic()
+    returncode = copy.train()
+    seconds = time.monotonic() - start
+    committed = records.read_run(run.output_dir).records
+    difference = (f"exit status {returncode}" if returncode else
+                  first_difference(committed,
+                                   records.read_run(copy.output_dir).records))
+    return {"run": run.output_dir.name, "group": list(group(run)),
+            "equal": difference is None, "difference": difference,
+            "seconds": round(seconds, 1)}
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    results = list(pool.map(retrain, chosen))
+  sizes = collections.Counter(map(group, runs))
+  total = sum(r["seconds"] * sizes[tuple(r["group"])] for r in results)
+  return {"runs": results,
+          "runs_in_sampled_groups": sum(sizes[group(run)] for run in chosen),
+          "jobs": jobs,
+          "estimated_hours": round(total / jobs / 3600, 2)}
+
+
+def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
+               hparams_seed: int, trial_seed: int, test_env: int,
+               longer_steps: int, output_dir: str | Path) -> sweep.Run:
+  """One of ``runs`` made ``steps`` long without stopping at its plateau.
+
+  Args:
+    runs: the sweep's runs.
+    dataset, algorithm, hparams_seed, trial_seed, test_env: which run.
+    longer_steps: how long the copy trains; at least the run's steps
+      between plateau checks (``plateau_check_freq``), if it has them.
+    output_dir: the directory its run directory goes under.
+
+  Returns:
+    A run with the chosen run's arguments but ``steps`` (``longer_steps``;
+    no plateau checks or trajectory snapshots), under ``output_dir``.
+
+  Raises:
+    ValueError: the runs have no such run, or ``longer_steps`` is below its
+      ``plateau_check_freq``.
+  """
+  wanted = (dataset, algorithm, hparams_seed, trial_seed, [test_env])
+  for run in runs:
+    if (*group(run), run.args["test_envs"]) == wanted:
+      min_steps = run.args.get("plateau_check_freq", 0)
+      if longer_steps < min_steps:
+        raise ValueError(f"--longer_steps must be at least the run's "
+                         f"plateau_check_freq, {min_steps}; got "
+                         f"{longer_steps}.")
+      args = {k: v for k, v in run.args.items()
+              if k not in ("trajectory_freq", "plateau_check_freq")}
+      return type(run).create({**args, "steps": longer_steps}, output_dir)
+  raise ValueError(
+      f"There is no run of {algorithm} on {dataset} with hparams_seed "
+      f"{hparams_seed}, trial_seed {trial_seed} and test_env {test_env}; "
+      "the list command lists the runs.")
+
+
+def describe_ends(run: Sequence[records.Record], every: int) -> str:
+  """A table of where a run would have ended every ``every`` steps, and the
+  step from which its criterion always held."""
+  ends = convergence.run_ends(run)
+  held_out = records.held_out_env(run[0])
+  lines = [f"{'step':>6} {'train loss':>10} {'train acc':>9} "
+           f"{'val. move':>9} {'1 SE':>6} {'plateaued':>9} {'held-out':>8}"]
+  for (step, end), record in zip(ends, run):
+    if step % every == 0 or step == ends[-1][0]:
+      lines.append(
+          f"{step:>6} {end.loss:>10.4f} {end.accuracy:>9.3f} "
+          f"{end.validation_change:>9.3f} {end.validation_se:>6.3f} "
+          f"{'yes' if end.plateaued else 'no':>9} "
+          f"{record[records.env_key(held_out, 'in', 'acc')]:>8.3f}")
+  settled = convergence.settled_step(ends)
+  lines.append("Plateaued at every evaluation from step "
+               f"{settled} on." if settled is not None else
+               "Not plateaued at the last evaluation.")
+  return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+  """Adds the two commands' flags to a command line that lists runs."""
+  options = parser.add_argument_group(
+      "reproduce", "Which finished runs to retrain, and where to report.")
+  options.add_argument("--hparams_seeds", type=int, nargs="+", default=None,
+                      help="The draws to sample; default: all.")
+  options.add_argument("--output", default=None,
+                      help="Also write the report there (JSON).")
+  longer = parser.add_argument_group(
+      "longer", "Which run to train on, and for how long.")
+  for name in _LONGER_FLAGS[:-1]:
+    longer.add_argument(f"--{name}", type=str if name in (
+        "dataset", "algorithm") else int)
+  longer.add_argument("--longer_steps", type=int,
+                      help="How many steps the longer run trains.")
+  longer.add_argument("--every", type=int, default=1000,
+                      help="Print every this many steps; default: 1000.")
+  longer.add_argument("--longer_dir", default=None,
+                      help="Where the longer run goes; default: the runs' "
+                      "directory with _longer appended.")
+
+
+def check_arguments(parser: argparse.ArgumentParser,
+                    args: argparse.Namespace) -> None:
+  """Refuses the longer command's flags on another command (exit 2)."""
+  stray = [f"--{name}" for name in _LONGER_FLAGS
+           if getattr(args, name) is not None]
+  if stray and args.command != "longer":
+    parser.error(f"{' '.join(stray)}: only for the longer command.")
+
+
+def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
+         runs: Sequence[sweep.Run], output_dir: str | Path) -> int:
+  """Runs ``args.command``, one of `COMMANDS`, on ``runs``.
+
+  Args:
+    parser: the command line's parser, for usage errors.
+    args: its parsed flags (`add_arguments`'s, and ``jobs``).
+    runs: the runs of the sweep or study, in ``output_dir``.
+    output_dir: their directory.
+
+  Returns:
+    The exit status.
+  """
+  if args.command == "reproduce":
+    return _reproduce_command(runs, args, output_dir)
+  return _longer_command(parser, runs, args, output_dir)
+
+
+def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
+                       output_dir: str | Path) -> int:
+  chosen = [run for run in sample(runs, args.hparams_seeds)
+            if records.is_done(run.output_dir)]
+  if not chosen:
+    draws = ("" if args.hparams_seeds is None else
+             f" with hparams_seed in {args.hparams_seeds}")
+    print(f"error: no finished runs{draws} to reproduce in {output_dir}.",
+          file=sys.stderr)
+    return 1
+  print(f"Retraining {len(chosen)} runs, {args.jobs} at a time.")
+  with tempfile.TemporaryDirectory(prefix="reproduce_") as scratch:
+    report = reproduce(runs, chosen, Path(scratch), args.jobs)
+  for result in report["runs"]:
+    print(f"{'equal' if result['equal'] else 'DIFFERENT':9} "
+          f"{result['seconds']:7.1f} s  {' '.join(map(str, result['group']))}"
+          f"  {result['difference'] or ''}")
+  print(f"{report['runs_in_sampled_groups']} runs in the sampled groups: "
+        f"about {report['estimated_hours']} h at {args.jobs} at a time.")
+  if args.output:
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+  return 0 if all(r["equal"] for r in report["runs"]) else 1
+
+
+def _longer_command(parser: argparse.ArgumentParser,
+                    runs: Sequence[sweep.Run], args: argparse.Namespace,
+                    output_dir: str | Path) -> int:
+  missing = [f"--{name}" for name in _LONGER_FLAGS
+             if getattr(args, name) is None]
+  if missing:
+    parser.error(f"longer needs {' '.join(missing)}.")
+  if args.every < 1:
+    parser.error(f"--every must be at least 1, got {args.every}.")
+  longer_dir = args.longer_dir or f"{Path(output_dir)}_longer"
+  try:
+    run = longer_run(runs, output_dir=longer_dir,
+                     **{name: getattr(args, name) for name in _LONGER_FLAGS})
+  except ValueError as e:
+    parser.error(str(e))
+  if not records.is_done(run.output_dir):
+    print(f"Training {run}.")
+    if returncode := run.train():
+      print(f"Failed (see {run.log_file}).", file=sys.stderr)
+      return returncode
+  print(describe_ends(records.read_run(run.output_dir).records,
+                      args.every))
+  return 0

@@ -1,0 +1,123 @@
+"""A study's runs, one command: train them, list them, reproduce a sample.
+
+Usage::
+
+    python -m experiments.runs.study --jobs 2          # train what is missing
+    python -m experiments.runs.study list              # where every run stands
+    python -m experiments.runs.study reproduce --hparams_seeds 1 \\
+        --output results/study_reproduction/draw1.json  # retrain a sample
+    python -m experiments.analysis.report --input_dir results/study \\
+        --output_dir results/study_report
+    python -m experiments.runs.study longer --dataset RotatedDigits \\
+        --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
+        --longer_steps 16000  # one run trained on, to see when it plateaus
+
+A study is a config, ``experiments/studies/<name>.py`` (see
+`experiments.studies`), picked by ``--study`` (default: ``digits``, the
+converged DomainBed-protocol study of the embedded digits,
+`experiments.studies.digits`).
+
+Runs are launched in the study's order. They live in
+``<output_dir>/<md5 of their args>``. The JSON-lines records, the
+``done`` markers and the trajectories are committed; checkpoints, final params
+and logs are not (see .gitignore). So the same command continues a study
+stopped half-way, on this machine from the runs' checkpoints and on a fresh
+clone from what was committed: finished runs are skipped, unfinished ones train
+again.
+
+``reproduce`` retrains a sample of the finished runs and compares their
+records; ``longer`` trains one run on past its plateau
+(`experiments.runs.rerun`, which serves plain sweeps too). ``--algorithms``
+narrows ``reproduce``'s sample to some of the study's algorithms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from experiments.runs import rerun
+from experiments import studies
+from experiments.runs import sweep
+
+DEFAULT_STUDY = "digits"
+
+
+def load_study(name: str) -> ModuleType:
+  """The study config ``experiments/studies/<name>.py``.
+
+  Raises:
+    ValueError: there is no such study; it names those there are.
+  """
+  found = sorted(module.name for module in pkgutil.iter_modules(studies.__path__)
+                 if not module.ispkg)
+  if name not in found:
+    raise ValueError(f"--study {name!r}: no experiments/studies/{name}.py; "
+                     f"the studies are {', '.join(found)}.")
+  return importlib.import_module(f"experiments.studies.{name}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("command", nargs="?", default="launch",
+                      choices=["launch", "list", *rerun.COMMANDS],
+                      help="launch (default): train every run not done; "
+                      "list: the status of every run; reproduce: retrain a "
+                      "sample of the done runs and compare their records; "
+                      "longer: train one run for more steps and say when it "
+                      "plateaus.")
+  parser.add_argument("--study", default=DEFAULT_STUDY,
+                      help="The study config, experiments/studies/<STUDY>.py; "
+                      f"default: {DEFAULT_STUDY}.")
+  parser.add_argument("--output_dir", default=None,
+                      help="Default: the study's OUTPUT_DIR.")
+  parser.add_argument("--jobs", type=int, default=2,
+                      help="Runs trained at once; default: 2.")
+  parser.add_argument("--algorithms", nargs="+", default=None,
+                      metavar="ALGORITHM",
+                      help="reproduce: the algorithms to sample; default: "
+                      "all.")
+  rerun.add_arguments(parser)
+  args = parser.parse_args(argv)
+  if args.jobs < 1:
+    parser.error(f"--jobs must be at least 1, got {args.jobs}.")
+  rerun.check_arguments(parser, args)
+  try:
+    study = load_study(args.study)
+  except ValueError as e:
+    parser.error(str(e))
+  args.output_dir = args.output_dir or study.OUTPUT_DIR
+  runs = study.runs(args.output_dir)
+  if args.algorithms is not None:
+    known = {run.args["algorithm"] for run in runs}
+    if unknown := [a for a in args.algorithms if a not in known]:
+      parser.error(f"--algorithms {' '.join(unknown)}: the study trains "
+                   f"none of them; it trains {', '.join(sorted(known))}.")
+  if args.command in rerun.COMMANDS:
+    sampled = [run for run in runs if args.algorithms is None
+               or run.args["algorithm"] in args.algorithms]
+    return rerun.main(parser, args, sampled, args.output_dir)
+  if args.command == "list":
+    for run in runs:
+      print(run)
+    print(sweep.summary(runs))
+    return 0
+  print(sweep.summary(runs))
+  damaged = sweep.report_damaged(runs)
+  try:
+    failed = sweep.launch(runs, jobs=args.jobs)
+  except KeyboardInterrupt:
+    print("Interrupted; the same command resumes the study.", file=sys.stderr)
+    return 130
+  for run in failed:
+    print(f"Failed (see {run.log_file}): {run}")
+  print(sweep.summary(runs))
+  return 1 if failed or damaged else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,385 @@
+"""Tests for experiments/algorithms/ (its interface and what all its
+algorithms share) and experiments/hparams_registry.py.
+
+The shared models and batches here serve the per-category tests,
+tests/experiments/algorithms/test_<category>.py.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import algorithms
+from experiments import catalog
+from experiments import config as config_lib
+from experiments import hparams_registry
+from experiments import models
+
+NUM_DOMAINS, BATCH, NUM_CLASSES = 2, 6, 3
+
+
+class TinyFeaturizer(nnx.Module):
+  """Linear -> BatchNorm (train mode) -> ReLU, so updated stats show."""
+
+  def __init__(self, in_features: int, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(in_features, 5, rngs=rngs)
+    self.norm = nnx.BatchNorm(5, rngs=rngs)
+    self.num_features = 5
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return nnx.relu(self.norm(self.linear(x.reshape(x.shape[0], -1))))
+
+
+class Flatten(nnx.Module):
+  """A featurizer without parameters: the pixels are the features."""
+
+  def __init__(self, num_features: int):
+    self.num_features = num_features
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return x.reshape(x.shape[0], -1)
+
+
+class LinearFeaturizer(nnx.Module):
+  """A linear map of the pixels: the simplest featurizer with parameters."""
+
+  def __init__(self, in_features: int, num_features: int, *, rngs: nnx.Rngs,
+               dtype=jnp.float32):
+    self.linear = nnx.Linear(in_features, num_features, dtype=dtype,
+                             param_dtype=dtype, rngs=rngs)
+    self.num_features = num_features
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return self.linear(x.reshape(x.shape[0], -1))
+
+
+def make_batches(seed=0, image_shape=(4, 4, 1), num_domains=NUM_DOMAINS,
+                 batch=BATCH):
+  """Normal images; the labels cycle through the classes."""
+  images = jax.random.normal(jax.random.PRNGKey(seed),
+                             (num_domains, batch) + image_shape)
+  labels = jnp.arange(num_domains * batch).reshape(num_domains, batch)
+  return {"image": images, "label": labels % NUM_CLASSES}
+
+
+def algorithm_hparams(name):
+  hparams = hparams_registry.default_hparams(name, "RotatedDigits")
+  if name == "Fishr":
+    hparams["penalty_anneal_iters"] = 0  # Penalise from the first step.
+  if name == "IRM":
+    hparams["irm_penalty_anneal_iters"] = 0
+  if name == "MLDG":
+    hparams["n_meta_test"] = 1  # One of the NUM_DOMAINS = 2 domains.
+  return hparams
+
+
+def linear_model(num_features=4, seed=0):
+  model = models.Classifier(Flatten(num_features), NUM_CLASSES,
+                            rngs=nnx.Rngs(seed))
+  return algorithms.Network.split(model)
+
+
+def build_model(name, featurizer, *, in_channels=1, seed=1,
+                dtype=jnp.float32):
+  """``name``'s model on ``featurizer``: with ARM's context network if the
+  catalog says so (the featurizer then takes ``in_channels + 1``)."""
+  kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+  if catalog.ALGORITHMS[name].model_options.get("context_net"):
+    return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
+                                    **kwargs)
+  return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
+def test_every_algorithm_takes_a_finite_step(name):
+  # 4x4 images of one channel, and ARM's context channel.
+  pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+  model = build_model(name, TinyFeaturizer(pixels, rngs=nnx.Rngs(0)))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(name, network,
+                                         algorithm_hparams(name),
+                                         num_domains=NUM_DOMAINS)
+  new_params, new_stats, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), make_batches(),
+      jax.random.PRNGKey(1))
+
+  assert np.isfinite(metrics["loss"])
+  for old, new in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)):
+    assert old.shape == new.shape and np.all(np.isfinite(new))
+  assert any(not np.array_equal(old, new) for old, new in
+             zip(jax.tree.leaves(params), jax.tree.leaves(new_params)))
+  # BatchNorm's running mean starts at zero; the training passes move it,
+  # except MLDG's, whose passes are of DomainBed's throw-away copies.
+  moved = np.any(new_stats["featurizer"]["norm"]["mean"][...] != 0)
+  assert moved == (name != "MLDG")
+  if "eigenvalues" in metrics:
+    eigenvalues = np.asarray(metrics["eigenvalues"])
+    np.testing.assert_allclose(eigenvalues.sum(), 1.0, rtol=1e-5)
+    assert np.all(np.diff(eigenvalues) <= 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
+def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
+  # With float64 enabled, so that JAX's default dtype is float64: state made
+  # in the default dtype, or in float32, shows in one of the two models.
+  with jax.enable_x64(True):
+    pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+    model = build_model(name, LinearFeaturizer(pixels, 5, rngs=nnx.Rngs(0),
+                                               dtype=dtype), dtype=dtype)
+    network, params, stats = algorithms.Network.split(model)
+    algorithm = algorithms.build_algorithm(name, network,
+                                           algorithm_hparams(name),
+                                           num_domains=NUM_DOMAINS)
+    batches = make_batches()
+    batches["image"] = batches["image"].astype(dtype)
+    state = algorithm.init(params)
+    outputs = jax.jit(algorithm.update)(params, stats, state, batches,
+                                        jax.random.PRNGKey(1))
+  # The rollouts' pgrad_jax keeps its diagnostics (state and metrics) in
+  # float32 (docs/api.md).
+  rollout = name.startswith("PGrad") or name == "Fish"
+  diagnostics = ("eigenvalues", "ref_norm", "loss", "losses")
+
+  def checked(path, leaf):
+    field = getattr(path[-1], "name", getattr(path[-1], "key", None))
+    return (jnp.issubdtype(leaf.dtype, jnp.floating)
+            and not (rollout and field in diagnostics))
+
+  floating = {leaf.dtype for path, leaf in
+              jax.tree_util.tree_leaves_with_path((state, outputs))
+              if checked(path, leaf)}
+  assert floating == {jnp.dtype(dtype)}
+
+
+class NormalizedPixels(nnx.Module):
+  """BatchNorm straight on the pixels: its statistics depend on data only."""
+
+  def __init__(self, num_features: int, *, rngs: nnx.Rngs):
+    self.norm = nnx.BatchNorm(num_features, momentum=0.9, rngs=rngs)
+    self.num_features = num_features
+
+  def __call__(self, x, *, rngs=None):
+    del rngs
+    return self.norm(x.reshape(x.shape[0], -1))
+
+
+def numpy_running_stats(chunks):
+  """float64 BatchNorm running mean/var after train passes over ``chunks``."""
+  mean, var = np.zeros(16), np.ones(16)
+  for chunk in chunks:
+    x = np.asarray(chunk, np.float64).reshape(len(chunk), -1)
+    mean = 0.9 * mean + 0.1 * x.mean(0)
+    var = 0.9 * var + 0.1 * x.var(0)
+  return mean, var
+
+
+@pytest.mark.parametrize("name, hparams, chunks", [
+    # ERM: one forward pass over all domains' examples.
+    ("ERM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    # PGrad-F with B = 2: round i visits domains 0, 1 on their chunk i.
+    ("PGrad-F", {"B": 2},
+     lambda x: [x[d, 3 * i:3 * (i + 1)] for i in range(2) for d in range(2)]),
+    # GroupDRO, MMD and CORAL: one pass per domain, in order, as DomainBed's
+    # loops.
+    ("GroupDRO", {}, lambda x: [x[0], x[1]]),
+    ("MMD", {}, lambda x: [x[0], x[1]]),
+    ("CORAL", {}, lambda x: [x[0], x[1]]),
+    # IRM: one pass over all domains, as DomainBed's.
+    ("IRM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+])
+def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
+  model = models.Classifier(NormalizedPixels(16, rngs=nnx.Rngs(0)),
+                            NUM_CLASSES, rngs=nnx.Rngs(1))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(
+      name, network, {**algorithm_hparams(name), **hparams},
+      num_domains=NUM_DOMAINS)
+  batches = make_batches()
+  state = algorithm.init(params)
+  _, new_stats, new_state, _ = jax.jit(algorithm.update)(
+      params, stats, state, batches, jax.random.PRNGKey(1))
+  mean, var = numpy_running_stats(chunks(batches["image"]))
+  np.testing.assert_allclose(new_stats["featurizer"]["norm"]["mean"][...],
+                             mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new_stats["featurizer"]["norm"]["var"][...],
+                             var, rtol=1e-5, atol=1e-6)
+  # The statistics are not kept in the algorithm's state.
+  assert (jax.tree.structure(new_state) == jax.tree.structure(state))
+
+def test_registry():
+  assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(catalog.ALGORITHMS)
+  with pytest.raises(ValueError, match="already registered"):
+    catalog.ALGORITHMS.register("ERM", algorithms.erm)
+  with pytest.raises(ValueError, match="Unknown algorithm"):
+    algorithms.build_algorithm("SGD", None, {}, num_domains=2)
+
+
+# The paper's B = 3, and B = 2 on DomainNet (section 5.1).
+@pytest.mark.parametrize("dataset, model, lr, chunks, batch", [
+    ("RotatedDigits", "mnist_cnn", 1e-3, 3, 63),
+    ("PACS", "resnet50", 5e-5, 3, 33),
+    ("DomainNet", "resnet50", 5e-5, 2, 24),
+])
+def test_pgrad_b_defaults_follow_the_paper(dataset, model, lr, chunks, batch):
+  hparams = hparams_registry.default_hparams("PGrad-B", dataset)
+  assert catalog.DATASETS[dataset].model == model
+  assert hparams["lr"] == lr and hparams["outer_lr"] == 0.1
+  assert hparams["k"] == 4 and hparams["B"] == chunks
+  assert hparams["batch_size"] == batch and hparams["weight_decay"] == 0.0
+
+
+def test_random_hparams_are_seeded_and_in_range():
+  assert (hparams_registry.random_hparams("Fishr", "PACS", 0)
+          == hparams_registry.default_hparams("Fishr", "PACS"))
+  draws = [hparams_registry.random_hparams("Fishr", "PACS", seed)
+           for seed in range(1, 30)]
+  assert draws[0] == hparams_registry.random_hparams("Fishr", "PACS", 1)
+  assert draws[0] != hparams_registry.random_hparams("Fishr", "PACS", 1, 1)
+  for hparams in draws:
+    assert 1e-5 <= hparams["lr"] <= 10**-3.5
+    assert 10 <= hparams["lambda"] <= 1e4
+    assert 0.9 <= hparams["ema"] <= 0.99
+    assert hparams["resnet_dropout"] in (0.0, 0.1, 0.5)
+  pgrad = hparams_registry.random_hparams("PGrad-B", "PACS", 7)
+  assert pgrad["lr"] == 5e-5 and pgrad["batch_size"] == 33
+  assert 1e-6 <= pgrad["weight_decay"] <= 1e-4
+
+
+@pytest.mark.parametrize("dataset", ["RotatedDigits", "PACS", "DomainNet"])
+def test_every_draw_is_allowed_and_bad_values_name_their_range(dataset):
+  for name in catalog.ALGORITHMS:
+    for seed in range(6):
+      hparams_registry.check_hparams(
+          name, dataset, hparams_registry.random_hparams(name, dataset, seed))
+  fishr = hparams_registry.default_hparams("Fishr", dataset)
+  for key, value, allowed in [
+      ("ema", 1.0, r"a number in \[0, 1\)"), ("lambda", -1.0, "a number >= 0"),
+      ("lr", 0, "a number > 0"), ("lr", float("nan"), "a number > 0"),
+      ("lr", "1e-3", "a number > 0"), ("batch_size", 8.0, "an integer >= 1"),
+      ("penalty_anneal_iters", True, "an integer >= 0")]:
+    with pytest.raises(ValueError,
+                       match=rf"hparam '{key}' must be {allowed}, got"):
+      hparams_registry.check_hparams("Fishr", dataset,
+                                     {**fishr, key: value})
+  # Integers are numbers; the edges of closed ranges are allowed.
+  hparams_registry.check_hparams("Fishr", dataset,
+                                 {**fishr, "lr": 1, "ema": 0, "lambda": 0})
+
+
+def test_variants_fix_their_hparams_over_the_base_search_space():
+  variants = {name: entry for name, entry in catalog.ALGORITHMS.items()
+              if entry.variant_of}
+  assert set(variants) == {"PGrad-k1", "PGrad-k2", "PGrad-kall",
+                           "PGrad-Bottom"}
+  for name, entry in variants.items():
+    base, fixed = entry.variant_of, entry.fixed_hparams
+    defaults = hparams_registry.default_hparams(name, "RotatedDigits")
+    assert defaults == {**hparams_registry.default_hparams(
+        base, "RotatedDigits"), **fixed}
+    for seed in (1, 2):
+      draw = hparams_registry.random_hparams(name, "RotatedDigits", seed)
+      base_draw = hparams_registry.random_hparams(base, "RotatedDigits", seed)
+      assert draw == {**base_draw, **fixed}
+
+
+def test_irm_and_coral_hparams_follow_domainbed():
+  irm = hparams_registry.default_hparams("IRM", "PACS")
+  assert irm["irm_lambda"] == 100.0 and irm["irm_penalty_anneal_iters"] == 500
+  assert hparams_registry.default_hparams("CORAL", "PACS")["mmd_gamma"] == 1.0
+  for seed in range(1, 20):
+    irm = hparams_registry.random_hparams("IRM", "PACS", seed)
+    assert 0.1 <= irm["irm_lambda"] <= 1e5
+    assert 1 <= irm["irm_penalty_anneal_iters"] <= 1e4
+    assert 0.1 <= hparams_registry.random_hparams(
+        "CORAL", "PACS", seed)["mmd_gamma"] <= 10
+
+
+# DomainBed's algorithm-specific hparams (hparams_registry.py at b93c22a1):
+# name -> (default on the digits, default on photos, the search's range).
+DOMAINBED_HPARAMS = {
+    "MMD": {"mmd_gamma": (1.0, 1.0, (0.1, 10))},
+    "GroupDRO": {"groupdro_eta": (1e-2, 1e-2, (1e-3, 1e-1))},
+    "MLDG": {"mldg_beta": (1.0, 1.0, (0.1, 10)),
+             "n_meta_test": (2, 2, (1, 2))},
+    "ARM": {"batch_size": (64, 8, None)},
+    "DANN": {"lambda": (1.0, 1.0, (1e-2, 1e2)),
+             "weight_decay_d": (0.0, 0.0, (1e-6, 1e-2)),
+             "d_steps_per_g_step": (1, 1, (1, 7)),
+             "grad_penalty": (0.0, 0.0, (1e-2, 10)),
+             "beta1": (0.5, 0.5, (0.0, 0.5)),
+             "mlp_width": (256, 256, (64, 1023)),
+             "mlp_depth": (3, 3, (3, 5)),
+             "mlp_dropout": (0.0, 0.0, (0.0, 0.5)),
+             "lr_g": (1e-3, 5e-5, None), "lr_d": (1e-3, 5e-5, None),
+             "weight_decay_g": (0.0, 0.0, None)},
+}
+
+
+@pytest.mark.parametrize("name", list(DOMAINBED_HPARAMS))
+@pytest.mark.parametrize("dataset", ["RotatedDigits", "ColoredDigits", "PACS"])
+def test_the_compared_baselines_take_domainbeds_hparams(name, dataset,
+                                                        capsys):
+  small = catalog.DATASETS[dataset].small_images
+  defaults = hparams_registry.default_hparams(name, dataset)
+  for key, (digits, photos, _) in DOMAINBED_HPARAMS[name].items():
+    assert defaults[key] == (digits if small else photos), key
+    assert type(defaults[key]) is type(digits), key
+  # A DomainBed --hparams JSON of them works unchanged.
+  config_lib.Config(dataset=dataset, algorithm=name, hparams=json.dumps(
+      {key: value[1] for key, value in DOMAINBED_HPARAMS[name].items()})
+                    ).resolve().hyperparameters()
+  for seed in range(1, 30):
+    draw = hparams_registry.random_hparams(name, dataset, seed)
+    for key, (default, _, bounds) in DOMAINBED_HPARAMS[name].items():
+      assert type(draw[key]) is type(default), key
+      if bounds:
+        assert bounds[0] <= draw[key] <= bounds[1], (key, draw[key])
+  if name == "ARM" and not small:
+    # Its support sets, 8 images, are not searched on photos.
+    assert {hparams_registry.random_hparams(name, dataset, seed)["batch_size"]
+            for seed in range(1, 30)} == {8}
+  if name == "DANN":
+    # The generator's and discriminator's rates are drawn as lr is, apart.
+    draws = [hparams_registry.random_hparams(name, dataset, seed)
+             for seed in range(1, 30)]
+    low, high = (10**-4.5, 10**-2.5) if small else (1e-5, 10**-3.5)
+    assert all(low <= d[k] <= high for d in draws for k in ("lr_g", "lr_d"))
+    assert len({(d["lr_g"], d["lr_d"], d["lr"]) for d in draws}) == 29
+  with pytest.raises(SystemExit) as exit_info:
+    config_lib.parse_args(["--list_hparams", "--algorithm", name,
+                           "--dataset", dataset])
+  assert exit_info.value.code == 0
+  listed = capsys.readouterr().out
+  for key in DOMAINBED_HPARAMS[name]:
+    assert f"\n{key} " in listed, key
+
+
+@pytest.mark.parametrize("dataset, model, lr, outer_lr", [
+    ("PovertyMap", "resnet18", 1e-3, 0.1),
+    ("PovertyMap-C", "resnet18", 1e-3, 0.1),
+    ("FMoW", "densenet121", 1e-4, 0.01),
+])
+def test_wilds_defaults_follow_the_paper_and_wilds(dataset, model, lr,
+                                                   outer_lr):
+  assert catalog.DATASETS[dataset].model == model
+  hparams = hparams_registry.default_hparams("PGrad", dataset)
+  assert hparams["lr"] == lr and hparams["outer_lr"] == outer_lr
+  assert hparams["outer_lr_per_domain"] and hparams["weight_decay"] == 0.0
+  # WILDS's 64 images from 8 domains per step; BatchNorm trained.
+  assert hparams["domains_per_step"] == 8 and hparams["batch_size"] == 8
+  assert hparams["bn_mode"] == "train"
+  assert hparams_registry.default_hparams("PGrad-B", dataset)[
+      "batch_size"] == 9
+  # No search on WILDS: every draw is the default.
+  assert hparams_registry.random_hparams("IRM", dataset, 3) == (
+      hparams_registry.default_hparams("IRM", dataset))
+  assert hparams_registry.default_hparams("IRM", dataset)["irm_lambda"] == 1.0

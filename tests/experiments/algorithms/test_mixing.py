@@ -1,0 +1,207 @@
+"""Tests for experiments/algorithms/mixing.py: MixUp, ARM."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import algorithms
+from experiments import config as config_lib
+from experiments import models
+from experiments import training
+import oracle
+from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS, Flatten
+from test_algorithms import NormalizedPixels, numpy_running_stats
+from test_algorithms import algorithm_hparams, linear_model, make_batches
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_mixup_mixes_every_chunk_with_the_same_chunk_of_another_domain(
+    num_chunks):
+  batches = make_batches()
+  # Label = domain, so the partner domain can be read off "mix_label".
+  batches["label"] = jnp.repeat(jnp.arange(NUM_DOMAINS)[:, None], BATCH, 1)
+  mixed = jax.jit(algorithms.mixup, static_argnums=(2, 3))(
+      batches, jax.random.PRNGKey(3), 0.2, num_chunks)
+  images = np.asarray(batches["image"])
+  size = BATCH // num_chunks
+  for chunk in range(num_chunks):
+    part = slice(chunk * size, (chunk + 1) * size)
+    partners = np.asarray(mixed["mix_label"][:, part])
+    weights = np.asarray(mixed["mix_weight"][:, part])
+    # One partner and one weight per (domain, chunk); partners form a cycle.
+    assert np.all(partners == partners[:, :1])
+    assert np.all(weights == weights[:, :1])
+    assert sorted(partners[:, 0]) == list(range(NUM_DOMAINS))
+    for d in range(NUM_DOMAINS):
+      partner, weight = partners[d, 0], weights[d, 0]
+      assert partner != d and 0.0 <= weight <= 1.0
+      np.testing.assert_allclose(
+          mixed["image"][d, part],
+          weight * images[d, part] + (1 - weight) * images[partner, part],
+          rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(mixed["label"], batches["label"])
+
+
+def test_mixup_passes_every_pair_in_domainbeds_order_where_batchnorm_trains():
+  # BatchNorm on the pixels: a pass per mixed pair normalizes each with its
+  # own statistics, and the running statistics follow the passes in order.
+  num_domains = 3
+  model = models.Classifier(NormalizedPixels(16, rngs=nnx.Rngs(0)),
+                            NUM_CLASSES, rngs=nnx.Rngs(1))
+  network, params, stats = algorithms.Network.split(model)
+  hparams = algorithm_hparams("MixUp")
+  algorithm = algorithms.build_algorithm("MixUp", network, hparams,
+                                         num_domains=num_domains)
+  batches = make_batches(seed=6, num_domains=num_domains)
+  key = jax.random.PRNGKey(2)
+  _, new_stats, _, metrics = jax.jit(algorithm.update)(
+      params, stats, algorithm.init(params), batches, key)
+  # The mix the step drew (`base.gradient_algorithm` hands the objective
+  # the second half of its key), its pairs in DomainBed's order.
+  mixed = algorithms.mixup(batches, jax.random.split(key)[1],
+                           hparams["mixup_alpha"])
+  order = np.argsort(np.asarray(mixed["mix_pass"][:, 0]))
+  assert list(order) != list(range(num_domains))  # The order shows.
+  passes = {name: np.asarray(mixed[name])[order]
+            for name in ("image", "label", "mix_label", "mix_weight")}
+  x = passes["image"].astype(np.float64).reshape(num_domains, BATCH, -1)
+  features = ((x - x.mean(1, keepdims=True))
+              / np.sqrt(x.var(1, keepdims=True) + 1e-5)).reshape(-1, 16)
+  logits = (features @ np.asarray(params["head"]["kernel"][...], np.float64)
+            + np.asarray(params["head"]["bias"][...], np.float64))
+  log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+  nll = lambda labels: -log_probs[np.arange(len(logits)), labels.ravel()]
+  weight = passes["mix_weight"].ravel()
+  want = np.mean(weight * nll(passes["label"])
+                 + (1 - weight) * nll(passes["mix_label"]))
+  # float32 against float64: measured 3e-8 relative (1e-7 with the passes
+  # in domain order); 1e-6 leaves room for float32 rounding. One pass over
+  # the pooled pairs is 5% off.
+  np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+  mean, var = numpy_running_stats(list(passes["image"]))
+  np.testing.assert_allclose(new_stats["featurizer"]["norm"]["mean"][...],
+                             mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new_stats["featurizer"]["norm"]["var"][...],
+                             var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("support_size, count", [
+    (8, 150),  # 64 / 8: sets of 8, then one set of the last 22.
+    (5, 150),  # 64 % 5: every loader batch is one set.
+    (11, 150),  # 64 % 11, but the last batch of 22 is two sets of 11.
+    (8, 136),  # The padding (from 136 to 150) belongs to no set.
+])
+def test_support_context_follows_domainbeds_predict(support_size, count):
+  maps = jax.random.normal(jax.random.PRNGKey(support_size), (150, 2, 2, 1))
+  got = jax.jit(algorithms.support_context, static_argnums=(1, 3))(
+      maps, support_size, count, algorithms.ARM_EVAL_BATCH)
+  want = oracle.arm_contexts(np.asarray(maps[:count], np.float64),
+                             support_size, algorithms.ARM_EVAL_BATCH)
+  # Means of at most 64 float32 values: measured 1e-7 apart; 10x margin.
+  np.testing.assert_allclose(got[:count], want, rtol=0, atol=1e-6)
+  assert np.all(np.isfinite(got))
+
+
+ARM_IMAGE, ARM_BATCH = (3, 3, 1), 8
+
+
+def _arm_model():
+  model = models.ContextClassifier(Flatten(3 * 3 * 2), NUM_CLASSES, 1,
+                                   rngs=nnx.Rngs(0))
+  return algorithms.Network.split(model)
+
+
+def _context_net(params):
+  """The context network's params as `oracle.context_maps` takes them."""
+  context = params["context_net"]
+  arrays = lambda layer, names: [np.asarray(layer[n][...], np.float64)
+                                 for n in names]
+  return ([tuple(arrays(context["convs"][k], ("kernel", "bias"))
+                 + arrays(context["norms"][k], ("scale", "bias")))
+           for k in range(2)]
+          + [tuple(arrays(context["convs"][2], ("kernel", "bias")))])
+
+
+def _running(stats):
+  return [[np.asarray(stats["context_net"]["norms"][k][name][...],
+                      np.float64) for name in ("mean", "var")]
+          for k in range(2)]
+
+
+def test_arm_matches_a_numpy_model_of_domainbed():
+  network, params, stats = _arm_model()
+  hparams = {**algorithm_hparams("ARM"), "batch_size": ARM_BATCH,
+             "lr": 0.01, "weight_decay": 0.01}
+  algorithm = algorithms.build_algorithm("ARM", network, hparams,
+                                         num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+  theta = [np.asarray(params["head"][name][...], np.float64)
+           for name in ("kernel", "bias")]
+  context_net, running = _context_net(params), _running(stats)
+  batch_list = [make_batches(step, ARM_IMAGE, batch=ARM_BATCH)
+                for step in range(3)]
+  for step, batches in enumerate(batch_list):
+    params, stats, state, _ = update(params, stats, state, batches,
+                                     jax.random.PRNGKey(step))
+  want_theta, running = oracle.arm(theta, context_net, running, batch_list,
+                                   0.01, 0.01, NUM_CLASSES)
+  # The context network keeps its initial weights, as DomainBed's.
+  for got, want in zip(jax.tree.leaves(_context_net(params)),
+                       jax.tree.leaves(context_net)):
+    np.testing.assert_array_equal(got, want)
+  # float32 against float64, measured: the params after three Adam steps of
+  # 0.01 2.2e-7 apart, the running statistics (up to 0.8) 1.3e-7; 10x
+  # margins.
+  for got, want, start in zip(
+      [params["head"][name][...] for name in ("kernel", "bias")], want_theta,
+      theta):
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-6)
+    assert np.abs(want - start).max() > 1e-3
+  for got, want in zip(jax.tree.leaves(_running(stats)),
+                       jax.tree.leaves(running)):
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+  # Evaluation adapts to DomainBed's batches of 64 of the real images: 64
+  # in sets of 8, then one set of the last 6; the padding joins none.
+  images = jax.random.normal(jax.random.PRNGKey(9), (72,) + ARM_IMAGE)
+  outputs = jax.jit(algorithm.predict)(params, stats, images, 70)
+  want_outputs, _ = oracle.arm_logits(
+      [np.asarray(params["head"][name][...], np.float64)
+       for name in ("kernel", "bias")], context_net, running, images[:70],
+      ARM_BATCH, algorithms.ARM_EVAL_BATCH, train=False)
+  # Logits up to 2: measured 2e-7 apart; 10x margin.
+  np.testing.assert_allclose(outputs[:70], want_outputs, rtol=0, atol=3e-6)
+  # The training loop's evaluation step predicts by it.
+  eval_step = training.make_eval_step(network, algorithm.predict)
+  predictions, _ = eval_step(params, stats, images, jnp.zeros(72, jnp.int32),
+                             70)
+  np.testing.assert_array_equal(predictions[:70],
+                                np.argmax(want_outputs, axis=1))
+
+
+def test_arm_needs_its_context_network():
+  network, params, _ = linear_model()
+  algorithm = algorithms.build_algorithm("ARM", network,
+                                         algorithm_hparams("ARM"),
+                                         num_domains=NUM_DOMAINS)
+  with pytest.raises(ValueError, match="context_net=True"):
+    algorithm.init(params)
+
+
+def test_arm_trains_and_evaluates_through_the_training_loop(tmp_path):
+  config = config_lib.Config(
+      dataset="RotatedDigits", algorithm="ARM", test_envs=[0], steps=4,
+      checkpoint_freq=2, eval_examples=70, eval_batch_size=72,
+      output_dir=str(tmp_path / "run"),
+      hparams='{"image_size": 8, "cnn_width": 8, "batch_size": 8}').resolve()
+  record = training.train(config)
+  assert np.isfinite(record["loss"])
+  assert 0 <= record["env0_in_acc"] <= 1
+  with np.load(tmp_path / "run" / "final_params.npz") as saved:
+    # The context network (its BatchNorm statistics trained) is saved, and
+    # the featurizer's first conv takes the image and the context.
+    assert saved["stats/context_net/norms/0/mean"].any()
+    assert saved["params/featurizer/convs/0/kernel"].shape[2] == 2

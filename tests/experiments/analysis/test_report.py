@@ -1,0 +1,598 @@
+"""The Markdown report, its plots and its claims section, on hand-made records
+and a tiny real sweep."""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.figure import Figure
+
+from experiments import catalog
+from experiments.runs import convergence
+from experiments.analysis import claims as claims_lib
+from experiments.analysis import model_selection
+from experiments.analysis import plots
+from experiments.runs import records as records_lib
+from experiments.analysis import report
+from experiments.runs import sweep
+from test_convergence import _run as converging_run
+from test_model_selection import make_record, write_runs
+
+# {(dataset, algorithm): {held-out env: {trial: test accuracy}}}, one hparam
+# draw. ColoredDigits has 3 domains; "Toy" (not registered) has 2.
+TEST_ACCS = {
+    ("ColoredDigits", "ERM"): {0: {0: 0.5, 1: 0.7}, 1: {0: 0.8, 1: 0.8},
+                               2: {0: 0.9, 1: 0.7}},
+    ("ColoredDigits", "PGrad"): {0: {0: 0.6, 1: 0.6}, 1: {0: 0.9, 1: 0.7},
+                                 2: {0: 0.9}},
+    ("Toy", "ERM"): {0: {0: 0.4, 1: 0.6}, 1: {0: 0.6, 1: 0.6}},
+}
+NUM_DOMAINS = {"ColoredDigits": 3, "Toy": 2}
+# Records written by the train command name their domains; Toy's, as older
+# records, do not, and its columns show the env indices alone.
+DOMAIN_NAMES = {"ColoredDigits": ["+90%", "+80%", "-90%"]}
+STEPS = (5, 10)
+
+
+def sweep_records():
+  """Two checkpoints per run; the last is the best on every validation."""
+  records = []
+  for (dataset, algorithm), per_env in TEST_ACCS.items():
+    n = NUM_DOMAINS[dataset]
+    for env, per_trial in per_env.items():
+      for trial, acc in per_trial.items():
+        for step in STEPS:
+          final = step == STEPS[-1]
+          in_accs = [acc if final else 0.1] * n
+          extra = {f"env{i}_in_loss": 1.0 / step + 0.1 * i + 0.01 * trial
+                   for i in range(n) if i != env}
+          if algorithm == "PGrad":
+            extra["eigenvalues"] = [0.9 - 0.1 * trial, 0.09, 0.01]
+          if dataset in DOMAIN_NAMES:
+            extra["domains"] = DOMAIN_NAMES[dataset]
+          records.append(make_record(
+              dataset, algorithm, env, 0, trial, step, in_accs=in_accs,
+              out_accs=[0.5 if final else 0.2] * n, **extra))
+  return records
+
+
+# ColoredDigits, ERM: env0 [0.5, 0.7] -> 60.0 ± 10/sqrt(2); env1 [0.8, 0.8];
+# env2 [0.9, 0.7]; Avg (60 + 80 + 80) / 3 = 73.3. PGrad: env2 has trial 0
+# only, which the cell and the average say; Avg (60 + 80 + 90) / 3 = 76.7.
+COLORED_TABLE = """\
+| Algorithm | env0 (+90%) | env1 (+80%) | env2 (-90%) | Avg |
+| :-- | :-: | :-: | :-: | :-: |
+| ERM | 60.0 ± 7.1 | 80.0 ± 0.0 | 80.0 ± 7.1 | 73.3 |
+| PGrad | 60.0 ± 0.0 | 80.0 ± 7.1 | 90.0 ± 0.0 (1 of 2 trials) | 76.7 (incomplete) |"""
+# Toy: ERM env0 [0.4, 0.6], env1 [0.6, 0.6]; no PGrad runs.
+TOY_TABLE = """\
+| Algorithm | env0 | env1 | Avg |
+| :-- | :-: | :-: | :-: |
+| ERM | 50.0 ± 7.1 | 60.0 ± 0.0 | 55.0 |
+| PGrad | X | X | X |"""
+# Per trial, the mean over held-out domains. ColoredDigits ERM: trial 0
+# (0.5+0.8+0.9)/3, trial 1 (0.7+0.8+0.7)/3, both 0.733. PGrad: only trial 0
+# has every domain, (0.6+0.9+0.9)/3 = 0.8. Toy ERM: 0.5 and 0.6 -> 55.0 ±
+# 5/sqrt(2). ERM Avg: (73.33 + 55.0) / 2 = 64.2.
+SUMMARY_TABLE = """\
+| Algorithm | ColoredDigits | Toy | Avg |
+| :-- | :-: | :-: | :-: |
+| ERM | 73.3 ± 0.0 | 55.0 ± 3.5 | 64.2 |
+| PGrad | 80.0 ± 0.0 (1 of 2 trials) | X | X |"""
+
+
+def test_report_tables_and_plots(tmp_path):
+  write_runs(tmp_path / "sweep", sweep_records())
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+
+  sections = text.split("## Model selection: ")[1:]
+  assert [s.splitlines()[0] for s in sections] == [
+      "training-domain validation set", "test-domain validation set (oracle)"]
+  for section in sections:
+    # Registered datasets come first, in registry order.
+    assert section.index("### ColoredDigits") < section.index("### Toy")
+    assert COLORED_TABLE in section
+    assert TOY_TABLE in section
+    assert "### Averages\n\n" + SUMMARY_TABLE in section
+
+  plot_names = sorted(p.name for p in (tmp_path / "out" / "plots").iterdir())
+  # Loss and accuracy per (dataset, held-out env); spectra only for PGrad.
+  assert len(plot_names) == 2 * 5 + 3
+  assert "ColoredDigits_env2_PGrad_eigenvalues.png" in plot_names
+  for name in plot_names:
+    assert f"(plots/{name})" in text
+  # Toy has no PGrad runs: the report says why it has no spectrum.
+  reason = ("Toy, held-out env1: no eigenvalue spectrum: none of ERM records "
+            "eigenvalues")
+  assert reason in text
+
+
+def test_rows_selected_among_fewer_draws_say_so(tmp_path):
+  # A second draw for ColoredDigits' ERM alone, worse on validation, so the
+  # selected accuracies stay the same: PGrad's rows there, and every row of
+  # the averages, selected among fewer draws than ERM's ColoredDigits cells.
+  second = [make_record(r["args"]["dataset"], "ERM", r["args"]["test_envs"][0],
+                        1, r["args"]["trial_seed"], r["step"],
+                        in_accs=[0.0] * 3, out_accs=[0.3] * 3)
+            for r in sweep_records()
+            if r["args"]["dataset"] == "ColoredDigits"
+            and r["args"]["algorithm"] == "ERM"]
+  write_runs(tmp_path / "sweep", sweep_records() + second)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  colored = COLORED_TABLE.replace("| PGrad |", "| PGrad (1 of 2 draws) |")
+  summary = (SUMMARY_TABLE.replace("| ERM |", "| ERM (1-2 of 2 draws) |")
+             .replace("| PGrad |", "| PGrad (1 of 2 draws) |"))
+  for section in text.split("## Model selection: ")[1:]:
+    assert colored in section
+    # Toy's cells all hold one draw: its table says nothing.
+    assert TOY_TABLE in section
+    assert "### Averages\n\n" + summary in section
+
+
+def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys):
+  # A second draw of ColoredDigits' ERM, best on validation and worse on
+  # the held-out domains: selected when reported, absent when filtered out.
+  # ColoredDigits alone: the Toy dataset's plots would only slow it down.
+  draw = [make_record("ColoredDigits", "ERM", env, 1, trial, STEPS[-1],
+                      in_accs=[0.1] * 3, out_accs=[0.9] * 3)
+          for env in range(3) for trial in (0, 1)]
+  defaults = [r for r in sweep_records()
+              if r["args"]["dataset"] == "ColoredDigits"]
+  write_runs(tmp_path / "sweep", defaults + draw)
+
+  def reported(*flags):
+    assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                        "--output_dir", str(tmp_path / "out"), *flags]) == 0
+    return (tmp_path / "out" / "results.md").read_text()
+
+  everything = reported()
+  assert "| ERM | 10.0 ± 0.0 | 10.0 ± 0.0 | 10.0 ± 0.0 | 10.0 |" in everything
+  assert COLORED_TABLE not in everything
+  reported_defaults = reported("--hparams_seeds", "0")
+  assert f"{len(defaults)} records (runs with hparams_seed 0)." in (
+      reported_defaults)
+  assert COLORED_TABLE in reported_defaults
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "none"),
+                      "--hparams_seeds", "7"]) == 1
+  assert "(runs with hparams_seed 7)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("other_final_validation, selected_plateaued", [
+    (0.80, "0/1"),  # Validates best and is still moving: selected.
+    (0.40, "1/1"),  # Still moving and validates worse: not selected.
+])
+def test_training_table_counts_the_selected_runs_that_plateaued(
+    other_final_validation, selected_plateaued):
+  plateaued = converging_run(0.68)
+  assert convergence.run_end(plateaued).plateaued
+  other = [{**r, "args": {**r["args"], "hparams_seed": 1}}
+           for r in converging_run(other_final_validation)]
+  assert not convergence.run_end(other).plateaued
+  table = report.training_table(plateaued + other, ["ERM"])
+  row = [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
+  assert row[:4] == ["ERM", "2", "1/2", selected_plateaued]
+
+
+def test_training_table_gives_the_steps_the_runs_trained():
+  # Three draws of one run, stopped at steps 50, 20 and 30.
+  runs = [[{**r, "args": {**r["args"], "hparams_seed": seed}}
+           for r in converging_run(0.68)[:evaluations]]
+          for seed, evaluations in ((0, 5), (1, 2), (2, 3))]
+  table = report.training_table([r for run in runs for r in run], ["ERM"])
+  header = [cell.strip() for cell in table.splitlines()[0].split("|")[1:-1]]
+  row = [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
+  assert row[header.index("steps (median; most)")] == "30; 50"
+
+
+def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys):
+  write_runs(tmp_path / "sweep", sweep_records())
+  damaged = sorted((tmp_path / "sweep").iterdir())[0]
+  lines = (damaged / "results.jsonl").read_text().splitlines(keepends=True)
+  (damaged / "results.jsonl").write_text("".join(reversed(lines)))
+  (damaged / "done").write_text("")
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  why = (f"{damaged / 'results.jsonl'} (a finished run): line 2 is of step "
+         f"{STEPS[0]}, after step {STEPS[1]}")
+  assert f"Skipped {damaged}, its records damaged: {why}" in (
+      capsys.readouterr().err)
+  total = len(sweep_records())
+  assert (f"{total - len(STEPS)} records; 1 runs skipped, their records "
+          f"damaged: {damaged}. Cells:") in (
+              tmp_path / "out" / "results.md").read_text()
+
+
+def test_plots_name_domains_as_the_records_do():
+  assert plots.domain_name(1, ["0°", "15°"]) == "env1 (15°)"
+  assert plots.domain_name(1, None) == "env1"  # Records before names.
+
+
+def test_missing_input_fails(tmp_path):
+  assert report.main(["--input_dir", str(tmp_path),
+                      "--output_dir", str(tmp_path / "out")]) == 1
+
+
+@pytest.mark.parametrize("plot", [plots.plot_loss_curves,
+                                  plots.plot_eigenvalue_spectrum,
+                                  plots.plot_heldout_accuracy])
+def test_plot_writes_png(tmp_path, plot):
+  records = [r for r in sweep_records()
+             if r["args"]["dataset"] == "ColoredDigits"
+             and r["args"]["test_envs"] == [0]]
+  path = tmp_path / "figure.png"
+  plot(records, path)
+  assert path.read_bytes().startswith(b"\x89PNG")
+  assert path.stat().st_size > 1000
+
+
+def test_mean_std_over_runs():
+  records = [{"step": s, "loss": v}
+             for s, v in [(2, 1.0), (1, 4.0), (2, 3.0), (3, 5.0)]]
+  steps, mean, std = plots.mean_std_over_runs(records + [{"step": 4}], "loss")
+  assert steps.tolist() == [1, 2, 3]
+  assert mean.tolist() == [4.0, 2.0, 5.0]
+  assert std.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
+    tmp_path, capsys):
+  records = []
+  spectra = {"PGrad-B": [[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]],
+             "PGrad-F": [[0.8, 0.1, 0.1], [0.6, 0.3, 0.1]]}
+  for algorithm in ("ERM", "PGrad-B", "PGrad-F", "Fish"):
+    for trial in (0, 1):
+      for step in STEPS:
+        extra = {f"env{i}_in_loss": step * (1 + trial) + i for i in (1, 2)}
+        if algorithm in spectra:
+          extra["eigenvalues"] = spectra[algorithm][trial]
+        if algorithm == "Fish":
+          extra = {}  # Records of an older run: no losses.
+        records.append(make_record("ColoredDigits", algorithm, 0, 0, trial,
+                                   step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                                   domains=DOMAIN_NAMES["ColoredDigits"],
+                                   **extra))
+  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
+  plots_by_caption = {plot.caption: plot for plot in written}
+  assert list(plots_by_caption) == [
+      "held-out accuracy", "training loss per domain",
+      "PGrad-F eigenvalue spectrum", "PGrad-B eigenvalue spectrum"]
+  assert skipped == ["no loss curves of Fish: their runs record no "
+                     "env{i}_in_loss"]
+  for plot in written:
+    assert plot.path.read_bytes().startswith(b"\x89PNG")
+
+  # Every figure names the dataset and the held-out domain, and domains go
+  # by their names.
+  held_out = "ColoredDigits, held out env0 (+90%)"
+  accuracy = plots_by_caption["held-out accuracy"].figure.axes[0]
+  assert accuracy.get_title() == held_out
+  loss = plots_by_caption["training loss per domain"].figure
+  assert loss.get_suptitle() == held_out
+  panels = loss.axes
+  assert [a.get_title() for a in panels] == [
+      "training domain env1 (+80%)", "training domain env2 (-90%)"]
+  assert [a.get_xlabel() for a in panels] == ["step", "step"]
+  assert panels[0].get_ylabel() == "training loss"
+  # The records came as ERM, PGrad-B, PGrad-F; the legend (the figure's,
+  # beside the panels) follows the registry, as the tables do, and every
+  # algorithm has its own colour.
+  [legend] = loss.legends
+  assert [t.get_text() for t in legend.get_texts()] == [
+      "ERM", "PGrad-F", "PGrad-B"]
+  assert len({line.get_color() for line in panels[0].get_lines()}) == 3
+  for axes, env in zip(panels, (1, 2)):
+    for line in axes.get_lines():
+      # Mean over the two trials of step * (1 + trial) + env.
+      expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in STEPS]
+      np.testing.assert_allclose(line.get_ydata(), expected)
+
+  spectrum = plots_by_caption["PGrad-B eigenvalue spectrum"].figure.axes[0]
+  assert spectrum.get_title() == f"PGrad-B: {held_out}"
+  assert spectrum.get_ylabel() == "normalised eigenvalue"
+  assert [line.get_label() for line in spectrum.get_lines()] == [
+      "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
+  # Both steps of a run hold the same spectrum; the trials are averaged.
+  expected = np.mean(np.array(spectra["PGrad-B"], np.float64), axis=0)
+  for line, value in zip(spectrum.get_lines(), expected):
+    np.testing.assert_allclose(line.get_ydata(), [value, value])
+
+
+def test_loss_bands_span_the_trials_on_a_log_scale(tmp_path):
+  # Three trials: the band is their range, not the mean +- one standard
+  # deviation (which would go below zero on a log scale).
+  records = [make_record("ColoredDigits", "ERM", 0, 0, trial, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         env1_in_loss=step * (1 + trial) * 0.1,
+                         env2_in_loss=1.0)
+             for trial in (0, 1, 2) for step in STEPS]
+  axes = plots.plot_loss_curves(records, tmp_path / "loss.png").axes[0]
+  assert axes.get_yscale() == "log"
+  (band,) = axes.collections
+  edge = band.get_paths()[0].vertices[:, 1]
+  assert {round(y, 9) for y in edge} == {
+      round(s * (1 + t) * 0.1, 9) for s in STEPS for t in (0, 2)}
+
+
+def test_report_says_why_a_plot_is_missing(tmp_path, capsys):
+  records = [make_record("ColoredDigits", "ERM", 0, 1, 0, 5,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3)]
+  write_runs(tmp_path / "sweep", records)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  reason = "ColoredDigits, held-out env0: no plots: no run has hparams_seed 0."
+  assert reason in capsys.readouterr().err
+  assert reason in (tmp_path / "out" / "results.md").read_text()
+
+
+def _one_evaluation_sweep():
+  """A run of every smoothness and bottom-eigenvector algorithm, evaluated
+  once, its records without step times (as records of older runs)."""
+  return [make_record("ColoredDigits", algorithm, 0, 0, 0, 5,
+                      in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                      env1_in_loss=0.7, env2_in_loss=0.9,
+                      **({"eigenvalues": [0.9, 0.1]}
+                         if algorithm.startswith("PGrad") else {}))
+          for algorithm in ("ERM", "PGrad", "PGrad-Bottom")]
+
+
+@pytest.mark.filterwarnings("error")  # NumPy's warnings fail the test.
+def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
+    tmp_path, capsys):
+  write_runs(tmp_path / "sweep", _one_evaluation_sweep())
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert "nan" not in text.lower()
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  header, _, *rows = [line.split("|")[1:-1] for line in training.splitlines()
+                      if line.startswith("|")]
+  header = [cell.strip() for cell in header]
+  for row in rows:
+    cells = dict(zip(header, (cell.strip() for cell in row)))
+    # No change over a single evaluation, no time without step times.
+    assert cells["validation change, last 20% of steps (pts)"] == "n/a"
+    assert cells["training time per run (s, median)"] == "n/a"
+    assert cells["final training loss"] == "0.8000 ± 0.0000"
+  err = capsys.readouterr().err
+  # Smoothness reads ERM and PGrad, the bottom claim PGrad and PGrad-Bottom.
+  for claim in ("smoothness", "bottom"):
+    reason = (f"ColoredDigits: no {claim} numbers or figures: 2 of its 2 runs "
+              "have a single evaluation")
+    assert reason in text
+    assert reason in err
+  assert not list((tmp_path / "out" / "claims").glob("*_roughness.png"))
+
+  # A curve of one point is drawn as a marker.
+  written, skipped = report.write_plots(
+      records_lib.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
+      tmp_path / "out" / "plots")
+  assert skipped == []
+  figures = {plot.caption: plot.figure for plot in written}
+  for caption in ("held-out accuracy", "training loss per domain"):
+    lines = [line for axes in figures[caption].axes
+             for line in axes.get_lines()]
+    assert lines
+    for line in lines:
+      assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+
+
+def test_curves_of_several_points_are_lines_without_markers(tmp_path):
+  figure = plots.plot_heldout_accuracy(sweep_records()[:4],
+                                       tmp_path / "accuracy.png")
+  for line in figure.axes[0].get_lines():
+    assert len(line.get_xdata()) == 2 and line.get_marker() == "None"
+
+
+def test_every_claims_figure_has_a_title(tmp_path, monkeypatch):
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  rng = np.random.default_rng(0)
+  records, trajectories = [], []
+  for algorithm in ("ERM", "PGrad", "PGrad-Bottom", "PGrad-B"):
+    run = [make_record("ColoredDigits", algorithm, 0, 0, 0, step,
+                       in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                       env1_in_loss=1 / step, env2_in_loss=2 / step)
+           for step in STEPS]
+    records += run
+    if algorithm in catalog.TRAJECTORY_ALGORITHMS:
+      files = {}
+      for step in (0, *STEPS):
+        files[step] = tmp_path / f"{algorithm}_{step}.npy"
+        np.save(files[step], rng.standard_normal(8))
+      trajectories.append((run[0], files))
+  selected = claims_lib.select(records, trajectories)
+  measured = claims_lib.measure(selected)
+  written = plots.plot_claims(selected, measured, tmp_path)
+  assert {path.name for _, path in written} == {
+      "ColoredDigits_roughness.png", "ColoredDigits_env0_smoothness.png",
+      "ColoredDigits_bottom_loss.png", "ColoredDigits_trajectory_length.png",
+      "ColoredDigits_env0_trial0_trajectory.png"}
+  for caption, path in written:
+    figure = figures[path.name]
+    titles = [figure.get_suptitle(), *(a.get_title() for a in figure.axes)]
+    if path.name.endswith("_smoothness.png"):  # As every loss plot.
+      assert figure.get_suptitle() == "ColoredDigits, held out env0"
+    else:
+      assert caption in titles, path.name
+
+
+# A real sweep, shared by the end-to-end tests below: the default algorithm,
+# ERM, and the runs the paper's claims need, a few steps each, params saved
+# every 2 steps.
+TINY_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "PGrad-Bottom")
+
+
+@pytest.fixture(name="tiny_sweep", scope="module")
+def fixture_tiny_sweep(tmp_path_factory):
+  output_dir = tmp_path_factory.mktemp("sweep")
+  train = f"{shlex.quote(sys.executable)} -m experiments.train " \
+          "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
+  assert sweep.main([
+      "--datasets", "ColoredDigits", "--algorithms", *TINY_ALGORITHMS,
+      "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
+      "--steps", "6", "--checkpoint_freq", "2", "--trajectory_freq", "2",
+      "--hparams", json.dumps({"batch_size": 3, "cnn_width": 8}),
+      "--jobs", "2", "--train_command", train,
+      "--output_dir", str(output_dir)]) == 0
+  return output_dir
+
+
+@pytest.mark.slow
+def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
+    tiny_sweep, tmp_path):
+  assert report.main(["--input_dir", str(tiny_sweep),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert "(plots/ColoredDigits_env0_PGrad-B_eigenvalues.png)" in text
+  assert "(plots/ColoredDigits_env0_loss.png)" in text
+
+  # The training table: a row per algorithm, each over its one run.
+  records = records_lib.load_runs(tiny_sweep).records
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  table = [line for line in training.splitlines() if line.startswith("|")]
+  rows = [line.split("|")[1:-1] for line in table[2:]]  # Header, alignment.
+  assert [row[0].strip() for row in rows] == [
+      a for a in catalog.ALGORITHMS if a in TINY_ALGORITHMS]
+  for row in rows:
+    (run,) = [r for r in model_selection.by_run(records)
+              if r[0]["args"]["algorithm"] == row[0].strip()]
+    end = convergence.run_end(run)
+    assert row[1].strip() == "1"
+    assert row[2].strip() == row[3].strip() == f"{int(end.plateaued)}/1"
+    assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
+
+  written, skipped = report.write_plots(records, "ColoredDigits", 0,
+                                        tmp_path / "out" / "plots")
+  assert skipped == []
+  figures = {plot.caption: plot.figure for plot in written}
+  loss_figure = figures["training loss per domain"]
+  loss = loss_figure.axes
+  # The records of a real run name the domains.
+  assert [a.get_title() for a in loss] == ["training domain env1 (+80%)",
+                                           "training domain env2 (-90%)"]
+  [legend] = loss_figure.legends
+  assert sorted(t.get_text() for t in legend.get_texts()) == (
+      sorted(TINY_ALGORITHMS))
+  spectrum = figures["PGrad-B eigenvalue spectrum"].axes[0]
+  assert spectrum.get_xlabel() == "step (interval centre)"
+  # 2 training domains x B = 3 chunks + the start: 7 trajectory points.
+  pgrad_b = sorted((r for r in records
+                    if r["args"]["algorithm"] == "PGrad-B"),
+                   key=lambda r: r["step"])
+  lines = spectrum.get_lines()
+  assert len(lines) == len(pgrad_b[0]["eigenvalues"]) == 7
+  for k, line in enumerate(lines):
+    np.testing.assert_allclose(
+        line.get_ydata(),
+        [np.float64(r["eigenvalues"][k]) for r in pgrad_b])
+
+
+@pytest.mark.slow
+def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
+                                               monkeypatch):
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  monkeypatch.setattr(Figure, "savefig", savefig)
+  assert report.main(["--input_dir", str(tiny_sweep),
+                      "--output_dir", str(tmp_path)]) == 0
+
+  measured = json.loads((tmp_path / "claims" / "claims.json").read_text())
+  found = measured["ColoredDigits"]
+  assert set(found) == {"smoothness", "bottom", "trajectory_length",
+                        "trajectories"}
+  assert set(found["smoothness"]) == {"ERM", "PGrad", "PGrad-B"}
+  assert set(found["bottom"]) == {"PGrad", "PGrad-Bottom"}
+  assert set(found["trajectories"]) == {"ERM", "PGrad"}
+  for numbers in found["trajectories"].values():
+    assert numbers["length"] >= numbers["displacement"] > 0
+  text = (tmp_path / "results.md").read_text()
+  assert "## The paper's claims" in text
+
+  # Every figure the report links exists, and shows its series and axes.
+  for name in ("ColoredDigits_env0_smoothness.png",
+               "ColoredDigits_roughness.png",
+               "ColoredDigits_bottom_loss.png",
+               "ColoredDigits_trajectory_length.png",
+               "ColoredDigits_env0_trial0_trajectory.png"):
+    assert (tmp_path / "claims" / name).is_file()
+    assert f"claims/{name}" in text
+  smooth = figures["ColoredDigits_env0_smoothness.png"].axes
+  assert {line.get_label() for line in smooth[0].get_lines()} >= {
+      "ERM", "PGrad", "PGrad-B"}
+  assert smooth[0].get_ylabel() == "training loss"
+  rough = figures["ColoredDigits_roughness.png"].axes
+  assert [[t.get_text() for t in a.get_xticklabels()] for a in rough] == [
+      ["ERM", "PGrad", "PGrad-B"]] * 2
+  assert all(a.get_ylabel() for a in rough)
+  bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
+  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
+      "PGrad", "PGrad-Bottom"}
+  assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
+  bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
+  assert [t.get_text() for t in bars.get_xticklabels()] == ["PGrad",
+                                                           "PGrad-B"]
+  assert "accuracy" in bars.get_ylabel()
+  trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
+  assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
+  for axes in trajectory:
+    labels = [t.get_text() for t in axes.get_legend().get_texts()]
+    assert sorted(labels) == ["ERM", "PGrad"]
+    # Snapshots at steps 0, 2, 4, 6 per path.
+    assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
+               if line.get_label() in labels)
+    assert axes.get_xlabel() and axes.get_ylabel()
+
+
+@pytest.mark.parametrize("value, text", [
+    (11333.333, "11,333"), (2000.0, "2,000"), (-0.99716, "-0.9972"),
+    (0.0, "0"), (1.133e-5, "1.133e-05"), (999.96, "1000")])
+def test_claim_numbers_keep_four_digits_and_counts_whole(value, text):
+  assert report.claim_number(value) == text
+
+
+def test_training_imports_nothing_of_the_analysis():
+  # A fresh interpreter: this one has imported the analysis already.
+  script = ("import sys\n"
+            "from experiments import train, training\n"
+            "from experiments.runs import study, sweep\n"
+            "print(sorted(m for m in sys.modules if m == 'matplotlib' or "
+            "m.startswith('experiments.analysis')))")
+  out = subprocess.run([sys.executable, "-c", script], check=True,
+                       capture_output=True, text=True).stdout
+  assert out.strip() == "[]"
+
+
+def test_the_command_runs_the_report(tmp_path):
+  # `python -m experiments.analysis.report`, the command the docs give.
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.analysis.report", "--input_dir",
+       str(tmp_path), "--output_dir", str(tmp_path / "report")],
+      capture_output=True, text=True)
+  assert result.returncode == 1
+  assert f"No results.jsonl records under {tmp_path}" in result.stderr
+
+
+def test_every_registered_algorithm_has_a_colour_of_its_own():
+  # A default colour cycle repeats after 10 lines; the study plots 14.
+  colours = {plots.algorithm_colour(a) for a in catalog.ALGORITHMS}
+  assert len(colours) == len(catalog.ALGORITHMS)

@@ -1,0 +1,267 @@
+"""Tests for experiments/data/photo_datasets.py."""
+
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+from PIL import ImageFile
+
+from experiments import catalog
+from experiments import config as config_lib
+from experiments.data import datasets
+from experiments.data import pipeline as input_pipeline
+from experiments.data import photo_datasets
+
+COLOURS = {"dog": (200, 30, 30), "horse": (20, 180, 90)}
+
+
+PACS_DOMAINS = catalog.FOLDER_DATASETS["PACS"][1]
+
+
+def _write_folder_dataset(
+    root, domains=PACS_DOMAINS, classes=("dog", "horse")
+):
+  """Writes 3 small flat-colour JPEGs per class and domain under root/PACS."""
+  for d in domains:
+    for c in classes:
+      folder = root / "PACS" / d / c
+      folder.mkdir(parents=True)
+      for k in range(3):
+        Image.new("RGB", (20 + k, 30), COLOURS[c]).save(folder / f"{k}.jpg")
+
+
+def test_folder_dataset_reads_domains_classes_and_normalises(tmp_path):
+  _write_folder_dataset(tmp_path)
+  ds = datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert ds.name == "PACS"
+  assert ds.domain_names == PACS_DOMAINS
+  assert ds.num_classes == 2
+  assert ds.input_shape == (224, 224, 3)
+  for source in ds.domains:
+    assert isinstance(source, photo_datasets.FolderSource)
+    assert len(source) == 6
+    np.testing.assert_array_equal(source.labels, [0, 0, 0, 1, 1, 1])
+    for k in range(len(source)):
+      element = source[k]
+      class_name = ("dog", "horse")[element["label"]]
+      assert source.paths[k].parent.name == class_name
+      assert element["image"].shape == (224, 224, 3)
+      assert element["image"].dtype == np.float32
+      expected = np.array(COLOURS[class_name]) / 255 - (0.485, 0.456, 0.406)
+      expected /= (0.229, 0.224, 0.225)
+      # JPEG may shift a flat colour by a couple of levels.
+      np.testing.assert_allclose(
+          element["image"], np.broadcast_to(expected, (224, 224, 3)),
+          atol=0.05,
+      )
+
+
+def test_photos_read_as_stored_and_resized_on_reading(tmp_path):
+  _write_folder_dataset(tmp_path)
+  ds = datasets.get_dataset("PACS", data_dir=tmp_path)
+  decoded = datasets.decoded_photos(ds)
+  small = datasets.resized(ds, 16)
+  assert small.input_shape == (16, 16, 3) and ds.input_shape == (224, 224, 3)
+  for d, source in enumerate(ds.domains):
+    for k in range(len(source)):
+      # As stored: the file's own size (20 + k % 3 wide), uint8 RGB.
+      stored = decoded.domains[d][k]
+      assert stored["image"].dtype == np.uint8
+      assert stored["image"].shape == (30, 20 + k % 3, 3)
+      assert stored["label"] == source.labels[k]
+      with Image.open(source.paths[k]) as image:
+        np.testing.assert_array_equal(stored["image"],
+                                      np.asarray(image.convert("RGB")))
+      # Read at 16x16: the stored photo resized bilinearly, normalised.
+      resized = np.asarray(Image.fromarray(stored["image"]).resize(
+          (16, 16), Image.Resampling.BILINEAR), np.float64)
+      expected = (resized / 255 - (0.485, 0.456, 0.406)) / (0.229, 0.224,
+                                                             0.225)
+      np.testing.assert_allclose(small.domains[d][k]["image"], expected,
+                                 atol=1e-6)
+      assert source[k]["image"].shape == (224, 224, 3)  # Not resized.
+
+
+def truncate_photo(path):
+  """Replaces ``path`` with a noisy 64x64 JPEG cut short at half, past its
+  header: a copy interrupted midway."""
+  pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), np.uint8)
+  Image.fromarray(pixels).save(path)
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+
+
+def test_a_file_damaged_after_the_check_is_named_when_read(tmp_path):
+  _write_folder_dataset(tmp_path)
+  source = datasets.get_dataset("PACS", data_dir=tmp_path).domains[2]
+  damaged = tmp_path / "PACS" / "photo" / "horse" / "1.jpg"
+  damaged.write_bytes(np.random.default_rng(0).bytes(300))
+  with pytest.raises(datasets.UnreadableImageError,
+                     match=re.escape(f"Cannot read image {damaged}")) as e:
+    source[source.paths.index(damaged)]
+  # A usage error: the command line prints it alone, with exit status 2.
+  assert isinstance(e.value, config_lib.UsageError)
+  assert "Restore the file" in str(e.value)
+
+
+def test_truncated_images_load_as_domainbed_loads_them(tmp_path, monkeypatch):
+  _write_folder_dataset(tmp_path)
+  truncated = tmp_path / "PACS" / "cartoon" / "dog" / "2.jpg"
+  truncate_photo(truncated)
+  source = datasets.get_dataset("PACS", data_dir=tmp_path).domains[1]
+  image = source[source.paths.index(truncated)]["image"]
+  assert image.shape == (224, 224, 3) and np.isfinite(image).all()
+  # The file is truly cut short: Pillow's default refuses it.
+  monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", False)
+  with pytest.raises(datasets.UnreadableImageError, match="is truncated"):
+    source.read(source.paths.index(truncated))
+
+
+def test_truncated_images_load_in_the_worker_processes(tmp_path):
+  # Grain's workers are processes of their own: the setting must reach
+  # them. Every image is truncated, so every batch reads some.
+  _write_folder_dataset(tmp_path)
+  for path in (tmp_path / "PACS").rglob("*.jpg"):
+    truncate_photo(path)
+  dataset = datasets.resized(datasets.get_dataset("PACS", data_dir=tmp_path),
+                             8)
+  splits = input_pipeline.split_domains(dataset, seed=0)
+  iterator = input_pipeline.make_train_iterator(
+      dataset, [0, 1], splits, batch_size=4, seed=0, num_workers=1)
+  try:
+    batch = next(iterator)
+  finally:
+    iterator.close()
+  assert batch["image"].shape == (2, 4, 8, 8, 3)
+
+
+def test_folder_problems_are_one_usage_error_listing_them_all(tmp_path):
+  _write_folder_dataset(tmp_path, domains=("art_painting", "photo", "sketch"))
+  root = tmp_path / "PACS"
+  (root / "extra").mkdir()
+  (root / "photo" / "cat").mkdir()  # An empty class folder.
+  (root / "sketch" / "horse" / "notes.txt").write_text("not an image")
+  garbage = root / "art_painting" / "dog" / "1.jpg"
+  garbage.write_bytes(b"not a JPEG at all")
+  with pytest.raises(datasets.DatasetProblemsError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert isinstance(e.value, config_lib.UsageError)
+  message = str(e.value)
+  assert message.startswith(f"PACS in {root} has 5 problems")
+  for problem in [f"domain folder missing: {root / 'cartoon'}",
+                  f"unexpected folder, not a domain: {root / 'extra'}",
+                  f"class folder {root / 'photo' / 'cat'} has no images",
+                  f"not an image (by its extension): "
+                  f"{root / 'sketch' / 'horse' / 'notes.txt'}",
+                  f"not an image: {garbage}"]:
+    assert f"  - {problem}" in message, problem
+  assert "python -m experiments.data.datasets check --dataset PACS" in message
+
+
+def test_hidden_and_system_entries_are_ignored(tmp_path):
+  _write_folder_dataset(tmp_path)
+  root = tmp_path / "PACS"
+  for folder in (root / "__MACOSX" / "photo", root / ".cache",
+                 root / "photo" / "__MACOSX", root / "photo" / "dog" / ".x"):
+    folder.mkdir(parents=True)
+    (folder / "._0.jpg").write_bytes(b"AppleDouble, not a JPEG")
+  (root / "photo" / "dog" / ".DS_Store").write_bytes(b"Finder")
+  # Files beside the domain folders, as OfficeHome's ImageInfo.csv.
+  (root / "ImageInfo.csv").write_text("image,label")
+  ds = datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert ds.domain_names == PACS_DOMAINS
+  assert [len(source) for source in ds.domains] == [6, 6, 6, 6]
+
+
+def test_a_missing_domain_is_refused_not_shifted(tmp_path):
+  # Without cartoon, the sorted folders would make photo env1.
+  _write_folder_dataset(tmp_path, domains=("art_painting", "photo", "sketch"))
+  with pytest.raises(datasets.DatasetProblemsError,
+                     match="has 1 problem;(.|\n)*missing: .*cartoon"):
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+
+
+def test_folder_dataset_class_missing_from_a_domain(tmp_path):
+  _write_folder_dataset(tmp_path, domains=PACS_DOMAINS[:3])
+  _write_folder_dataset(tmp_path, domains=PACS_DOMAINS[3:], classes=("dog",))
+  with pytest.raises(datasets.DatasetProblemsError,
+                     match="sketch has no class folder 'horse'"):
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+
+
+def test_check_decodes_counts_and_tells_truncated_from_unreadable(
+    tmp_path, capsys):
+  _write_folder_dataset(tmp_path)
+  root = tmp_path / "PACS"
+  truncated = root / "photo" / "dog" / "0.jpg"
+  truncate_photo(truncated)
+  flags = ["check", "--dataset", "PACS", "--data_dir", str(tmp_path)]
+  assert datasets.main(flags) == 0
+  out, err = capsys.readouterr()
+  assert f"{root}: 4 domains, 2 classes, 24 image files." in out
+  assert re.search(r"dog +3 +3 +3 +3\n", out)
+  assert "1 truncated, which training reads" in out
+  assert f"  {truncated}\n0 problems." in out
+  assert "Listing and headers (what training does first):" in out
+  assert "decoding: 100%" in err  # The progress bar.
+  # A file whose header reads but whose data do not decode even leniently
+  # cannot be made here: Pillow's decoders pad what they lack. One whose
+  # header is garbage stops training.
+  garbage = root / "sketch" / "horse" / "2.jpg"
+  garbage.write_bytes(b"\xff\xd8 cut")
+  assert datasets.main(flags) == 2
+  out, _ = capsys.readouterr()
+  assert "1 problem, which stop training:" in out
+  assert re.search(r"horse +3 +3 +3 +3\n", out)  # Files, read or not.
+  assert f"  - not an image: {garbage}" in out
+
+
+def test_check_of_a_missing_dataset_is_a_usage_error(tmp_path, capsys):
+  assert datasets.main(["check", "--dataset", "VLCS", "--data_dir",
+                        str(tmp_path)]) == 2
+  assert f"VLCS not found: {tmp_path / 'VLCS'}" in capsys.readouterr().err
+
+
+def test_check_of_an_array_dataset_counts_its_domains(capsys):
+  assert datasets.main(["check", "--dataset", "ColoredDigits"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("ColoredDigits: 2 classes; examples per domain: +90%")
+
+
+def test_folder_fingerprint_is_of_relative_names_and_sizes(tmp_path):
+  _write_folder_dataset(tmp_path / "a")
+  recorded = datasets.fingerprint(datasets.get_dataset(
+      "PACS", data_dir=tmp_path / "a"))
+  assert recorded["dataset"] == "PACS"
+  assert list(recorded["domains"]) == list(PACS_DOMAINS)
+  dog = recorded["domains"]["photo"]["dog"]
+  sizes = [p.stat().st_size for p in
+           sorted((tmp_path / "a" / "PACS" / "photo" / "dog").iterdir())]
+  assert (dog["files"], dog["bytes"]) == (3, sum(sizes))
+  # Moved elsewhere, the same data.
+  (tmp_path / "a").rename(tmp_path / "b")
+  assert datasets.fingerprint(datasets.get_dataset(
+      "PACS", data_dir=tmp_path / "b")) == recorded
+  horse = tmp_path / "b" / "PACS" / "art_painting" / "horse"
+  (horse / "0.jpg").rename(horse / "9.jpg")
+  renamed = datasets.fingerprint(datasets.get_dataset(
+      "PACS", data_dir=tmp_path / "b"))
+  assert renamed["domains"]["art_painting"]["horse"] != (
+      recorded["domains"]["art_painting"]["horse"])
+  assert {**renamed["domains"], "art_painting": None} == {
+      **recorded["domains"], "art_painting": None}
+
+
+@pytest.mark.parametrize(
+    "name, dir_name",
+    [("PACS", "PACS"), ("VLCS", "VLCS"), ("OfficeHome", "office_home"),
+     ("TerraIncognita", "terra_incognita")],
+)
+def test_missing_folder_dataset_raises_dataset_not_found(
+    tmp_path, name, dir_name
+):
+  with pytest.raises(
+      datasets.DatasetNotFoundError, match=re.escape(str(tmp_path / dir_name))
+  ):
+    datasets.get_dataset(name, data_dir=tmp_path)

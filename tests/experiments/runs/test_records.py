@@ -1,0 +1,258 @@
+"""The run directory's records: what a killed run leaves is recognised, and
+every other damage (truncated, corrupted or reordered records, a deleted
+checkpoint) is refused, naming the file and what is wrong."""
+
+import doctest
+import json
+
+import pytest
+
+from experiments.runs import records
+
+STEPS = (2, 4, 6)
+
+
+def make_run(run_dir, steps=STEPS, checkpoints=STEPS[-2:], done=True):
+  """A run directory as training leaves it: a record per step, Orbax's step
+  directories for ``checkpoints`` (None: no checkpoint directory), and
+  ``done``."""
+  run_dir.mkdir(parents=True)
+  for step in steps:
+    records.append_record(run_dir, {"step": step, "env0_in_acc": step / 10})
+  if checkpoints is not None:
+    (run_dir / records.CHECKPOINT_DIR).mkdir()
+    for step in checkpoints:
+      (run_dir / records.CHECKPOINT_DIR / str(step)).mkdir()
+  if done:
+    records.mark_done(run_dir)
+  return run_dir
+
+
+def results(run_dir):
+  return run_dir / records.RESULTS_FILE
+
+
+def lines(run_dir):
+  return results(run_dir).read_text().splitlines(keepends=True)
+
+
+def test_doctests():
+  assert doctest.testmod(records).failed == 0
+
+
+def test_a_finished_run_reads_whole(tmp_path):
+  run_dir = make_run(tmp_path / "run")
+  run = records.read_run(run_dir)
+  assert [r["step"] for r in run.records] == list(STEPS)
+  assert run.checkpoint_step == STEPS[-1]
+  assert run.unsaved == 0 and run.torn_bytes == 0
+  assert run.checkpointed == run.records
+  assert records.is_done(run_dir)
+  assert not (run_dir / f"{records.DONE_FILE}.partial").exists()
+
+
+def test_what_a_killed_run_leaves_is_recognised_and_cut_off(tmp_path):
+  # Killed after appending step 6's record, before checkpointing it, and
+  # then while appending the next: a record after the checkpoint and a torn
+  # last line.
+  run_dir = make_run(tmp_path / "run", checkpoints=STEPS[:2], done=False)
+  kept = "".join(lines(run_dir)[:2])
+  with results(run_dir).open("a") as f:
+    f.write('{"step": 8, "env0_in')
+  run = records.read_run(run_dir)
+  assert [r["step"] for r in run.records] == list(STEPS)
+  assert run.unsaved == 1 and run.torn_bytes == len('{"step": 8, "env0_in')
+  assert [r["step"] for r in run.checkpointed] == list(STEPS[:2])
+
+  dropped = records.keep_checkpointed(run)
+  assert len(dropped) == 2
+  assert f"record of step 6 from {results(run_dir)}" in dropped[0]
+  assert "cut short (20 bytes)" in dropped[1]
+  # The kept bytes are the file's own, not rewritten.
+  assert results(run_dir).read_text() == kept
+  again = records.read_run(run_dir)
+  assert (again.unsaved, again.torn_bytes) == (0, 0)
+  assert records.keep_checkpointed(again) == []
+
+
+def test_a_checkpoint_given_overrides_the_listing(tmp_path):
+  run_dir = make_run(tmp_path / "run", checkpoints=None, done=False)
+  run = records.read_run(run_dir, checkpoint_step=4)
+  assert run.checkpoint_step == 4 and run.unsaved == 1
+  # Without a checkpoint directory the records are checked alone.
+  assert records.read_run(run_dir).unsaved == 0
+
+
+def test_a_run_copied_without_checkpoints_reads_whole(tmp_path):
+  # As the committed study: records and done, no checkpoints.
+  run_dir = make_run(tmp_path / "run", checkpoints=None)
+  assert len(records.read_run(run_dir).records) == len(STEPS)
+
+
+def _refusal(run_dir, **kwargs):
+  with pytest.raises(records.DamagedRunError) as raised:
+    records.read_run(run_dir, **kwargs)
+  message = str(raised.value)
+  assert str(results(run_dir)) in message
+  return message
+
+
+def test_a_truncated_finished_run_is_refused(tmp_path):
+  run_dir = make_run(tmp_path / "run")
+  data = results(run_dir).read_bytes()
+  results(run_dir).write_bytes(data[:len(data) - 5])
+  assert "a finished run" in _refusal(run_dir)
+  assert "last line is cut short" in _refusal(run_dir)
+
+
+def test_records_truncated_before_the_checkpoint_are_refused(tmp_path):
+  # Cut at a line's end: whole lines, but step 6's checkpoint has none.
+  run_dir = make_run(tmp_path / "run", done=False)
+  results(run_dir).write_text("".join(lines(run_dir)[:1]))
+  assert ("no record of step 6, its last checkpoint's (it ends at step 2)"
+          in _refusal(run_dir))
+
+
+def test_a_corrupted_line_is_refused(tmp_path):
+  run_dir = make_run(tmp_path / "run")
+  corrupted = lines(run_dir)
+  corrupted[1] = corrupted[1][:10] + "\x00" + corrupted[1][11:]
+  results(run_dir).write_text("".join(corrupted))
+  assert "line 2 is not JSON" in _refusal(run_dir)
+  results(run_dir).write_text('{"step": 2}\n["not", "a", "record"]\n')
+  assert "line 2 has no step" in _refusal(run_dir)
+
+
+def test_reordered_records_are_refused(tmp_path):
+  run_dir = make_run(tmp_path / "run")
+  reordered = lines(run_dir)
+  reordered[0], reordered[1] = reordered[1], reordered[0]
+  results(run_dir).write_text("".join(reordered))
+  assert "line 2 is of step 2, after step 4" in _refusal(run_dir)
+  # A record written twice is out of order too.
+  results(run_dir).write_text("".join(lines(run_dir)[:1] * 2))
+  assert "line 2 is of step 4, after step 4" in _refusal(run_dir)
+
+
+def test_a_deleted_checkpoint_is_refused(tmp_path):
+  # The last checkpoint of a finished run is its last record's.
+  run_dir = make_run(tmp_path / "run")
+  (run_dir / records.CHECKPOINT_DIR / "6").rmdir()
+  assert "it is done, yet its last record (step 6) has no checkpoint" in (
+      _refusal(run_dir))
+  # An unfinished run checkpoints every record before writing the next.
+  run_dir = make_run(tmp_path / "unfinished", checkpoints=STEPS, done=False)
+  for step in ("4", "6"):
+    (run_dir / records.CHECKPOINT_DIR / step).rmdir()
+  assert "2 records (steps 4 to 6) come after its last checkpoint (step 2)" in (
+      _refusal(run_dir))
+  assert "an unfinished run" in _refusal(run_dir)
+
+
+def test_done_without_records_is_refused(tmp_path):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  records.mark_done(run_dir)
+  assert "done, yet holds no record" in _refusal(run_dir)
+
+
+def test_load_runs_skips_damaged_runs_and_says_why(tmp_path):
+  good = make_run(tmp_path / "sweep" / "b")
+  damaged = make_run(tmp_path / "sweep" / "a" / "nested")
+  results(damaged).write_text("".join(reversed(lines(damaged))))
+  empty = tmp_path / "sweep" / "c"  # Killed before its first record.
+  empty.mkdir()
+  results(empty).write_text('{"step"')
+  found = records.load_runs(tmp_path / "sweep")
+  assert list(found.runs) == [good]
+  assert [r["step"] for r in found.records] == list(STEPS)
+  assert list(found.skipped) == [damaged]
+  assert "is of step 4, after step 6" in found.skipped[damaged]
+
+
+def test_append_record_writes_one_json_line(tmp_path):
+  records.append_record(tmp_path, {"step": 1, "x": [1.5]})
+  records.append_record(tmp_path, {"step": 2})
+  assert [json.loads(line) for line in lines(tmp_path)] == [
+      {"step": 1, "x": [1.5]}, {"step": 2}]
+
+
+def test_trajectory_files_by_step(tmp_path):
+  for step in (10, 0, 5):
+    path = records.trajectory_file(tmp_path, step)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("")
+  # A snapshot being written is not one yet.
+  (tmp_path / records.TRAJECTORY_DIR / "0000015.partial.npy").write_text("")
+  found = records.trajectory_files(tmp_path)
+  assert list(found) == [0, 5, 10]
+  assert found[5].name == "0000005.npy"
+  assert records.trajectory_files(tmp_path / "none") == {}
+
+
+def test_env_keys_round_trip():
+  for key in (("in", "acc"), ("out", "worst_r"), ("in", "examples")):
+    assert records.parse_env_key(records.env_key(12, *key)) == (12, *key)
+  assert records.parse_env_key("env0_test_acc") is None
+
+
+def test_config_and_done_are_written_whole(tmp_path):
+  records.write_config(tmp_path, {"args": {"seed": 1}, "hparams": {}})
+  records.mark_done(tmp_path)
+  assert (tmp_path / records.CONFIG_FILE).read_text() == (
+      '{\n  "args": {\n    "seed": 1\n  },\n  "hparams": {}\n}\n')
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      records.CONFIG_FILE, records.DONE_FILE]
+
+
+def _files(count, names="n", sizes="s", total=100):
+  """A group of files of a fingerprint, as a folder's class is."""
+  return {"files": count, "bytes": total, "names": names, "sizes": sizes}
+
+
+FINGERPRINT = {"dataset": "PACS", "domains": {
+    "art_painting": {"dog": _files(3), "horse": _files(4)},
+    "cartoon": {"dog": _files(5), "horse": _files(6)},
+    "digits": {"examples": 10, "labels": "abc"}}}
+
+
+def test_a_run_accepts_the_data_it_recorded_or_none(tmp_path):
+  records.check_fingerprint(tmp_path, FINGERPRINT)  # No file: an old run.
+  records.write_fingerprint(tmp_path, FINGERPRINT)
+  assert json.loads((tmp_path / records.DATASET_FILE).read_text()) == (
+      FINGERPRINT)
+  records.check_fingerprint(tmp_path, FINGERPRINT)
+  # --overwrite deletes it with the run's other files.
+  assert records.DATASET_FILE in records.RUN_FILES
+
+
+def test_a_run_refuses_other_data_naming_what_changed(tmp_path):
+  records.write_fingerprint(tmp_path, FINGERPRINT)
+  domains = FINGERPRINT["domains"]
+  changed = {"dataset": "PACS", "domains": {
+      "art_painting": {"dog": _files(5), "horse": _files(2)},
+      "cartoon": {"dog": _files(5, names="m"),
+                  "horse": _files(6, sizes="t", total=90)},
+      "digits": {"examples": 10, "labels": "abd"},
+      "photo": domains["cartoon"]}}
+  with pytest.raises(records.DatasetChangedError) as e:
+    records.check_fingerprint(tmp_path, changed)
+  assert str(e.value) == (
+      f"{tmp_path} was trained on other data than it is given now "
+      f"({tmp_path / records.DATASET_FILE} records them): "
+      "art_painting/dog: 2 files added (3 -> 5); "
+      "art_painting/horse: 2 files removed (4 -> 2); "
+      "cartoon/dog: files renamed or replaced (5 files); "
+      "cartoon/horse: files resized (100 -> 90 bytes); "
+      "digits/labels: abc -> abd; domain photo: new")
+  fewer = {"dataset": "PACS", "domains": {"cartoon": domains["cartoon"]}}
+  assert records.fingerprint_changes(FINGERPRINT, fewer) == [
+      "domain art_painting: gone", "domain digits: gone"]
+
+
+def test_a_long_list_of_changes_is_cut_short(tmp_path):
+  records.write_fingerprint(tmp_path, {"dataset": "X", "domains": {}})
+  many = {f"d{i}": {"examples": i} for i in range(12)}
+  with pytest.raises(records.DatasetChangedError,
+                     match=r": domain d0: new; .*domain d5: new; and 4 more$"):
+    records.check_fingerprint(tmp_path, {"dataset": "X", "domains": many})

@@ -1,0 +1,153 @@
+"""Tests for experiments/runs/rerun.py: reproducing and lengthening finished
+runs, from a study's command line and from a plain sweep's."""
+
+import json
+
+from experiments.runs import records
+from experiments.runs import rerun
+from experiments.runs import study
+from experiments.runs import sweep
+from experiments.studies import digits
+
+LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
+          "--hparams_seed", "1", "--trial_seed", "2", "--test_env", "0"]
+
+
+def _record(step, acc, **args):
+  return {"args": {"dataset": "RotatedDigits", "output_dir": "a", **args},
+          "step": step, "step_time": 0.1 * step, "env0_in_acc": acc}
+
+
+def test_first_difference_ignores_only_where_and_how_fast():
+  committed = [_record(1, 0.5), _record(2, 0.75)]
+  # Timed again, and by a loop that also times its start (committed records
+  # predate those fields).
+  moved = [{**r, "args": {**r["args"], "output_dir": "b"}, "step_time": 9.0,
+            "compile_time": 3.0, "time_to_first_step": 4.0}
+           for r in committed]
+  assert rerun.first_difference(committed, moved) is None
+  changed = [moved[0], {**moved[1], "env0_in_acc": 0.7500001}]
+  assert rerun.first_difference(committed, changed) == (
+      "step 2: env0_in_acc = 0.7500001, 0.75 committed")
+  assert rerun.first_difference(committed, moved[:1]) == (
+      "1 records, 2 committed")
+  other_args = [_record(1, 0.5, seed=3), _record(2, 0.75, seed=3)]
+  assert "args" in rerun.first_difference(committed, other_args)
+
+
+def test_sample_takes_one_run_per_group_holding_out_the_lowest_domain(
+    tmp_path):
+  runs = digits.runs(str(tmp_path))
+  chosen = rerun.sample(runs, [1])
+  # 2 datasets x 5 algorithms x 3 trials of the random draw.
+  assert len(chosen) == 2 * len(digits.ALGORITHMS) * digits.N_TRIALS
+  assert all(run.args["hparams_seed"] == 1 and run.args["test_envs"] == [0]
+             for run in chosen)
+  assert len(rerun.sample(runs)) == len(chosen) * 2 + 2 * len(
+      digits.CLAIM_ALGORITHMS) * digits.N_TRIALS
+  erm = rerun.sample([r for r in runs if r.args["algorithm"] == "ERM"], [0])
+  assert sorted((r.args["dataset"], r.args["trial_seed"]) for r in erm) == [
+      (d, t) for d in sorted(digits.DATASETS) for t in range(digits.N_TRIALS)]
+  assert all(r.args["algorithm"] == "ERM" and r.args["hparams_seed"] == 0
+             and r.args["test_envs"] == [0] for r in erm)
+
+
+# A one-run sweep, trained as a sweep trains its runs.
+TINY_SWEEP = ["--datasets", "RotatedDigits", "--algorithms", "ERM",
+              "--n_hparams", "1", "--n_trials", "1", "--test_envs", "1",
+              "--steps", "2", "--checkpoint_freq", "2", "--hparams",
+              json.dumps({"batch_size": 3, "cnn_width": 8, "image_size": 8})]
+
+
+def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
+                                                            capsys):
+  flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
+  assert sweep.main(flags) == 0
+  [run] = sweep.runs_for(sweep.parse_args(flags))
+  assert sweep.main(["reproduce", *flags, "--output",
+                     str(tmp_path / "report.json")]) == 0
+  assert capsys.readouterr().out.splitlines()[-2].startswith("equal")
+  report = json.loads((tmp_path / "report.json").read_text())
+  [result] = report["runs"]
+  assert result["equal"] and result["difference"] is None, result
+  assert result["group"] == ["RotatedDigits", "ERM", 0, 0]
+  assert report["estimated_hours"] == round(result["seconds"] / 3600, 2)
+
+  # A committed record changed afterwards is found.
+  committed = records.read_run(run.output_dir).records
+  changed = [*committed[:-1], {**committed[-1], "env1_in_acc": 2.0}]
+  assert rerun.first_difference(committed, changed) == (
+      "step 2: env1_in_acc = 2.0, "
+      f"{committed[-1]['env1_in_acc']!r} committed")
+
+
+def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
+  flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
+  try:
+    sweep.main(["longer", *flags, "--dataset", "RotatedDigits",
+                "--algorithm", "ERM", "--hparams_seed", "0", "--trial_seed",
+                "0", "--test_env", "0", "--longer_steps", "5"])
+  except SystemExit as e:
+    assert e.code == 2
+  else:
+    raise AssertionError("a run the sweep lacks was not refused")
+  assert ("no run of ERM on RotatedDigits with hparams_seed 0, trial_seed 0 "
+          "and test_env 0" in capsys.readouterr().err)
+  assert not (tmp_path / "sweep_longer").exists()
+
+
+def test_longer_run_is_the_study_run_made_longer(tmp_path):
+  runs = digits.runs(str(tmp_path / "study"))
+  run = rerun.longer_run(
+      runs, dataset="ColoredDigits", algorithm="ERM", hparams_seed=0,
+      trial_seed=0, test_env=2, longer_steps=5000,
+      output_dir=tmp_path / "longer")
+  (original,) = [r for r in runs if r.args["dataset"] == "ColoredDigits"
+                 and r.args["algorithm"] == "ERM" and r.args["trial_seed"] == 0
+                 and r.args["hparams_seed"] == 0 and r.args["test_envs"] == [2]]
+  # Trial 0's default ERM run saves trajectories and stops at its plateau;
+  # the longer one does neither.
+  assert "trajectory_freq" in original.args
+  assert "plateau_check_freq" in original.args
+  assert run.args == {**{k: v for k, v in original.args.items()
+                         if k not in ("trajectory_freq",
+                                      "plateau_check_freq")},
+                      "steps": 5000}
+  assert run.output_dir.parent == tmp_path / "longer"
+
+
+def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
+                                                             capsys):
+  run = rerun.longer_run(
+      digits.runs(str(tmp_path)), dataset="RotatedDigits",
+      algorithm="Fish", hparams_seed=1, trial_seed=2, test_env=0,
+      longer_steps=3000, output_dir=tmp_path / "longer")
+  run.output_dir.mkdir(parents=True)
+  # Training-domain validation climbs to step 2000, then holds.
+  run_records = []
+  for step in range(100, 3100, 100):
+    record = {"args": {**run.args, "test_envs": [0]}, "step": step,
+              "step_time": 0.01, "env0_in_acc": step / 6000,
+              "env0_out_acc": step / 6000}
+    for i in range(1, 6):
+      record.update({f"env{i}_out_acc": min(step, 2000) / 2500,
+                     f"env{i}_out_examples": 60, f"env{i}_in_acc": 0.9,
+                     f"env{i}_in_loss": 1000 / step})
+    run_records.append(record)
+  (run.output_dir / "results.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in run_records))
+  (run.output_dir / records.DONE_FILE).touch()
+  assert study.main([*LONGER, "--longer_steps", "3000", "--output_dir",
+                     str(tmp_path), "--longer_dir",
+                     str(tmp_path / "longer")]) == 0
+  out = capsys.readouterr().out
+  assert "Training" not in out
+  rows = [line.split() for line in out.splitlines()[1:-1]]
+  assert [row[0] for row in rows] == ["1000", "2000", "3000"]
+  # One SE of 80% over 5 x 60 validation examples: 0.023.
+  assert rows[-1][1:] == ["0.3333", "0.900", "0.000", "0.023", "yes", "0.500"]
+  # The window of step 2400 starts at 2000; from there on nothing moves.
+  assert out.splitlines()[-1] == (
+      "Plateaued at every evaluation from step 2400 on.")
+
+

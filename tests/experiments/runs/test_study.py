@@ -1,0 +1,72 @@
+"""Tests for experiments/runs/study.py: a study's command line.
+
+What reproduce and longer do is tested in test_rerun.py; here, that the
+study's command line reaches them with the study's runs.
+"""
+
+import pytest
+
+from experiments.runs import records
+from experiments.runs import study
+from experiments.runs import sweep
+from experiments.studies import digits
+
+
+def test_study_skips_runs_marked_done(tmp_path, capsys):
+  runs = digits.runs(str(tmp_path))
+  for run in runs:
+    run.output_dir.mkdir()
+    (run.output_dir / records.RESULTS_FILE).write_text('{"step": 1}\n')
+    (run.output_dir / records.DONE_FILE).touch()
+  assert study.main(["--output_dir", str(tmp_path)]) == 0
+  assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
+
+
+def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):
+  assert study.main(["reproduce", "--output_dir", str(tmp_path)]) == 1
+  assert "no finished runs to reproduce" in capsys.readouterr().err
+  assert study.main(["reproduce", "--output_dir", str(tmp_path),
+                     "--hparams_seeds", "0", "--algorithms", "ERM"]) == 1
+  assert ("no finished runs with hparams_seed in [0] to reproduce"
+          in capsys.readouterr().err)
+
+
+LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
+          "--hparams_seed", "1", "--trial_seed", "2", "--test_env", "0"]
+
+
+def test_longer_refuses_what_the_study_lacks_before_training(tmp_path, capsys):
+  for flags, message in [
+      (["--longer_steps", "3000", "--test_env", "6"], "no run of Fish on "
+       "RotatedDigits with hparams_seed 1, trial_seed 2 and test_env 6"),
+      (["--longer_steps", "1000"],
+       f"at least the run's plateau_check_freq, {digits.STEPS}"),
+      ([], "longer needs --longer_steps"),
+      (["--longer_steps", "3000", "--every", "0"],
+       "--every must be at least 1"),
+      (["--longer_steps", "3000", "list"], "only for the longer command")]:
+    command = [*LONGER, *flags]
+    if "list" in flags:  # The run's flags without the longer command.
+      command = command[1:]
+    try:
+      study.main([*command, "--output_dir", str(tmp_path),
+                  "--longer_dir", str(tmp_path / "longer")])
+    except SystemExit as e:
+      assert e.code == 2
+    else:
+      raise AssertionError(f"{flags} was not refused")
+    assert message in capsys.readouterr().err
+  assert not (tmp_path / "longer").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--study", "photos"], "no experiments/studies/photos.py; the studies "
+     "are digits"),
+    (["reproduce", "--algorithms", "ERM", "PGradParallel"],
+     "--algorithms PGradParallel: the study trains none of them")])
+def test_unknown_studies_and_algorithms_are_usage_errors(tmp_path, capsys,
+                                                         flags, message):
+  with pytest.raises(SystemExit) as e:
+    study.main([*flags, "--output_dir", str(tmp_path)])
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err

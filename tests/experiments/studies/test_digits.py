@@ -1,0 +1,88 @@
+"""Tests for experiments/studies/digits.py: the digits study's runs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import config as config_lib
+from experiments.runs import records
+from experiments.runs import rerun
+from experiments.studies import digits
+
+
+def test_study_runs_follow_the_protocol(tmp_path):
+  runs = digits.runs(str(tmp_path))
+  envs = 6 + 3  # RotatedDigits and ColoredDigits, every domain held out.
+  main = envs * len(digits.ALGORITHMS) * digits.N_HPARAMS * digits.N_TRIALS
+  # The ablations hold out domain 0 of each dataset.
+  ablations = 2 * len(digits.CLAIM_ALGORITHMS) * digits.N_TRIALS
+  assert len(runs) == main + ablations
+  assert len({run.output_dir for run in runs}) == len(runs)
+  assert all(run.output_dir.parent == tmp_path for run in runs)
+  assert digits.MAX_STEPS % digits.STEPS == 0
+  assert digits.STEPS % digits.CHECKPOINT_FREQ == 0
+  for run in runs:
+    args = run.args
+    # Plateau checks every STEPS steps, at most MAX_STEPS in all.
+    assert args["steps"] == digits.MAX_STEPS
+    assert args["plateau_check_freq"] == digits.STEPS
+    assert args["checkpoint_freq"] == digits.CHECKPOINT_FREQ
+    hparams = json.loads(args["hparams"])
+    assert hparams["image_size"] == 8 and hparams["cnn_width"] == 8
+    # The anneal step reaches Fishr alone, which has it.
+    assert ("penalty_anneal_iters" in hparams) == (args["algorithm"] == "Fishr")
+    if args["algorithm"] in digits.CLAIM_ALGORITHMS:
+      assert args["hparams_seed"] == 0 and args["test_envs"] == [0]
+  trajectories = {(r.args["dataset"], r.args["algorithm"], r.args["trial_seed"],
+                   r.args["hparams_seed"]) for r in runs
+                  if "trajectory_freq" in r.args}
+  assert trajectories == {(d, a, 0, 0) for d in digits.DATASETS
+                          for a in ("ERM", "PGrad")}
+  assert sum("trajectory_freq" in r.args for r in runs) == 2 * envs
+  # Launched defaults first, then an algorithm at a time, trial by trial.
+  position = {a: i for i, a in enumerate(digits.ALGORITHMS
+                                         + digits.CLAIM_ALGORITHMS)}
+  order = [(r.args["hparams_seed"], position[r.args["algorithm"]],
+            r.args["trial_seed"]) for r in runs]
+  assert order == sorted(order)
+  assert [r.args["algorithm"] for r in runs[:3]] == ["ERM"] * 3
+
+
+RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
+def _committed(results_dir):
+  """The run directories committed under ``results/<results_dir>``."""
+  root = RESULTS / results_dir
+  found = sorted(p.parent for p in root.glob(f"*/{records.CONFIG_FILE}"))
+  assert found, f"no committed runs under {root}"
+  return found
+
+
+def _resolved(run):
+  """The config.json that `experiments.train` writes for ``run``."""
+  config = config_lib.parse_args(run.command("train")[1:])
+  return config_lib.run_record(config, config.hyperparameters())
+
+
+@pytest.mark.parametrize("results_dir", ["study", "study_longer"])
+def test_every_committed_run_is_found_under_its_name(results_dir):
+  # Every committed run is the one its config.json describes: the study
+  # (or its longer command) names it so, and a run of those arguments
+  # resumes it rather than refusing its directory.
+  planned = {run.output_dir.name: run
+             for run in digits.runs(str(RESULTS / "study"))}
+  for run_dir in _committed(results_dir):
+    stored = json.loads((run_dir / records.CONFIG_FILE).read_text())
+    args = stored["args"]
+    if results_dir == "study":
+      run = planned[run_dir.name]
+    else:
+      run = rerun.longer_run(
+          list(planned.values()), dataset=args["dataset"],
+          algorithm=args["algorithm"], hparams_seed=args["hparams_seed"],
+          trial_seed=args["trial_seed"], test_env=args["test_envs"][0],
+          longer_steps=args["steps"], output_dir=run_dir.parent)
+    assert run.output_dir == run_dir
+    assert _resolved(run) == stored, run_dir

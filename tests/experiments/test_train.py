@@ -1,0 +1,673 @@
+"""Tests for experiments/train.py: whole runs, resumed, on several devices,
+refused when their records are damaged or their flags cannot run.
+
+The runs train the default command (PGrad-B on RotatedDigits) on a short
+schedule: two training domains, tiny batches, small evaluation subsets. They
+run in subprocesses, as a user would, and share a JAX compilation cache so
+that only the first one compiles.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import config as config_lib
+from experiments.data import datasets
+from experiments.runs import convergence
+from experiments.runs import records
+from experiments import train
+from experiments import training
+from test_model_selection import make_record
+
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, FREQ = 10, 2
+FLAGS = [
+    "--steps", str(STEPS), "--checkpoint_freq", str(FREQ),
+    "--test_envs", "0", "1", "2", "3", "--hparams", '{"batch_size": 6}',
+    "--eval_examples", "16", "--eval_batch_size", "16", "--loss_examples", "8",
+]
+NUM_DOMAINS, TRAIN_DOMAINS, B = 6, 2, 3
+# The fields of a record that time the run, which no rerun reproduces.
+TIMING = ("step_time", "data_wait_time", "compile_time",
+          "time_to_first_step")
+
+
+def _command(output_dir):
+  return [sys.executable, "-m", "experiments.train", *FLAGS,
+          "--output_dir", str(output_dir)]
+
+
+@pytest.fixture(name="reference", scope="module")
+def fixture_reference(tmp_path_factory):
+  """The output directory of an uninterrupted run."""
+  output_dir = tmp_path_factory.mktemp("reference")
+  result = subprocess.run(_command(output_dir), cwd=REPO,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  assert "Held-out accuracy" in result.stdout
+  assert result.stdout.endswith(f"Run directory: {output_dir}\n")
+  return output_dir
+
+
+def read_records(output_dir):
+  lines = (output_dir / "results.jsonl").read_text().splitlines()
+  return [json.loads(line) for line in lines]
+
+
+def _params(output_dir):
+  with np.load(output_dir / "final_params.npz") as npz:
+    return {key: npz[key] for key in npz.files}
+
+
+def test_run_writes_domainbed_results_and_done(reference):
+  records = read_records(reference)
+  assert [r["step"] for r in records] == list(range(FREQ, STEPS + 1, FREQ))
+  assert (reference / "done").exists()
+  for record in records:
+    assert record["args"]["algorithm"] == "PGrad-B"
+    assert record["args"]["test_envs"] == [0, 1, 2, 3]
+    assert record["domains"] == ["0°", "15°", "30°", "45°", "60°", "75°"]
+    assert record["hparams"]["B"] == B and record["hparams"]["batch_size"] == 6
+    for key in ("epoch", "loss", *TIMING, "ref_norm"):
+      assert np.isfinite(record[key]), key
+    assert record["num_skipped"] == 0
+    for i in range(NUM_DOMAINS):
+      assert 0 <= record[f"env{i}_in_acc"] <= 1
+      assert 0 <= record[f"env{i}_out_acc"] <= 1
+      assert np.isfinite(record[f"env{i}_in_loss"])
+    eigenvalues = np.array(record["eigenvalues"])
+    assert eigenvalues.shape == (TRAIN_DOMAINS * B + 1,)
+    np.testing.assert_allclose(eigenvalues.sum(), 1.0, rtol=1e-5)
+    assert np.all(np.diff(eigenvalues) <= 0)
+  params = _params(reference)
+  assert "params/head/kernel" in params
+  assert all(np.all(np.isfinite(v)) for v in params.values())
+
+
+# Prepended to a train command: once checkpoint STEP is on disk, the run
+# sends itself SIG (a SIGKILL, or Ctrl-C's SIGINT), so the signal lands
+# between that checkpoint and the end of the run without the test watching
+# the disk.
+_DIE_AFTER_CHECKPOINT = """\
+import os, signal
+import orbax.checkpoint as ocp
+save = ocp.CheckpointManager.save
+def save_then_die(self, step, *args, **kwargs):
+  saved = save(self, step, *args, **kwargs)
+  if step == {step}:
+    self.wait_until_finished()
+    os.kill(os.getpid(), {sig})  # SIGKILL: no clean-up at all.
+  return saved
+ocp.CheckpointManager.save = save_then_die
+"""
+
+
+def run_after(prelude, command, **kwargs):
+  """Runs ``command`` (``python -m module ...`` or ``python -c script ...``)
+  after the Python code ``prelude``, in the same process."""
+  python, flag, target, *args = command
+  main = (f"import runpy; runpy.run_module({target!r}, run_name='__main__', "
+          "alter_sys=True)" if flag == "-m" else target)
+  return subprocess.run([python, "-c", prelude + main, *args], cwd=REPO,
+                        capture_output=True, text=True, check=False, **kwargs)
+
+
+def kill_at_first_checkpoint(command, output_dir, step, sig=signal.SIGKILL):
+  """Runs ``command`` until it has written checkpoint ``step``, then sends
+  it ``sig``; returns the finished process."""
+  killed = run_after(_DIE_AFTER_CHECKPOINT.format(step=step, sig=int(sig)),
+                     command)
+  if sig == signal.SIGKILL:
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+  assert (output_dir / "checkpoints" / str(step)).is_dir()
+  assert not (output_dir / "done").exists(), "the run ended before the kill"
+  return killed
+
+
+@pytest.mark.slow
+def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
+    reference, tmp_path):
+  output_dir = tmp_path / "run"
+  kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ)
+  # What a run killed later leaves: a record newer than any checkpoint, and
+  # one cut short. Both are dropped, saying so.
+  torn = '{"step": 4, "env0_in'
+  with (output_dir / "results.jsonl").open("a") as f:
+    f.write(json.dumps({"step": FREQ + 1}) + "\n" + torn)
+
+  resumed = subprocess.run(_command(output_dir), cwd=REPO,
+                           capture_output=True, text=True, check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resuming from step" in resumed.stderr
+  assert f"Dropped the record of step {FREQ + 1}" in resumed.stderr
+  assert f"Dropped a last line cut short ({len(torn)} bytes)" in resumed.stderr
+  expected = _params(reference)
+  got = _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+  def comparable(record):
+    record = {k: v for k, v in record.items() if k not in TIMING}
+    return {**record, "args": {**record["args"], "output_dir": None}}
+
+  assert ([comparable(r) for r in read_records(output_dir)]
+          == [comparable(r) for r in read_records(reference)])
+
+
+@pytest.mark.slow
+def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
+    reference, tmp_path):
+  # Checks at steps 4 and 8 of at most 10; the uninterrupted run's records
+  # say where it first plateaued (its validation moves by one SE or less).
+  check_freq = 2 * FREQ
+  ends = dict(convergence.run_ends(read_records(reference)))
+  stop = next(step for step in range(check_freq, STEPS, check_freq)
+              if ends[step].plateaued)
+  output_dir = tmp_path / "run"
+  command = [*_command(output_dir), "--plateau_check_freq", str(check_freq)]
+  # Killed once its checkpoint at the stop is saved, before it is done: the
+  # resumed run reads its records, stops there again and trains no further.
+  kill_at_first_checkpoint(command, output_dir, stop)
+  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                           check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Stopped at step {stop} of at most {STEPS}" in resumed.stderr
+  assert f"after {stop} steps" in resumed.stdout
+  assert (output_dir / "done").exists()
+
+  def comparable(record):
+    return {k: v for k, v in record.items() if k not in ("args", *TIMING)}
+
+  records = read_records(output_dir)
+  assert [comparable(r) for r in records] == [
+      comparable(r) for r in read_records(reference) if r["step"] <= stop]
+  assert all(r["args"]["plateau_check_freq"] == check_freq for r in records)
+
+
+def test_stops_at_reads_the_records_at_check_steps_only():
+  run = [make_record("RotatedDigits", "ERM", 0, 0, 0, step,
+                     in_accs=[0.5] * 6, out_accs=[0.1] + [val] * 5)
+         for step, val in ((100, 0.4), (200, 0.9), (300, 0.9), (400, 0.9))]
+  for record in run:
+    for i in range(6):
+      record[f"env{i}_out_examples"] = 60
+      record[f"env{i}_in_loss"] = 1.0
+  def stops(step, check_freq):
+    config = config_lib.Config(steps=1000, checkpoint_freq=100,
+                               plateau_check_freq=check_freq)
+    return training.stops_at(config, run[:step // 100], step)
+  # 200: 0.4 -> 0.9 over the window (it reaches back to step 100); 300 and
+  # 400: no move.
+  assert [stops(s, 100) for s in (100, 200, 300, 400)] == [
+      False, False, True, True]
+  assert not stops(300, 200) and stops(400, 200)
+  assert not stops(400, 0) and not stops(0, 100)
+
+
+@pytest.mark.slow
+def test_runs_data_parallel_on_several_devices(tmp_path):
+  # The same two updates on one device and on two (simulated) devices, which
+  # split the batches over a data axis: the runs differ only in the order of
+  # floating-point sums. They are compared before chaos grows: over the 10
+  # steps of `reference`, training amplifies the rounding differences (ReLU
+  # signs flip, Adam's first steps magnify small gradients) by an amount that
+  # depends on the CPU, from 1e-7 to 5e-5 in a bias of size 1e-3 (on an AVX2
+  # AMD EPYC). After two updates they were at most 3e-8 under
+  # --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512, where the params move by
+  # 3.5e-4 (median) and at most 1.2e-3: atol 1e-6 is 30 times the measured
+  # difference and a 350th of the median move.
+  runs = {}
+  for devices in (1, 2):
+    output_dir = tmp_path / f"{devices}_devices"
+    command = [*_command(output_dir), "--devices", str(devices)]
+    command[command.index("--steps") + 1] = "2"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+           f"--xla_force_host_platform_device_count={devices}"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    runs[devices] = _params(output_dir)
+  expected, got = runs[1], runs[2]
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6,
+                               err_msg=key)
+
+
+def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
+    tmp_path):
+  flags = [f if f != str(STEPS) else "6" for f in FLAGS]
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
+       "3", "--output_dir", str(tmp_path)],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  trajectory = tmp_path / "trajectory"
+  assert sorted(p.name for p in trajectory.iterdir()) == [
+      "0000000.npy", "0000003.npy", "0000006.npy"]
+  points = [np.load(trajectory / f"{s:07d}.npy") for s in (0, 3, 6)]
+  assert points[0].dtype == np.float32
+  assert len({p.size for p in points}) == 1
+  assert not np.array_equal(points[0], points[1])
+  final = np.load(tmp_path / "final_params.npz")
+  params = np.concatenate([final[k].ravel() for k in final.files
+                           if k.startswith("params/")])
+  # Same values, possibly in another leaf order.
+  np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
+
+
+def _files(output_dir):
+  """Every file of a run directory, with its bytes."""
+  return {p.relative_to(output_dir): p.read_bytes()
+          for p in sorted(output_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_prints_its_result_again_and_writes_nothing(
+    reference, capsys):
+  before = _files(reference)
+  assert train.main([*FLAGS, "--output_dir", str(reference)]) == 0
+  out, err = capsys.readouterr()
+  assert "Already finished." in err
+  last = read_records(reference)[-1]
+  held_out = ", ".join(f"{name} (env{i}) {last[f'env{i}_in_acc']:.4f}"
+                       for i, name in enumerate(last["domains"][:4]))
+  assert out == (
+      f"Held-out accuracy after {STEPS} steps (the last step's, on the "
+      "held-out domains' in splits; no model selection): "
+      f"{held_out}. Run directory: {reference}\n")
+  assert _files(reference) == before
+
+
+def _truncate_mid_line(run):
+  data = (run / "results.jsonl").read_bytes()
+  (run / "results.jsonl").write_bytes(data[:len(data) // 2])
+
+
+def _truncate_unfinished(run):
+  # Whole lines, of an unfinished run: step 10's checkpoint has no record.
+  (run / "done").unlink()
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  (run / "results.jsonl").write_text("".join(lines[:2]))
+
+
+def _corrupt(run):
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  lines[2] = lines[2].replace('"step"', '"step', 1)
+  (run / "results.jsonl").write_text("".join(lines))
+
+
+def _reorder(run):
+  lines = (run / "results.jsonl").read_text().splitlines(keepends=True)
+  lines[1], lines[3] = lines[3], lines[1]
+  (run / "results.jsonl").write_text("".join(lines))
+
+
+def _delete_last_checkpoint(run):
+  shutil.rmtree(run / "checkpoints" / str(STEPS))
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_truncate_mid_line, "(a finished run): its last line is cut short"),
+    (_truncate_unfinished, f"(an unfinished run): it has no record of step "
+     f"{STEPS}, its last checkpoint's (it ends at step {2 * FREQ})"),
+    (_corrupt, "(a finished run): line 3 is not JSON"),
+    (_reorder, f"(a finished run): line 3 is of step {3 * FREQ}, after step "
+     f"{4 * FREQ}"),
+    (_delete_last_checkpoint, f"(a finished run): it is done, yet its last "
+     f"record (step {STEPS}) has no checkpoint"),
+])
+def test_damaged_records_are_refused_and_left_as_they_are(
+    reference, tmp_path, capsys, damage, problem):
+  # The issue's case: a finished run's records cut short were read up to
+  # their last whole line, reported as the run's end, and rewritten so.
+  run = tmp_path / "run"
+  shutil.copytree(reference, run)
+  damage(run)
+  before = _files(run)
+  assert train.main([*FLAGS, "--output_dir", str(run)]) == 2
+  out, err = capsys.readouterr()
+  assert out == ""
+  assert f"error: {run / 'results.jsonl'} {problem}" in err, err
+  assert "the same command with --overwrite" in err
+  assert _files(run) == before
+
+
+def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
+  output_dir = tmp_path / "run"
+  stopped = kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ,
+                                     sig=signal.SIGINT)
+  assert stopped.returncode == 130, stopped.stderr
+  assert stopped.stderr.endswith(
+      f"stopped by SIGINT; checkpoint at step {FREQ} in {output_dir}; rerun "
+      "the same command to resume from it.\n"), stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  run = records.read_run(output_dir)
+  assert run.checkpoint_step == FREQ and run.unsaved == 0
+  # At a checkpoint already: its record is the schedule's.
+  assert training.INTERRUPT_KEY not in run.records[-1]
+
+
+# Prepended to a train command: the run sends itself SIG once its training
+# step has run CALLS times (its metrics are summed; the loop has not
+# checked for signals yet), so that the signal lands within that step.
+_SIGNAL_IN_STEP = """\
+import os
+from experiments import training
+add = training.MetricMeter.add
+calls = []
+def add_and_signal(self, metrics):
+  add(self, metrics)
+  calls.append(1)
+  if len(calls) == {calls}:
+    os.kill(os.getpid(), {sig})
+training.MetricMeter.add = add_and_signal
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
+    reference, tmp_path, sig):
+  # Step 3 of checkpoints every 2 steps: the run finishes it, evaluates and
+  # checkpoints it, and exits 128 + the signal.
+  output_dir, stop = tmp_path / "run", FREQ + 1
+  stopped = run_after(_SIGNAL_IN_STEP.format(calls=stop, sig=int(sig)),
+                      _command(output_dir))
+  assert stopped.returncode == 128 + sig, stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  assert stopped.stderr.endswith(
+      f"stopped by {sig.name}; checkpoint at step {stop} in {output_dir}; "
+      "rerun the same command to resume from it.\n"), stopped.stderr
+  run = records.read_run(output_dir)
+  assert run.checkpoint_step == stop and run.unsaved == 0
+  assert [r["step"] for r in run.records] == [FREQ, stop]
+  interrupt = run.records[-1]
+  assert interrupt[training.INTERRUPT_KEY] == sig.name
+  # A whole record, evaluated, as any reader of the records expects.
+  assert 0 <= interrupt["env0_in_acc"] <= 1
+
+  resumed = subprocess.run(_command(output_dir), cwd=REPO,
+                           capture_output=True, text=True, check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Resuming from step {stop}." in resumed.stderr
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  # The interrupt's record and checkpoint are gone; the record after it
+  # averages the metrics of its whole interval, as uninterrupted.
+  assert records.checkpoint_steps(output_dir) == [STEPS - FREQ, STEPS]
+
+  def comparable(record):
+    return {k: v for k, v in record.items() if k not in ("args", *TIMING)}
+
+  assert ([comparable(r) for r in read_records(output_dir)]
+          == [comparable(r) for r in read_records(reference)])
+
+
+# Prepended to a train command: from step CALLS on, each step computes for
+# a while longer on the device (its results unchanged bit for bit), and SIG
+# comes DELAY seconds after the loop has dispatched step CALLS. JAX lets the
+# loop run ahead of the device, so without a bound the loop has dispatched
+# every step to the next checkpoint by then.
+_SIGNAL_WHILE_THE_DEVICE_LAGS = """\
+import os, threading
+import jax, jax.numpy as jnp
+from experiments import training
+make_train_step = training.make_train_step
+def busy(_):
+  matrix = jnp.full((400, 400), 1 / 400, jnp.float32)
+  return jax.lax.fori_loop(0, 300, lambda _, m: jnp.tanh(m @ m), matrix)[0, 0]
+def make_lagging_step(algorithm, key):
+  train_step = make_train_step(algorithm, key)
+  @jax.jit
+  def lagging_step(state, batches):
+    # tanh is at most 1: the step is unchanged, but waits for the product.
+    over = jax.lax.cond(state.step >= {calls} - 1, busy,
+                        lambda _: jnp.zeros((), jnp.float32), state) > 2
+    state, metrics = train_step(state, batches)
+    return state._replace(step=jnp.where(over, 0, state.step)), metrics
+  return lagging_step
+training.make_train_step = make_lagging_step
+add = training.MetricMeter.add
+calls = []
+def add_and_signal_later(self, metrics):
+  add(self, metrics)
+  calls.append(1)
+  if len(calls) == {calls}:
+    threading.Timer({delay}, os.kill, (os.getpid(), {sig})).start()
+training.MetricMeter.add = add_and_signal_later
+"""
+
+
+def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
+    reference, tmp_path):
+  # The case reported: a SIGTERM while the device was still on the steps
+  # after a checkpoint, which the loop had all dispatched, was acknowledged,
+  # and the run trained to the end and exited 0. The run now keeps at most
+  # the next step in flight: it stops within a step or two of the device.
+  freq, stop = 5, 6
+  output_dir = tmp_path / "run"
+  command = [*_command(output_dir), "--checkpoint_freq", str(freq)]
+  stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
+      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), command)
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  run = records.read_run(output_dir)
+  assert stop <= run.checkpoint_step < STEPS, run.checkpoint_step
+  assert stopped.stderr.endswith(
+      f"stopped by SIGTERM; checkpoint at step {run.checkpoint_step} in "
+      f"{output_dir}; rerun the same command to resume from it.\n"
+  ), stopped.stderr
+  assert [r["step"] for r in run.records] == [freq, run.checkpoint_step]
+
+  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                           check=False)
+  assert resumed.returncode == 0, resumed.stderr
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+  assert records.checkpoint_steps(output_dir) == [freq, STEPS]
+
+
+# Prepended to a train command: the run sends itself SIG as it calls
+# MODULE.FUNCTION.
+_SIGNAL_ON_CALL = """\
+import importlib, os
+module = importlib.import_module("{module}")
+function = module.{function}
+def signal_and_call(*args, **kwargs):
+  os.kill(os.getpid(), {sig})
+  return function(*args, **kwargs)
+module.{function} = signal_and_call
+"""
+
+
+@pytest.mark.parametrize("module, function", [
+    ("experiments.data.pipeline", "make_train_iterator"),  # Setting up.
+    ("experiments.training", "_compile_while_reading"),  # Compiling.
+])
+def test_a_signal_before_the_first_step_stops_there(tmp_path, module,
+                                                     function):
+  output_dir = tmp_path / "run"
+  stopped = run_after(_SIGNAL_ON_CALL.format(
+      module=module, function=function, sig=int(signal.SIGTERM)),
+                      _command(output_dir))
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  assert stopped.stderr.endswith(
+      "stopped by SIGTERM; no checkpoint yet; rerun the same command to "
+      "start again.\n"), stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  assert "the first step ended" not in stopped.stderr
+  assert not output_dir.exists() or not any(output_dir.iterdir())
+
+
+def test_flags_that_cannot_run_are_usage_errors_before_any_work(
+    tmp_path, capsys):
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("not weights, not a directory")
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for flags, message in [
+      # The output directory, before training rather than at its first
+      # evaluation.
+      (["--output_dir", str(a_file / "run")], f"{a_file} is a file"),
+      (["--output_dir", str(a_file)], f"{a_file} is a file"),
+      # Datasets that are not there.
+      (["--dataset", "PACS", "--data_dir", str(empty)],
+       f"PACS not found: {empty / 'PACS'} is not a directory"),
+      (["--dataset", "RotatedMNIST", "--data_dir", str(empty)],
+       'pip install -e ".[experiments,tfds-prepare]"'),
+      # Weights that are not weights.
+      (["--pretrained", str(a_file)],
+       f"--pretrained: {str(a_file)!r} is not a .npz file"),
+      (["--init_params", str(a_file)],
+       f"--init_params: {str(a_file)!r} is not a .npz file"),
+      # More devices than there are.
+      (["--devices", "2"], "--devices 2: only 1 cpu device here. On a CPU, "
+       "XLA_FLAGS=--xla_force_host_platform_device_count=2 before the "
+       "command makes 2 devices of its cores."),
+  ]:
+    flags = [*FLAGS, *flags]
+    if "--output_dir" not in flags:
+      flags += ["--output_dir", str(tmp_path / "runs" / str(len(flags)))]
+    assert train.main(flags) == 2, flags
+    out, err = capsys.readouterr()
+    assert message in err, (flags, err)
+    assert out == ""
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
+
+
+def test_a_signal_the_run_was_started_ignoring_stays_ignored():
+  previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  try:
+    with training._StopRequests():
+      assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+      assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_step_normalises_uint8_photos_as_the_host_does():
+  # Every level in every channel, and each channel's levels in the others'.
+  levels = np.arange(256, dtype=np.uint8)
+  pixels = np.stack([levels, levels[::-1], np.roll(levels, 85)], axis=-1)
+  images = pixels.reshape(2, 2, 8, 8, 3)
+  got = np.asarray(jax.jit(training.normalized)(images))
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, datasets.normalize(images))
+  # torchvision's ToTensor and Normalize, in float64: float32 rounding.
+  expected = (images / 255.0 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
+  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+  floats = np.linspace(-1, 1, 12, dtype=np.float32).reshape(1, 1, 2, 2, 3)
+  assert training.normalized(floats) is floats
+
+
+def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
+                                                            tmp_path):
+  monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert config_lib.compile_cache_path(None) == (
+      tmp_path / "xdg" / "pgrad_jax" / "jax_cache")
+  monkeypatch.delenv("XDG_CACHE_HOME")
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert config_lib.compile_cache_path(None) == (
+      tmp_path / "home" / ".cache" / "pgrad_jax" / "jax_cache")
+  monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(tmp_path / "env"))
+  assert config_lib.compile_cache_path(None) == tmp_path / "env"
+  assert config_lib.compile_cache_path(str(tmp_path / "flag")) == (
+      tmp_path / "flag")
+  assert config_lib.compile_cache_path("none") is None
+  # Where runs execute, not what they compute: not in their identity.
+  config = config_lib.parse_args(["--compile_cache_dir", "none"])
+  assert config.identity() == config_lib.parse_args([]).identity()
+  assert "compile_cache_dir" not in config.record_args()
+
+
+def test_the_final_line_counts_steps_in_words():
+  record = make_record("RotatedDigits", "ERM", 0, 0, 0, 1,
+                       in_accs=[0.5] * 6, out_accs=[0.5] * 6,
+                       domains=[f"{15 * i}°" for i in range(6)])
+  assert "after 1 step (the last step's" in training.final_line(record, "r")
+  record["step"] = 2
+  assert "after 2 steps (the last" in training.final_line(record, "r")
+
+
+def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):
+  config = config_lib.parse_args(["--dataset", "PACS", "--model", "resnet18"])
+  training._warn_if_long(training.ESTIMATE_WARNED_SECONDS, config)
+  assert capsys.readouterr().err == ""
+  training._warn_if_long(2.5 * 3600, config)
+  assert ("Warning: resnet18 on PACS takes about 2.5 h more on this CPU"
+          in capsys.readouterr().err)
+
+
+def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
+  a_file = tmp_path / "data.zip"
+  a_file.write_text("")
+  refused = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--dataset", "PACS",
+       "--data_dir", str(a_file), "--output_dir", str(tmp_path / "run")],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert refused.returncode == 2
+  assert refused.stderr.endswith(
+      f"error: --data_dir {a_file} is a file; pass the directory that holds "
+      "the datasets.\n")
+  assert "Traceback" not in refused.stderr
+
+
+# Prepended to a train command: records how the first training batch is
+# laid out on the devices, as placed and as the step's program types it.
+_RECORD_BATCH_LAYOUT = """import json, jax
+from experiments import training
+place = training.Sharder.batch
+def place_and_record(self, batch, axis):
+  placed = place(self, batch, axis)
+  if axis == 1 and not place_and_record.done:
+    image = placed["image"]
+    with open({path!r}, "w") as f:
+      json.dump({{"spec": tuple(image.sharding.spec),
+                 "type": str(jax.typeof(image)),
+                 "shards": sorted([s.device.id, *s.data.shape]
+                                  for s in image.addressable_shards)}}, f)
+    place_and_record.done = True
+  return placed
+place_and_record.done = False
+training.Sharder.batch = place_and_record
+"""
+
+
+def test_devices_split_every_domains_batch_on_a_data_axis(tmp_path):
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+         "--xla_force_host_platform_device_count=2"}
+  layout = tmp_path / "layout.json"
+  flags = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
+  result = run_after(
+      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
+      [sys.executable, "-m", "experiments.train", *flags, "--devices", "2",
+       "--output_dir", str(tmp_path / "run")], env=env)
+  assert result.returncode == 0, result.stderr
+  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
+          "devices on a data axis, 3 examples of every domain on each."
+          in result.stderr)
+  placed = json.loads(layout.read_text())
+  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
+  # step's program is typed with the split (Explicit sharding).
+  assert placed["spec"] == [None, "data"]
+  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
+                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
+  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
+  # The run is whole: its records check, as on one device.
+  assert [r["step"] for r in records.read_run(tmp_path / "run").records] == [
+      FREQ]
