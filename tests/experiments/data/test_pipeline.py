@@ -285,7 +285,7 @@ def test_worker_processes_resume_from_a_state_on_any_number_of_workers(
 _READ_FROM_WORKERS = """
 import multiprocessing, os, signal, time
 import numpy as np
-from experiments import datasets, input_pipeline
+from experiments.data import datasets, pipeline as input_pipeline
 
 def shifted(example, rng):
   return {{**example, "image": example["image"] + np.float32(rng.random())}}
