@@ -227,12 +227,14 @@ def plot_heldout_accuracy(
 
 
 def plot_trajectories(
-    paths: Mapping[str, np.ndarray], path: str | Path, title: str = ""
+    paths: Mapping[str, claims.ProjectedPath], path: str | Path,
+    title: str = ""
 ) -> Figure:
   """Params paths projected jointly to 2-D, by PCA and by t-SNE.
 
   Args:
-    paths: ``{label: (T, P) snapshots}``; all share ``P``.
+    paths: ``{label: ProjectedPath}``, projected jointly
+      (`claims.project_paths`).
     path: the PNG to write.
     title: the figure's title, above both panels.
 
@@ -240,16 +242,13 @@ def plot_trajectories(
     The figure: one panel per projection, one line per path, its start
     marked with a circle.
   """
-  labels = list(paths)
-  stacked = np.concatenate([paths[label] for label in labels])
-  bounds = np.cumsum([0] + [len(paths[label]) for label in labels])
   fig = Figure(figsize=(9, 4), layout="constrained")
   fig.suptitle(title)
-  for axes, method in zip(fig.subplots(1, 2), ("pca", "tsne")):
-    projected = project(stacked, method)
-    for label, start, end in zip(labels, bounds[:-1], bounds[1:]):
-      (line,) = axes.plot(*projected[start:end].T, marker=".", label=label)
-      axes.plot(*projected[start], marker="o", markersize=9,
+  for axes, method in zip(fig.subplots(1, 2), claims.PROJECTIONS):
+    for label, projected in paths.items():
+      points = projected.projections[method]
+      (line,) = axes.plot(*points.T, marker=".", label=label)
+      axes.plot(*points[0], marker="o", markersize=9,
                 color=line.get_color())
     axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
     axes.set_xlabel(f"{method} 1")
@@ -257,25 +256,6 @@ def plot_trajectories(
     axes.legend()
   fig.savefig(path, dpi=120)
   return fig
-
-
-def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
-  """Projects ``(N, P)`` points to ``(N, 2)`` by ``"pca"`` or ``"tsne"``.
-
-  PCA uses the top two principal axes of the centred points; t-SNE is
-  scikit-learn's, initialised by PCA, with a perplexity below the point
-  count as it requires.
-  """
-  if method == "pca":
-    centred = points - points.mean(axis=0)
-    _, _, axes = np.linalg.svd(centred, full_matrices=False)
-    return centred @ axes[:2].T
-  if method == "tsne":
-    from sklearn.manifold import TSNE  # Slow import; only needed here.
-    perplexity = min(30.0, (len(points) - 1) / 3)
-    return TSNE(n_components=2, perplexity=perplexity, init="pca",
-                random_state=seed).fit_transform(points)
-  raise ValueError(f"method must be 'pca' or 'tsne', got {method!r}.")
 
 
 def plot_mean_training_loss(
