@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
+from PIL import Image
 
 from experiments import catalog
 from experiments import convergence
@@ -385,6 +386,24 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
     assert lines
     for line in lines:
       assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+
+
+def test_plots_are_palette_pngs_that_look_as_full_colour(tmp_path):
+  figure = plots.plot_heldout_accuracy(sweep_records(), tmp_path / "a.png")
+  full = tmp_path / "full.png"
+  figure.savefig(full, dpi=plots.DPI)
+  with Image.open(tmp_path / "a.png") as written, Image.open(full) as drawn:
+    assert written.mode == "P" and "Software" in drawn.info
+    assert "Software" not in written.info
+    got = np.asarray(written.convert("RGB"), np.float64)
+    expected = np.asarray(drawn.convert("RGB"), np.float64)
+  assert got.shape == expected.shape
+  # Levels of 0-255: a fraction of a level off on average.
+  assert np.abs(got - expected).mean() < 1
+  assert (tmp_path / "a.png").stat().st_size < full.stat().st_size / 2
+  # The same figure, the same bytes.
+  plots.plot_heldout_accuracy(sweep_records(), tmp_path / "b.png")
+  assert (tmp_path / "b.png").read_bytes() == (tmp_path / "a.png").read_bytes()
 
 
 def test_curves_of_several_points_are_lines_without_markers(tmp_path):
