@@ -27,7 +27,7 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:|^//")
 def documentation():
   """The markdown files whose links must resolve."""
   return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-          ROOT / "experiments" / "README.md"]
+          ROOT / "experiments" / "README.md", ROOT / "results" / "README.md"]
 
 
 def without_code(text):
