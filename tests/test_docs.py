@@ -33,7 +33,7 @@ _MODULE_COMMAND = re.compile(
 def documentation():
   """The markdown files whose links must resolve."""
   return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-          ROOT / "experiments" / "README.md"]
+          ROOT / "experiments" / "README.md", ROOT / "results" / "README.md"]
 
 
 def without_code(text):

@@ -11,7 +11,9 @@ Each claim becomes one number per algorithm in ``claims.json`` and one figure
 * Trajectories (its appendix A.4): the params saved by runs trained with
   ``--trajectory_freq`` (`catalog.TRAJECTORY_ALGORITHMS`), projected to 2-D
   by PCA and by t-SNE, and the length and straightness of each path
-  (`path_lengths`).
+  (`path_lengths`). `project_paths` reads the snapshots once into a
+  `ProjectedPath` per run, which is also what a study's pack keeps in
+  their place (`experiments.runs.records.pack_runs`).
 * Bottom eigenvectors (its Q5, appendix A.7): the mean training loss of
   ``PGrad-Bottom`` against ``PGrad`` over training, and its relative change
   (`loss_changes`).
@@ -32,7 +34,9 @@ a single evaluation (`unmeasured` says so).
 The numbers are sums taken with `math.fsum`, which rounds the exact sum once:
 unlike NumPy's and BLAS's sums, whose order of additions depends on the
 machine and library, it gives every machine the same last digits, so a
-rebuilt ``claims.json`` equals the committed one.
+rebuilt ``claims.json`` equals the committed one. The projections, which
+t-SNE's optimisation makes sensitive to the last digits, are read from the
+pack as they were computed where it was written.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 BOTTOM_ALGORITHMS = ("PGrad", "PGrad-Bottom")
 LENGTH_ALGORITHMS = ("PGrad-k1", "PGrad-k2", "PGrad", "PGrad-kall", "PGrad-B")
 MEASURED_HPARAMS_SEED = 0
+# How params paths are projected to 2-D, in the figure's order (`project`).
+PROJECTIONS = ("pca", "tsne")
 # The report's subdirectory for the claims' numbers and figures.
 CLAIMS_DIR = "claims"
 CLAIMS_FILE = "claims.json"
@@ -174,6 +180,118 @@ def load_trajectory(
           np.stack([np.load(p).astype(np.float64) for p in files.values()]))
 
 
+def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
+  """Projects ``(N, P)`` points to ``(N, 2)`` by ``"pca"`` or ``"tsne"``.
+
+  PCA uses the top two principal axes of the centred points; t-SNE is
+  scikit-learn's, initialised by PCA, with a perplexity below the point
+  count as it requires.
+  """
+  if method == "pca":
+    centred = points - points.mean(axis=0)
+    _, _, axes = np.linalg.svd(centred, full_matrices=False)
+    return centred @ axes[:2].T
+  if method == "tsne":
+    from sklearn.manifold import TSNE  # Slow import; only needed here.
+    perplexity = min(30.0, (len(points) - 1) / 3)
+    return TSNE(n_components=2, perplexity=perplexity, init="pca",
+                random_state=seed).fit_transform(points)
+  raise ValueError(f"method must be 'pca' or 'tsne', got {method!r}.")
+
+
+class ProjectedPath(NamedTuple):
+  """What the claims read of a run's params snapshots (`project_paths`).
+
+  Attributes:
+    lengths: the path's `path_lengths`.
+    projections: ``{method: (T, 2) points}`` for every method of
+      `PROJECTIONS`, the snapshots projected jointly with the other paths of
+      the run's dataset, held-out domain and trial; empty where those lack
+      an algorithm of `catalog.TRAJECTORY_ALGORITHMS`, whose figure is not
+      drawn.
+    projected_with: the names of the run directories projected jointly, in
+      the order they were stacked.
+  """
+
+  lengths: dict[str, float]
+  projections: dict[str, np.ndarray]
+  projected_with: tuple[str, ...]
+
+  def to_json(self) -> dict[str, Any]:
+    """The path as JSON, which keeps every float exactly."""
+    return {"lengths": self.lengths,
+            "projections": {method: points.tolist()
+                            for method, points in self.projections.items()},
+            "projected_with": list(self.projected_with)}
+
+  @classmethod
+  def from_json(cls, data: Mapping[str, Any]) -> ProjectedPath:
+    """The path `to_json` wrote."""
+    return cls(dict(data["lengths"]),
+               {method: np.array(points, np.float64)
+                for method, points in data["projections"].items()},
+               tuple(data["projected_with"]))
+
+
+def _path_key(record: Record) -> tuple[str, str, int, int] | None:
+  """``(dataset, algorithm, held-out domain, trial_seed)`` of a run whose
+  params path the claims read, from one of its records; None for another
+  run."""
+  args = record["args"]
+  if (args["hparams_seed"] != MEASURED_HPARAMS_SEED
+      or args["algorithm"] not in TRAJECTORY_ALGORITHMS
+      or len(args["test_envs"]) != 1):
+    return None
+  return (args["dataset"], args["algorithm"], args["test_envs"][0],
+          args["trial_seed"])
+
+
+def _latest(runs: Iterable[tuple[Record, Any]]) -> dict[tuple, Any]:
+  """Per `_path_key`, the last of ``runs`` (in path order) with that key,
+  at the place of the first: a later run of a key replaces an earlier one."""
+  latest = {}
+  for record, value in runs:
+    if (key := _path_key(record)) is not None:
+      latest[key] = value
+  return latest
+
+
+def project_paths(
+    snapshots: Mapping[Path, tuple[Record, Mapping[int, Path]]]
+) -> dict[Path, ProjectedPath]:
+  """Reads the params snapshots of the runs the claims measure, and projects
+  those of each dataset, held-out domain and trial jointly.
+
+  Args:
+    snapshots: by run directory, one of its records and its snapshot files
+      (`records.trajectory_files`).
+
+  Returns:
+    By run directory, the runs' `ProjectedPath`; runs of other hparams or
+    algorithms are left out.
+  """
+  latest = _latest((snapshots[run_dir][0], run_dir)
+                   for run_dir in sorted(snapshots))
+  groups = group_by(latest.items(), lambda item: (item[0][0], *item[0][2:]))
+  projected = {}
+  for members in groups.values():
+    run_dirs = [run_dir for _, run_dir in members]
+    paths = [load_trajectory(snapshots[run_dir][1])[1] for run_dir in run_dirs]
+    joint = {}
+    if len(members) == len(TRAJECTORY_ALGORITHMS):
+      stacked = np.concatenate(paths)
+      joint = {method: project(stacked, method) for method in PROJECTIONS}
+    names = tuple(run_dir.name for run_dir in run_dirs)
+    ends = np.cumsum([len(points) for points in paths])
+    for run_dir, points, end in zip(run_dirs, paths, ends):
+      projected[run_dir] = ProjectedPath(
+          path_lengths(points),
+          {method: np.asarray(found[end - len(points):end], np.float64)
+           for method, found in joint.items()},
+          names)
+  return projected
+
+
 def path_lengths(points: np.ndarray) -> dict[str, float]:
   """The length of a params path, its end-to-end distance and their ratio.
 
@@ -279,43 +397,45 @@ class ClaimRecords(NamedTuple):
       have (`same_held_out`); empty without a ``PGrad-Bottom`` run.
     trajectory_length: the records of `LENGTH_ALGORITHMS` on the held-out
       domains all of them have.
-    trajectories: ``{(held-out domain, trial_seed): {algorithm: (T, P)
-      params snapshots}}`` of the runs of `catalog.TRAJECTORY_ALGORITHMS`
-      that saved them, in that key order.
+    trajectories: ``{(held-out domain, trial_seed): {algorithm:
+      ProjectedPath}}`` of the runs of `catalog.TRAJECTORY_ALGORITHMS` that
+      saved params snapshots, in that key order.
   """
 
   smoothness: list[Record]
   bottom: list[Record]
   trajectory_length: list[Record]
-  trajectories: dict[tuple[int, int], dict[str, np.ndarray]]
+  trajectories: dict[tuple[int, int], dict[str, ProjectedPath]]
+
+
+class ProjectedApartError(ValueError):
+  """The params paths of one figure were not projected jointly: some come
+  from a pack and the others from run directories."""
 
 
 def select(
     records: Sequence[Record],
-    trajectories: Sequence[tuple[Record, Mapping[int, Path]]],
+    paths: Sequence[tuple[Record, ProjectedPath]],
 ) -> dict[str, ClaimRecords]:
   """The records and params paths each claim reads, per dataset.
 
   Args:
     records: every record of a sweep; those of the default hparams with one
       held-out domain are read.
-    trajectories: for every run that saved params snapshots, one of its
-      records and its snapshot files (`records.trajectory_files`).
+    paths: in path order, for every run that saved params snapshots, one
+      of its records and its path (`project_paths`, or a pack's).
 
   Returns:
     ``{dataset: ClaimRecords}``, in the records' dataset order.
+
+  Raises:
+    ProjectedApartError: the paths of one dataset, held-out domain and
+      trial were projected apart; it names them and the way out.
   """
   records = [r for r in records
              if len(r["args"]["test_envs"]) == 1
              and r["args"]["hparams_seed"] == MEASURED_HPARAMS_SEED]
-  # A later run of the same key replaces an earlier one, in path order.
-  saved = {}
-  for record, files in trajectories:
-    args = record["args"]
-    if (args["hparams_seed"] == MEASURED_HPARAMS_SEED
-        and args["algorithm"] in TRAJECTORY_ALGORITHMS):
-      saved[args["dataset"], args["algorithm"], args["test_envs"][0],
-            args["trial_seed"]] = files
+  saved = _latest(paths)
   selected = {}
   for dataset, recs in group_by(records,
                                 lambda r: r["args"]["dataset"]).items():
@@ -323,10 +443,19 @@ def select(
     if not any(r["args"]["algorithm"] == "PGrad-Bottom" for r in bottom):
       bottom = []
     paths = {}
-    for (d, algorithm, env, trial), files in saved.items():
+    for (d, algorithm, env, trial), path in saved.items():
       if d == dataset:
-        paths.setdefault((env, trial), {})[algorithm] = load_trajectory(
-            files)[1]
+        paths.setdefault((env, trial), {})[algorithm] = path
+    for (env, trial), by_algorithm in paths.items():
+      if len({path.projected_with for path in by_algorithm.values()}) > 1:
+        runs = "; ".join(f"{algorithm}'s with {', '.join(path.projected_with)}"
+                         for algorithm, path in by_algorithm.items())
+        raise ProjectedApartError(
+            f"{dataset}, held-out env{env}, trial {trial}: the params paths "
+            f"were projected apart ({runs}), some packed and some read from "
+            "run directories. Pack the runs again from directories holding "
+            "all their snapshots (python -m experiments.runs.study pack), or "
+            "remove the run directories that replace packed runs.")
     selected[dataset] = ClaimRecords(
         smoothness=common_steps(_select(recs, SMOOTHNESS_ALGORITHMS)),
         bottom=bottom,
@@ -400,8 +529,8 @@ def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:
       found["trajectory_length"] = summary
     shapes = {}
     for by_algorithm in inputs.trajectories.values():
-      for algorithm, points in by_algorithm.items():
-        shapes.setdefault(algorithm, []).append(path_lengths(points))
+      for algorithm, path in by_algorithm.items():
+        shapes.setdefault(algorithm, []).append(path.lengths)
     if shapes:
       found["trajectories"] = {
           algorithm: {**{m: mean(s[m] for s in runs) for m in runs[0]},

@@ -21,11 +21,38 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from PIL import Image
 
 from experiments import catalog
 from experiments.analysis import claims
 from experiments.analysis.model_selection import by_run, group_by
 from experiments.runs.records import Record, env_key, held_out_env, train_envs
+
+# Every figure's resolution, and the most colours of its PNG (`save`).
+DPI = 120
+PNG_COLOURS = 256
+
+
+def save(fig: Figure, path: str | Path) -> None:
+  """Writes ``fig`` to ``path``: a PNG at `DPI`, in at most `PNG_COLOURS`
+  colours.
+
+  A plot's flat colours and anti-aliased edges need no more colours; the
+  palette takes about a third of the bytes of matplotlib's full-colour PNG,
+  and leaves out its note of matplotlib's version, so equal pixels are
+  equal files.
+  """
+  fig.savefig(path, dpi=DPI)
+  to_palette(path)
+
+
+def to_palette(path: str | Path) -> None:
+  """Rewrites a PNG in at most `PNG_COLOURS` colours, as `save` writes
+  every figure."""
+  with Image.open(path) as drawn:
+    full = drawn.convert("RGB")
+  full.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT,
+                dither=Image.Dither.NONE).save(path, optimize=True)
 
 
 def domain_name(env: int, names: Sequence[str] | None) -> str:
@@ -149,7 +176,7 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     axes.set_yscale("log")
   panels[0].set_ylabel("training loss")
   fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper")
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
 
 
@@ -193,7 +220,7 @@ def plot_eigenvalue_spectrum(
   axes.set_title(f"{', '.join(_by_algorithm(records))}: "
                  f"{held_out_title(records[0])}", fontsize="medium")
   axes.legend(fontsize="small")
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
 
 
@@ -222,17 +249,19 @@ def plot_heldout_accuracy(
   axes.set_xlabel("step")
   axes.set_ylabel("held-out domain accuracy")
   axes.legend()
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
 
 
 def plot_trajectories(
-    paths: Mapping[str, np.ndarray], path: str | Path, title: str = ""
+    paths: Mapping[str, claims.ProjectedPath], path: str | Path,
+    title: str = ""
 ) -> Figure:
   """Params paths projected jointly to 2-D, by PCA and by t-SNE.
 
   Args:
-    paths: ``{label: (T, P) snapshots}``; all share ``P``.
+    paths: ``{label: ProjectedPath}``, projected jointly
+      (`claims.project_paths`).
     path: the PNG to write.
     title: the figure's title, above both panels.
 
@@ -240,42 +269,20 @@ def plot_trajectories(
     The figure: one panel per projection, one line per path, its start
     marked with a circle.
   """
-  labels = list(paths)
-  stacked = np.concatenate([paths[label] for label in labels])
-  bounds = np.cumsum([0] + [len(paths[label]) for label in labels])
   fig = Figure(figsize=(9, 4), layout="constrained")
   fig.suptitle(title)
-  for axes, method in zip(fig.subplots(1, 2), ("pca", "tsne")):
-    projected = project(stacked, method)
-    for label, start, end in zip(labels, bounds[:-1], bounds[1:]):
-      (line,) = axes.plot(*projected[start:end].T, marker=".", label=label)
-      axes.plot(*projected[start], marker="o", markersize=9,
+  for axes, method in zip(fig.subplots(1, 2), claims.PROJECTIONS):
+    for label, projected in paths.items():
+      points = projected.projections[method]
+      (line,) = axes.plot(*points.T, marker=".", label=label)
+      axes.plot(*points[0], marker="o", markersize=9,
                 color=line.get_color())
     axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
     axes.set_xlabel(f"{method} 1")
     axes.set_ylabel(f"{method} 2")
     axes.legend()
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
-
-
-def project(points: np.ndarray, method: str, *, seed: int = 0) -> np.ndarray:
-  """Projects ``(N, P)`` points to ``(N, 2)`` by ``"pca"`` or ``"tsne"``.
-
-  PCA uses the top two principal axes of the centred points; t-SNE is
-  scikit-learn's, initialised by PCA, with a perplexity below the point
-  count as it requires.
-  """
-  if method == "pca":
-    centred = points - points.mean(axis=0)
-    _, _, axes = np.linalg.svd(centred, full_matrices=False)
-    return centred @ axes[:2].T
-  if method == "tsne":
-    from sklearn.manifold import TSNE  # Slow import; only needed here.
-    perplexity = min(30.0, (len(points) - 1) / 3)
-    return TSNE(n_components=2, perplexity=perplexity, init="pca",
-                random_state=seed).fit_transform(points)
-  raise ValueError(f"method must be 'pca' or 'tsne', got {method!r}.")
 
 
 def plot_mean_training_loss(
@@ -298,7 +305,7 @@ def plot_mean_training_loss(
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
   axes.legend()
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
 
 
@@ -354,7 +361,7 @@ def _plot_bars(
     axes.set_xlabel("algorithm")
     axes.set_ylabel(chart.label)
     axes.tick_params(axis="x", labelrotation=name_rotation)
-  fig.savefig(path, dpi=120)
+  save(fig, path)
   return fig
 
 

@@ -20,7 +20,9 @@ Usage::
 
 writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
 the paper's claims measured by `experiments.analysis.claims` to
-``results/digits/claims/`` (``claims.json`` and a PNG per figure).
+``results/digits/claims/`` (``claims.json`` and a PNG per figure). The runs
+are read from their directories and from packs (``runs.jsonl.gz``,
+`experiments.runs.records.pack_runs`), as a committed study keeps them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -454,23 +456,36 @@ def claim_number(value: float) -> str:
 
 
 def claims_section(
-    runs: Mapping[Path, Sequence[Record]], output_dir: Path
+    runs: Mapping[Path, Sequence[Record]], output_dir: Path,
+    packed_paths: Mapping[Path, Mapping[str, Any]] | None = None,
 ) -> str:
   """Measures the paper's claims; writes them and their plots to ``claims/``.
 
   Args:
-    runs: the sweep's run directories with their records.
+    runs: the sweep's runs (directories or packed) with their records.
     output_dir: the report's directory.
+    packed_paths: what the packed runs among ``runs`` keep of their params
+      snapshots (`records_lib.SweepRecords.trajectories`); the others'
+      snapshots are read from their directories.
 
   Returns:
     The Markdown section: a table per dataset and claim, then the figures.
+
+  Raises:
+    claims_lib.ProjectedApartError: the params paths of one figure come
+      partly from a pack and partly from run directories.
   """
   claims_dir = output_dir / claims_lib.CLAIMS_DIR
   claims_dir.mkdir(parents=True, exist_ok=True)
+  paths = claims_lib.project_paths(
+      {run_dir: (run[0], files) for run_dir, run in runs.items()
+       if (files := records_lib.trajectory_files(run_dir))})
+  paths.update((run_dir, claims_lib.ProjectedPath.from_json(path))
+               for run_dir, path in (packed_paths or {}).items()
+               if run_dir in runs)
   selected = claims_lib.select(
       [record for run in runs.values() for record in run],
-      [(run[0], files) for run_dir, run in runs.items()
-       if (files := records_lib.trajectory_files(run_dir))])
+      [(runs[run_dir][0], paths[run_dir]) for run_dir in sorted(paths)])
   claims = claims_lib.measure(selected)
   unmeasured = claims_lib.unmeasured(selected)
   figures = plots.plot_claims(selected, claims, claims_dir)
@@ -503,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
       "--input_dir", required=True,
-      help=f"Searched recursively for runs' {records_lib.RESULTS_FILE} files.")
+      help=f"Searched recursively for runs' {records_lib.RESULTS_FILE} files "
+      f"and for packed runs ({records_lib.PACK_FILE}).")
   parser.add_argument("--output_dir", required=True)
   parser.add_argument(
       "--hparams_seeds", type=int, nargs="+", metavar="SEED",
@@ -524,8 +540,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{', '.join(map(str, sorted(set(args.hparams_seeds))))})")
   records = [record for run in runs.values() for record in run]
   if not records:
-    print(f"No {records_lib.RESULTS_FILE} records under {args.input_dir}"
-          f"{scope}.", file=sys.stderr)
+    print(f"No {records_lib.RESULTS_FILE} or {records_lib.PACK_FILE} records "
+          f"under {args.input_dir}{scope}.", file=sys.stderr)
     return 1
   if found.skipped:
     scope += (f"; {len(found.skipped)} runs skipped, their records damaged: "
@@ -533,8 +549,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"
-  report.write_text(render(records, output_dir, scope)
-                    + claims_section(runs, output_dir))
+  try:
+    report.write_text(render(records, output_dir, scope)
+                      + claims_section(runs, output_dir, found.trajectories))
+  except claims_lib.ProjectedApartError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(f"Wrote {report}")
   return 0
 

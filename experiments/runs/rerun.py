@@ -11,7 +11,8 @@ listed (`experiments.runs.sweep`'s flags, or a study config's ``runs``):
         --algorithm Fish --hparams_seed 1 --trial_seed 2 --test_env 0 \\
         --longer_steps 16000
 
-``reproduce`` retrains a sample of the finished runs from scratch in a
+``reproduce`` retrains a sample of the finished runs (in their directories
+or packed: `experiments.runs.records.finished_records`) from scratch in a
 scratch directory, one per ``(dataset, algorithm, hparams_seed, trial_seed)``
 (the run holding out the lowest domain), ``--jobs`` at a time, and checks
 that every record comes out equal to the committed one, timing excepted. It
@@ -126,7 +127,7 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     start = time.monotonic()
     returncode = copy.train()
     seconds = time.monotonic() - start
-    committed = records.read_run(run.output_dir).records
+    committed = records.finished_records(run.output_dir)
     difference = (f"exit status {returncode}" if returncode else
                   first_difference(committed,
                                    records.read_run(copy.output_dir).records))
@@ -224,6 +225,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "directory with _longer appended.")
 
 
+def longer_dir(output_dir: str | Path, chosen: str | None = None) -> Path:
+  """Where the longer command's runs go: ``chosen`` (``--longer_dir``), else
+  the runs' directory, ``output_dir``, with ``_longer`` appended."""
+  return Path(chosen or f"{Path(output_dir)}_longer")
+
+
 def check_arguments(parser: argparse.ArgumentParser,
                     args: argparse.Namespace) -> None:
   """Refuses the longer command's flags on another command (exit 2)."""
@@ -254,7 +261,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
                        output_dir: str | Path) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
-            if records.is_done(run.output_dir)]
+            if records.finished_records(run.output_dir) is not None]
   if not chosen:
     draws = ("" if args.hparams_seeds is None else
              f" with hparams_seed in {args.hparams_seeds}")
@@ -285,17 +292,16 @@ def _longer_command(parser: argparse.ArgumentParser,
     parser.error(f"longer needs {' '.join(missing)}.")
   if args.every < 1:
     parser.error(f"--every must be at least 1, got {args.every}.")
-  longer_dir = args.longer_dir or f"{Path(output_dir)}_longer"
   try:
-    run = longer_run(runs, output_dir=longer_dir,
+    run = longer_run(runs,
+                     output_dir=longer_dir(output_dir, args.longer_dir),
                      **{name: getattr(args, name) for name in _LONGER_FLAGS})
   except ValueError as e:
     parser.error(str(e))
-  if not records.is_done(run.output_dir):
+  if records.finished_records(run.output_dir) is None:
     print(f"Training {run}.")
     if returncode := run.train():
       print(f"Failed (see {run.log_file}).", file=sys.stderr)
       return returncode
-  print(describe_ends(records.read_run(run.output_dir).records,
-                      args.every))
+  print(describe_ends(records.finished_records(run.output_dir), args.every))
   return 0

@@ -4,6 +4,7 @@ Usage::
 
     python -m experiments.runs.study --jobs 2          # train what is missing
     python -m experiments.runs.study list              # where every run stands
+    python -m experiments.runs.study pack              # pack the finished runs
     python -m experiments.runs.study reproduce --hparams_seeds 1 \\
         --output results/study_reproduction/draw1.json  # retrain a sample
     python -m experiments.analysis.report --input_dir results/study \\
@@ -18,12 +19,15 @@ converged DomainBed-protocol study of the embedded digits,
 `experiments.studies.digits`).
 
 Runs are launched in the study's order. They live in
-``<output_dir>/<md5 of their args>``. The JSON-lines records, the
-``done`` markers and the trajectories are committed; checkpoints, final params
-and logs are not (see .gitignore). So the same command continues a study
-stopped half-way, on this machine from the runs' checkpoints and on a fresh
-clone from what was committed: finished runs are skipped, unfinished ones train
-again.
+``<output_dir>/<md5 of their args>``. ``pack`` writes the finished ones, and
+those of the longer command, to one compressed file in each directory
+(``runs.jsonl.gz``, `experiments.runs.records.pack_runs`): every run's config and
+records, and for the runs that saved params snapshots what the paper's claims
+read of them (`experiments.analysis.claims.ProjectedPath`). The packs are
+what is committed; run directories, with their checkpoints, params and logs,
+are not (see .gitignore). So the same command continues a study stopped
+half-way, on this machine from the runs' checkpoints and on a fresh clone from
+the pack: finished and packed runs are skipped, the others train.
 
 ``reproduce`` retrains a sample of the finished runs and compares their
 records; ``longer`` trains one run on past its plateau
@@ -38,8 +42,10 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import ModuleType
 
+from experiments.runs import records
 from experiments.runs import rerun
 from experiments import studies
 from experiments.runs import sweep
@@ -61,15 +67,45 @@ def load_study(name: str) -> ModuleType:
   return importlib.import_module(f"experiments.studies.{name}")
 
 
+def pack(directory: Path) -> int:
+  """Packs the finished runs in ``directory`` (`records.pack_runs`), with
+  what the paper's claims read of their params snapshots in place of these
+  (`experiments.analysis.claims.project_paths`), and says what it packed.
+
+  Returns:
+    How many finished run directories were left out, damaged.
+  """
+  # Here, not at the top: launching and training import nothing of the
+  # analysis.
+  from experiments.analysis import claims  # pylint: disable=import-outside-toplevel
+  snapshots = {}
+  for run_dir in records.finished_run_dirs(directory):
+    if files := records.trajectory_files(run_dir):
+      try:
+        snapshots[run_dir] = (records.read_run(run_dir).records[0], files)
+      except records.DamagedRunError:
+        continue  # pack_runs says why it leaves the run out.
+  paths = claims.project_paths(snapshots)
+  packed, skipped = records.pack_runs(
+      directory, {run_dir.name: path.to_json()
+                  for run_dir, path in paths.items()})
+  for run_dir, why in skipped.items():
+    print(f"Left out {run_dir}: {why}.", file=sys.stderr)
+  print(f"Packed {len(packed)} runs in {directory / records.PACK_FILE}.")
+  return len(skipped)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("command", nargs="?", default="launch",
-                      choices=["launch", "list", *rerun.COMMANDS],
+                      choices=["launch", "list", "pack", *rerun.COMMANDS],
                       help="launch (default): train every run not done; "
-                      "list: the status of every run; reproduce: retrain a "
-                      "sample of the done runs and compare their records; "
-                      "longer: train one run for more steps and say when it "
-                      "plateaus.")
+                      "list: the status of every run; pack: write the done "
+                      "runs, and the longer command's, to one compressed "
+                      f"file, {records.PACK_FILE}, in their directory; "
+                      "reproduce: retrain a sample of the done runs and "
+                      "compare their records; longer: train one run for "
+                      "more steps and say when it plateaus.")
   parser.add_argument("--study", default=DEFAULT_STUDY,
                       help="The study config, experiments/studies/<STUDY>.py; "
                       f"default: {DEFAULT_STUDY}.")
@@ -106,6 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(run)
     print(sweep.summary(runs))
     return 0
+  if args.command == "pack":
+    damaged = sum(pack(Path(directory)) for directory in (
+        args.output_dir, rerun.longer_dir(args.output_dir, args.longer_dir))
+        if Path(directory).is_dir())
+    print(sweep.summary(runs))
+    return 1 if damaged else 0
   print(sweep.summary(runs))
   damaged = sweep.report_damaged(runs)
   try:

@@ -54,8 +54,8 @@ OUTPUT_DIR = "results/study"
 def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
   """Every run of the study.
 
-  Trajectories are saved only by trial 0's default runs of ERM and PGrad, to
-  keep the committed results small.
+  Trajectories are saved only by trial 0's default runs of ERM and PGrad:
+  the claims draw one trial's params paths per held-out domain.
   """
   def runs_of(algorithms, n_hparams, test_envs=None):
     # Only the fixed hparams that these algorithms have (sweep's check).

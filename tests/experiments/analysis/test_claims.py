@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from experiments.analysis import claims
-from experiments.analysis import plots
 from test_model_selection import make_record
 
 def _roughness_by_loop(values):
@@ -123,14 +122,89 @@ def test_path_lengths_and_pca_projection_as_numpy():
   np.testing.assert_allclose(
       [lengths["length"], lengths["displacement"], lengths["straightness"]],
       [length, displacement, displacement / length], rtol=1e-12)
-  projected = plots.project(points, "pca")
+  projected = claims.project(points, "pca")
   distances = lambda x: np.linalg.norm(x[:, None] - x[None], axis=-1)
   np.testing.assert_allclose(distances(projected), distances(coordinates),
                              atol=1e-9)
-  embedded = plots.project(points, "tsne")
+  embedded = claims.project(points, "tsne")
   assert embedded.shape == (12, 2) and np.all(np.isfinite(embedded))
   with pytest.raises(ValueError, match="pca"):
-    plots.project(points, "umap")
+    claims.project(points, "umap")
+
+
+def _snapshots(run_dir, record, points):
+  """Writes a run's params snapshots to ``run_dir``, a file per step, as
+  training does; returns what `claims.project_paths` reads of the run."""
+  run_dir.mkdir()
+  files = {}
+  for step, point in enumerate(points):
+    files[step] = run_dir / f"{step}.npy"
+    np.save(files[step], point.astype(np.float32))
+  return record, files
+
+
+def test_paths_are_projected_jointly_and_kept_exactly_as_json(tmp_path):
+  rng = np.random.default_rng(3)
+  erm, pgrad = (make_record("ColoredDigits", a, 1, 0, 0, 10, in_accs=[0.5] * 3,
+                            out_accs=[0.5] * 3) for a in ("ERM", "PGrad"))
+  erm_points = rng.normal(size=(7, 20)).astype(np.float32)
+  pgrad_points = rng.normal(size=(5, 20)).astype(np.float32)
+  snapshots = {
+      tmp_path / "run_b": _snapshots(tmp_path / "run_b", erm, erm_points),
+      tmp_path / "run_a": _snapshots(tmp_path / "run_a", pgrad, pgrad_points)}
+  # Another draw's run is not read; a lone path has no figure to share.
+  other = make_record("ColoredDigits", "ERM", 1, 1, 0, 10, in_accs=[0.5] * 3,
+                      out_accs=[0.5] * 3)
+  snapshots[tmp_path / "run_c"] = _snapshots(tmp_path / "run_c", other,
+                                             erm_points)
+  lone = make_record("ColoredDigits", "ERM", 2, 0, 0, 10, in_accs=[0.5] * 3,
+                     out_accs=[0.5] * 3)
+  snapshots[tmp_path / "run_d"] = _snapshots(tmp_path / "run_d", lone,
+                                             erm_points)
+  paths = claims.project_paths(snapshots)
+  assert set(paths) == {tmp_path / "run_a", tmp_path / "run_b",
+                        tmp_path / "run_d"}
+  # Stacked in path order, projected together.
+  stacked = np.concatenate([pgrad_points, erm_points]).astype(np.float64)
+  for method in claims.PROJECTIONS:
+    joint = claims.project(stacked, method)
+    np.testing.assert_array_equal(
+        paths[tmp_path / "run_a"].projections[method], joint[:5])
+    np.testing.assert_array_equal(
+        paths[tmp_path / "run_b"].projections[method], joint[5:])
+  assert paths[tmp_path / "run_b"].projected_with == ("run_a", "run_b")
+  assert paths[tmp_path / "run_b"].lengths == claims.path_lengths(
+      erm_points.astype(np.float64))
+  assert paths[tmp_path / "run_d"].projections == {}
+  for path in paths.values():
+    again = claims.ProjectedPath.from_json(
+        json.loads(json.dumps(path.to_json())))
+    assert again.lengths == path.lengths
+    assert again.projected_with == path.projected_with
+    assert again.projections.keys() == path.projections.keys()
+    for method, points in path.projections.items():
+      assert again.projections[method].dtype == np.float64
+      np.testing.assert_array_equal(again.projections[method], points)
+
+
+def test_paths_projected_apart_are_refused(tmp_path):
+  rng = np.random.default_rng(4)
+  runs = [make_record("ColoredDigits", a, 0, 0, 0, 10, in_accs=[0.5] * 3,
+                      out_accs=[0.5] * 3) for a in ("ERM", "PGrad")]
+  paths = claims.project_paths(
+      {tmp_path / a["args"]["algorithm"]: _snapshots(
+          tmp_path / a["args"]["algorithm"], a, rng.normal(size=(4, 6)))
+       for a in runs})
+  together = [(run, paths[tmp_path / run["args"]["algorithm"]])
+              for run in runs]
+  assert claims.select(runs, together)["ColoredDigits"].trajectories[0, 0]
+  # PGrad's path projected with another run than ERM's.
+  apart = [together[0], (runs[1], together[1][1]._replace(
+      projected_with=("elsewhere",)))]
+  with pytest.raises(claims.ProjectedApartError,
+                     match="held-out env0, trial 0: the params paths were "
+                     "projected apart"):
+    claims.select(runs, apart)
 
 
 def test_comparisons_keep_the_held_out_domains_every_algorithm_has():

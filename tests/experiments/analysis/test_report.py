@@ -3,6 +3,7 @@ and a tiny real sweep."""
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.figure import Figure
+from PIL import Image
 
 from experiments import catalog
 from experiments.runs import convergence
@@ -18,6 +20,7 @@ from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.runs import records as records_lib
 from experiments.analysis import report
+from experiments.runs import study
 from experiments.runs import sweep
 from test_convergence import _run as converging_run
 from test_model_selection import make_record, write_runs
@@ -385,6 +388,24 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
       assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
 
 
+def test_plots_are_palette_pngs_that_look_as_full_colour(tmp_path):
+  figure = plots.plot_heldout_accuracy(sweep_records(), tmp_path / "a.png")
+  full = tmp_path / "full.png"
+  figure.savefig(full, dpi=plots.DPI)
+  with Image.open(tmp_path / "a.png") as written, Image.open(full) as drawn:
+    assert written.mode == "P" and "Software" in drawn.info
+    assert "Software" not in written.info
+    got = np.asarray(written.convert("RGB"), np.float64)
+    expected = np.asarray(drawn.convert("RGB"), np.float64)
+  assert got.shape == expected.shape
+  # Levels of 0-255: a fraction of a level off on average.
+  assert np.abs(got - expected).mean() < 1
+  assert (tmp_path / "a.png").stat().st_size < full.stat().st_size / 2
+  # The same figure, the same bytes.
+  plots.plot_heldout_accuracy(sweep_records(), tmp_path / "b.png")
+  assert (tmp_path / "b.png").read_bytes() == (tmp_path / "a.png").read_bytes()
+
+
 def test_curves_of_several_points_are_lines_without_markers(tmp_path):
   figure = plots.plot_heldout_accuracy(sweep_records()[:4],
                                        tmp_path / "accuracy.png")
@@ -402,7 +423,7 @@ def test_every_claims_figure_has_a_title(tmp_path, monkeypatch):
 
   monkeypatch.setattr(Figure, "savefig", savefig)
   rng = np.random.default_rng(0)
-  records, trajectories = [], []
+  records, trajectories = [], {}
   for algorithm in ("ERM", "PGrad", "PGrad-Bottom", "PGrad-B"):
     run = [make_record("ColoredDigits", algorithm, 0, 0, 0, step,
                        in_accs=[0.5] * 3, out_accs=[0.5] * 3,
@@ -414,8 +435,10 @@ def test_every_claims_figure_has_a_title(tmp_path, monkeypatch):
       for step in (0, *STEPS):
         files[step] = tmp_path / f"{algorithm}_{step}.npy"
         np.save(files[step], rng.standard_normal(8))
-      trajectories.append((run[0], files))
-  selected = claims_lib.select(records, trajectories)
+      trajectories[tmp_path / algorithm] = (run[0], files)
+  paths = claims_lib.project_paths(trajectories)
+  selected = claims_lib.select(
+      records, [(trajectories[d][0], paths[d]) for d in sorted(paths)])
   measured = claims_lib.measure(selected)
   written = plots.plot_claims(selected, measured, tmp_path)
   assert {path.name for _, path in written} == {
@@ -563,6 +586,42 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
     assert axes.get_xlabel() and axes.get_ylabel()
 
 
+def _report_files(input_dir, output_dir):
+  """Every file of the report on ``input_dir``, by its relative path."""
+  assert report.main(["--input_dir", str(input_dir),
+                      "--output_dir", str(output_dir)]) == 0
+  return {path.relative_to(output_dir): path.read_bytes()
+          for path in sorted(output_dir.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.slow
+def test_the_report_of_a_packed_sweep_is_its_directories_report(
+    tiny_sweep, tmp_path, capsys):
+  packed = tmp_path / "packed"
+  shutil.copytree(tiny_sweep, packed)
+  assert study.pack(packed) == 0
+  assert f"Packed {len(TINY_ALGORITHMS)} runs" in capsys.readouterr().out
+  run_dirs = records_lib.finished_run_dirs(packed)
+  trajectory_dirs = [d for d in run_dirs if records_lib.trajectory_files(d)]
+  assert len(trajectory_dirs) == len(catalog.TRAJECTORY_ALGORITHMS)
+  for run_dir in run_dirs:
+    shutil.rmtree(run_dir)
+  # The pack alone: no params, every figure and number the same bytes.
+  assert not list(packed.rglob("*.npy"))
+  expected = _report_files(tiny_sweep, tmp_path / "from_directories")
+  assert _report_files(packed, tmp_path / "from_pack") == expected
+  assert "claims/ColoredDigits_env0_trial0_trajectory.png" in {
+      path.as_posix() for path in expected}
+
+  # One path read from its directory again, projected apart from the
+  # packed one it would be drawn with: refused, saying how to mend it.
+  shutil.copytree(tiny_sweep / trajectory_dirs[0].name, trajectory_dirs[0])
+  capsys.readouterr()
+  assert report.main(["--input_dir", str(packed),
+                      "--output_dir", str(tmp_path / "mixed")]) == 2
+  assert "were projected apart" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("value, text", [
     (11333.333, "11,333"), (2000.0, "2,000"), (-0.99716, "-0.9972"),
     (0.0, "0"), (1.133e-5, "1.133e-05"), (999.96, "1000")])
@@ -589,7 +648,8 @@ def test_the_command_runs_the_report(tmp_path):
        str(tmp_path), "--output_dir", str(tmp_path / "report")],
       capture_output=True, text=True)
   assert result.returncode == 1
-  assert f"No results.jsonl records under {tmp_path}" in result.stderr
+  assert (f"No results.jsonl or runs.jsonl.gz records under {tmp_path}"
+          in result.stderr)
 
 
 def test_every_registered_algorithm_has_a_colour_of_its_own():

@@ -2,6 +2,7 @@
 runs, from a study's command line and from a plain sweep's."""
 
 import json
+import shutil
 
 from experiments.runs import records
 from experiments.runs import rerun
@@ -73,8 +74,15 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   assert result["group"] == ["RotatedDigits", "ERM", 0, 0]
   assert report["estimated_hours"] == round(result["seconds"] / 3600, 2)
 
-  # A committed record changed afterwards is found.
+  # Packed, as a study is committed, the run is compared with the same
+  # records.
   committed = records.read_run(run.output_dir).records
+  records.pack_runs(run.output_dir.parent, {})
+  shutil.rmtree(run.output_dir)
+  assert records.finished_records(run.output_dir) == committed
+  assert run.status is sweep.Status.DONE
+
+  # A committed record changed afterwards is found.
   changed = [*committed[:-1], {**committed[-1], "env1_in_acc": 2.0}]
   assert rerun.first_difference(committed, changed) == (
       "step 2: env1_in_acc = 2.0, "

@@ -4,6 +4,8 @@ What reproduce and longer do is tested in test_rerun.py; here, that the
 study's command line reaches them with the study's runs.
 """
 
+import shutil
+
 import pytest
 
 from experiments.runs import records
@@ -20,6 +22,35 @@ def test_study_skips_runs_marked_done(tmp_path, capsys):
     (run.output_dir / records.DONE_FILE).touch()
   assert study.main(["--output_dir", str(tmp_path)]) == 0
   assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
+
+
+def test_a_packed_study_needs_no_run_directories(tmp_path, capsys):
+  runs = digits.runs(str(tmp_path / "study"))
+  for run in runs:
+    run.output_dir.mkdir(parents=True)
+    records.append_record(run.output_dir, {"step": 1})
+    records.write_config(run.output_dir, {"args": run.args, "hparams": {}})
+    records.mark_done(run.output_dir)
+  longer = tmp_path / "study_longer" / "run"
+  longer.mkdir(parents=True)
+  records.append_record(longer, {"step": 2})
+  records.write_config(longer, {"args": {}, "hparams": {}})
+  records.mark_done(longer)
+  assert study.main(["pack", "--output_dir", str(tmp_path / "study")]) == 0
+  out = capsys.readouterr().out
+  for directory, count in (("study", len(runs)), ("study_longer", 1)):
+    assert (f"Packed {count} runs in {tmp_path / directory / 'runs.jsonl.gz'}"
+            in out)
+  # A fresh clone: the packs alone, every run done, none launched.
+  for run in runs:
+    shutil.rmtree(run.output_dir)
+  shutil.rmtree(longer)
+  assert study.main(["--output_dir", str(tmp_path / "study")]) == 0
+  assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
+  assert sorted(p.name for p in (tmp_path / "study").iterdir()) == [
+      records.PACK_FILE]
+  assert records.read_pack(tmp_path / "study_longer")["run"].records == [
+      {"step": 2}]
 
 
 def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):

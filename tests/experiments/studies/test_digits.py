@@ -1,6 +1,7 @@
 """Tests for experiments/studies/digits.py: the digits study's runs."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from experiments import config as config_lib
 from experiments.runs import records
 from experiments.runs import rerun
+from experiments.runs import sweep
 from experiments.studies import digits
 
 
@@ -53,10 +55,12 @@ RESULTS = Path(__file__).resolve().parents[3] / "results"
 
 
 def _committed(results_dir):
-  """The run directories committed under ``results/<results_dir>``."""
+  """The runs committed in ``results/<results_dir>``'s pack, by the
+  directory each stands for, to its config.json."""
   root = RESULTS / results_dir
-  found = sorted(p.parent for p in root.glob(f"*/{records.CONFIG_FILE}"))
-  assert found, f"no committed runs under {root}"
+  found = {root / name: run.config
+           for name, run in records.read_pack(root).items()}
+  assert found, f"no committed runs in {root / records.PACK_FILE}"
   return found
 
 
@@ -73,8 +77,7 @@ def test_every_committed_run_is_found_under_its_name(results_dir):
   # resumes it rather than refusing its directory.
   planned = {run.output_dir.name: run
              for run in digits.runs(str(RESULTS / "study"))}
-  for run_dir in _committed(results_dir):
-    stored = json.loads((run_dir / records.CONFIG_FILE).read_text())
+  for run_dir, stored in _committed(results_dir).items():
     args = stored["args"]
     if results_dir == "study":
       run = planned[run_dir.name]
@@ -86,3 +89,18 @@ def test_every_committed_run_is_found_under_its_name(results_dir):
           longer_steps=args["steps"], output_dir=run_dir.parent)
     assert run.output_dir == run_dir
     assert _resolved(run) == stored, run_dir
+
+
+def test_the_committed_study_is_every_run_done_and_no_params():
+  # A fresh clone holds every run of the study, finished, and no params.
+  runs = digits.runs(str(RESULTS / "study"))
+  assert all(run.status is sweep.Status.DONE for run in runs)
+  assert {run.output_dir.name for run in runs} == set(
+      records.read_pack(RESULTS / "study"))
+  tracked = subprocess.run(["git", "ls-files", "results"], cwd=RESULTS.parent,
+                           check=True, capture_output=True, text=True).stdout
+  assert tracked, "results/ is not tracked"
+  params = [path for path in tracked.splitlines()
+            if path.endswith((".npy", ".npz", records.RESULTS_FILE))
+            or f"/{records.CHECKPOINT_DIR}/" in path]
+  assert params == []
