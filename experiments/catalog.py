@@ -98,7 +98,8 @@ class AlgorithmEntry(registry.Entry):
   """A training algorithm.
 
   Its builder is called as ``builder(network, hparams, *, num_domains, seed,
-  **options)`` and returns an ``algorithms.Algorithm``.
+  **options)``, with its `typed_hparams`, and returns an
+  ``algorithms.Algorithm``.
 
   Its hparams are declared by blocks, functions that add to a
   ``hparams_registry.SearchSpace``: its `training_hparams` (or DomainBed's),
@@ -125,6 +126,9 @@ class AlgorithmEntry(registry.Entry):
       size, weight decay, any outer loop's), in place of DomainBed's
       (``hparams_registry.domainbed_training``); ``None`` for DomainBed's.
     hparams: its block of its own terms' hparams; ``None`` for none.
+    hparams_type: the type its builder takes its hparams as, made by
+      ``hparams_type.from_hparams(hparams)`` and saying its
+      ``batch_chunks``; ``None`` for the dict of hparams itself.
     chunked: it cuts every domain's batch into ``B`` chunks, by default
       `PGRAD_B` (the "-B" variants; fewer where
       ``DatasetEntry.small_batches``).
@@ -137,7 +141,22 @@ class AlgorithmEntry(registry.Entry):
   family: str | None = None
   training_hparams: Callable[[hp.SearchSpace], None] | None = None
   hparams: Callable[[hp.SearchSpace], None] | None = None
+  hparams_type: type | None = None
   chunked: bool = False
+
+  def typed_hparams(self, hparams: Mapping[str, Any]) -> Any:
+    """``hparams`` as its builder takes them: as its `hparams_type`, or as
+    they are."""
+    if self.hparams_type is None:
+      return hparams
+    return self.hparams_type.from_hparams(hparams)
+
+  def batch_chunks(self, hparams: Mapping[str, Any]) -> int:
+    """The equal chunks its update cuts every domain's batch into (PGrad's
+    ``B``): its typed hparams' ``batch_chunks``, or 1."""
+    if self.hparams_type is None:
+      return 1
+    return self.typed_hparams(hparams).batch_chunks
 
 
 DATASETS = registry.Registry("dataset", DatasetEntry)
@@ -302,6 +321,47 @@ PGRAD_B = 3
 PGRAD_B_SMALL_BATCHES = 2
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PGradHParams:
+  """PGrad's hparams as its builder takes them
+  (``algorithms.principal_gradients.pgrad``).
+
+  Attributes:
+    lr: the inner Adam's learning rate.
+    outer_lr: the outer SGD's learning rate (c of the paper's WILDS step
+      gamma = c / n-hat, with `outer_lr_per_domain`).
+    k: the principal components kept: a positive int, or ``"all"``.
+    components: which: ``"top"`` or ``"bottom"``.
+    B: the chunks every domain's batch is cut into, an inner step each.
+    weight_decay: the outer step's weight decay.
+    outer_lr_per_domain: the outer step is ``outer_lr / num_domains``.
+    mixup_alpha: MixUp's inside every chunk (PGrad-BMix), or ``None``.
+  """
+
+  lr: float
+  outer_lr: float
+  k: int | str
+  components: str
+  B: int  # pylint: disable=invalid-name
+  weight_decay: float
+  outer_lr_per_domain: bool = False
+  mixup_alpha: float | None = None
+
+  @classmethod
+  def from_hparams(cls, hparams: Mapping[str, Any]) -> PGradHParams:
+    """Reads the hparams that the PGrad blocks declare."""
+    return cls(lr=hparams["lr"], outer_lr=hparams["outer_lr"],
+               k=hparams["k"], components=hparams["components"],
+               B=hparams["B"], weight_decay=hparams["weight_decay"],
+               outer_lr_per_domain=hparams.get("outer_lr_per_domain", False),
+               mixup_alpha=hparams.get("mixup_alpha"))
+
+  @property
+  def batch_chunks(self) -> int:
+    """The equal chunks every domain's batch is cut into: `B`."""
+    return self.B
+
+
 def _pgrad_training(space: hp.SearchSpace) -> None:
   data = space.dataset
   small = data.small_images
@@ -337,8 +397,9 @@ def _pgrad_wilds(space: hp.SearchSpace) -> None:
 
 
 def _register_pgrad(name: str, **facts: Any) -> None:
-  """Registers PGrad or a variant."""
-  ALGORITHMS.register(name, _PRINCIPAL_GRADIENTS, **facts)
+  """Registers PGrad or a variant: its builder with typed hparams."""
+  ALGORITHMS.register(name, _PRINCIPAL_GRADIENTS, hparams_type=PGradHParams,
+                      **facts)
 
 
 # MixUp's mixing weight, of its examples (MixUp) or of PGrad-BMix's chunks.

@@ -1,5 +1,6 @@
 """Tests for experiments/catalog.py: the names, facts and builders."""
 
+import dataclasses
 import importlib
 import inspect
 import re
@@ -11,6 +12,7 @@ from PIL import Image
 
 from experiments import catalog
 from experiments import datasets
+from experiments import hparams_registry
 from experiments import wilds
 # The prepared TFDS data of the MNIST and DomainNet tests, as fixtures here.
 from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import
@@ -149,6 +151,34 @@ def test_domains_are_the_built_datasets(name, tmp_path, monkeypatch,
         f"{name}: no small data to build it from")
   dataset = datasets.get_dataset(name, data_dir=data_dir)
   assert dataset.domain_names == entry.domains
+
+
+def test_builders_take_the_hparams_their_entries_type():
+  # The builder's hparams annotation names the entry's hparams_type (PGrad's
+  # typed hparams), or the plain mapping.
+  for name, entry in catalog.ALGORITHMS.items():
+    module, attribute = entry.builder.split(":")
+    builder = getattr(importlib.import_module(module), attribute)
+    annotation = inspect.signature(builder).parameters["hparams"].annotation
+    expected = ("HParams" if entry.hparams_type is None
+                else entry.hparams_type.__name__)
+    assert annotation.rsplit(".", 1)[-1] == expected, name
+
+
+@pytest.mark.parametrize("dataset", ["RotatedDigits", "DomainNet", "FMoW"])
+def test_typed_hparams_are_the_declared_ones(dataset):
+  for name, entry in catalog.ALGORITHMS.items():
+    hparams = hparams_registry.random_hparams(name, dataset, 3)
+    typed = entry.typed_hparams(hparams)
+    if entry.hparams_type is None:
+      assert typed is hparams and entry.batch_chunks(hparams) == 1, name
+      continue
+    assert isinstance(typed, catalog.PGradHParams), name
+    assert dataclasses.asdict(typed) == {
+        "outer_lr_per_domain": False, "mixup_alpha": None,
+        **{key: value for key, value in hparams.items()
+           if key in {f.name for f in dataclasses.fields(typed)}}}, name
+    assert entry.batch_chunks(hparams) == typed.B == hparams["B"], name
 
 
 def test_algorithms_model_options_are_build_model_arguments():
