@@ -374,6 +374,10 @@ def check_hparams(
 ) -> None:
   """Checks names, types and ranges of hyperparameters against the registry.
 
+  Each is checked alone; what a run needs of several together (a batch that
+  splits into its chunks and over the devices) is the run's
+  (``config.Config.check_batch_split``).
+
   Args:
     algorithm: an algorithm name.
     dataset: a dataset name.
@@ -392,10 +396,6 @@ def check_hparams(
     allowed = registry[name].allowed
     if not allowed.accepts(value):
       raise ValueError(f"hparam {name!r} must be {allowed}, got {value!r}.")
-  if "B" in hparams and hparams["batch_size"] % hparams["B"]:
-    # Every domain's batch is cut into B equal chunks.
-    raise ValueError(f"hparam 'batch_size' must be a multiple of B = "
-                     f"{hparams['B']}, got {hparams['batch_size']}.")
 
 
 def describe_hparams(algorithm: str, dataset: str) -> str:
