@@ -1,10 +1,12 @@
 """Every dataset, model and algorithm by name, with its facts.
 
 Adding one is a few lines here: a ``register`` call naming its builder (in
-``data/digit_datasets.py``, ``data/photo_datasets.py``, ``data/wilds.py``,
-``models.py`` or ``algorithms/``) and its facts; an algorithm also needs its
-hparams in ``hparams_registry.py``, unless it takes those of a ``family``. A
-folder dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
+``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models.py`` or
+``algorithms/``) and its facts. An algorithm's block here also declares its
+hparams, with their defaults, random searches and WILDS values
+(``AlgorithmEntry.hparams``), unless it takes those of a ``family``. A folder
+dataset in DomainBed's layout is one row of `FOLDER_DATASETS`.
+``experiments/README.md`` lists every file that an addition touches.
 
 This module imports no builder: it is what parses the command line, before
 JAX starts (see `registry`).
@@ -16,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from experiments import hparams_registry as hp
 from experiments import registry
 
 
@@ -43,7 +46,8 @@ class DatasetEntry(registry.Entry):
     small_batches: memory limits its batches (DomainNet's 345-class head):
       DomainBed draws batch sizes up to 2^5 rather than 2^5.5, and the
       paper's PGrad trains on 24 rather than 32, its "-B" variants in 2
-      chunks rather than 3 (`hparams_registry`).
+      chunks rather than 3 (``hparams_registry.domainbed_training``, PGrad's
+      block below).
     from_scratch: WILDS trains its network from scratch (PovertyMap's 8
       bands fit no ImageNet weights), so its runs start from no weights by
       default; the other photo datasets start from ImageNet weights
@@ -94,7 +98,13 @@ class AlgorithmEntry(registry.Entry):
   """A training algorithm.
 
   Its builder is called as ``builder(network, hparams, *, num_domains, seed,
-  **options)`` and returns an ``algorithms.Algorithm``.
+  **options)``, with its `typed_hparams`, and returns an
+  ``algorithms.Algorithm``.
+
+  Its hparams are declared by blocks, functions that add to a
+  ``hparams_registry.SearchSpace``: its `training_hparams` (or DomainBed's),
+  the dataset's, then its own `hparams`, in that order. A family's member
+  takes its head's blocks and adds its own.
 
   Attributes:
     variant_of: for an ablation of the claims, the algorithm whose search
@@ -108,14 +118,20 @@ class AlgorithmEntry(registry.Entry):
       Explicit ``data`` mesh axis, so ``--devices`` can split it
       (``training.Sharder``). The others pool or re-slice the batch in ways
       that the axis cannot carry.
-    family: the algorithm whose hparams it has, as DomainBed's subclasses
-      have their base class's: ``"PGrad"`` for the algorithms built on
-      PGrad's rollout (the paper's search space), ``"MMD"`` for CORAL;
-      ``None`` for its own.
+    family: the algorithm whose hparams blocks it takes, as DomainBed's
+      subclasses have their base class's hparams: ``"PGrad"`` for the
+      algorithms built on PGrad's rollout (the paper's search space),
+      ``"MMD"`` for CORAL; ``None`` for its own.
+    training_hparams: its block of training hparams (learning rates, batch
+      size, weight decay, any outer loop's), in place of DomainBed's
+      (``hparams_registry.domainbed_training``); ``None`` for DomainBed's.
+    hparams: its block of its own terms' hparams; ``None`` for none.
+    hparams_type: the type its builder takes its hparams as, made by
+      ``hparams_type.from_hparams(hparams)`` and saying its
+      ``batch_chunks``; ``None`` for the dict of hparams itself.
     chunked: it cuts every domain's batch into ``B`` chunks, by default
-      ``hparams_registry.PGRAD_B`` (the "-B" variants; fewer where
+      `PGRAD_B` (the "-B" variants; fewer where
       ``DatasetEntry.small_batches``).
-    mixup: it mixes examples, by MixUp's ``mixup_alpha``.
   """
 
   variant_of: str | None = None
@@ -123,8 +139,24 @@ class AlgorithmEntry(registry.Entry):
   model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   data_parallel: bool = False
   family: str | None = None
+  training_hparams: Callable[[hp.SearchSpace], None] | None = None
+  hparams: Callable[[hp.SearchSpace], None] | None = None
+  hparams_type: type | None = None
   chunked: bool = False
-  mixup: bool = False
+
+  def typed_hparams(self, hparams: Mapping[str, Any]) -> Any:
+    """``hparams`` as its builder takes them: as its `hparams_type`, or as
+    they are."""
+    if self.hparams_type is None:
+      return hparams
+    return self.hparams_type.from_hparams(hparams)
+
+  def batch_chunks(self, hparams: Mapping[str, Any]) -> int:
+    """The equal chunks its update cuts every domain's batch into (PGrad's
+    ``B``): its typed hparams' ``batch_chunks``, or 1."""
+    if self.hparams_type is None:
+      return 1
+    return self.typed_hparams(hparams).batch_chunks
 
 
 DATASETS = registry.Registry("dataset", DatasetEntry)
@@ -272,48 +304,240 @@ MODELS.register("densenet121", "experiments.models:DenseNet",
                 imagenet_weights="densenet121-a639ec97.pth")
 
 # ----------------------------------------------------------------------------
-# Algorithms.
-
+# Algorithms, one block each: its hparams, as DomainBed's ``_hparam`` calls
+# (domainbed/hparams_registry.py at b93c22a1, whose values these are unless
+# said), and its entry. Every algorithm also has DomainBed's training hparams
+# (unless its ``training_hparams`` replace them) and the dataset's
+# (`hparams_registry`). On WILDS every hparam is fixed, at WILDS's value
+# (``wilds=``) or else its default: the paper searches nothing there.
+#
 # Grouped as experiments/algorithms/ is: by the paper's categories.
 _OPTIMIZATION = "experiments.algorithms.optimization"
+_PRINCIPAL_GRADIENTS = "experiments.algorithms.principal_gradients:pgrad"
+_GRADIENTS = "experiments.algorithms.gradient_manipulation"
+_MIXING = "experiments.algorithms.mixing"
+_INVARIANCE = "experiments.algorithms.invariance"
+
 ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
+
+# PGrad: the paper's table (appendix A.10), whose search is deliberately
+# narrow: only dropout and weight decay are drawn. Chunks per domain batch of
+# the "-B" variants (`AlgorithmEntry.chunked`): the paper's B = 3, and B = 2
+# on DomainNet (section 5.1), where memory limits the batch to 24 and two
+# chunks keep 12 examples each, near the 11 of B = 3 at 32.
+PGRAD_B = 3
+PGRAD_B_SMALL_BATCHES = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PGradHParams:
+  """PGrad's hparams as its builder takes them
+  (``algorithms.principal_gradients.pgrad``).
+
+  Attributes:
+    lr: the inner Adam's learning rate.
+    outer_lr: the outer SGD's learning rate (c of the paper's WILDS step
+      gamma = c / n-hat, with `outer_lr_per_domain`).
+    k: the principal components kept: a positive int, or ``"all"``.
+    components: which: ``"top"`` or ``"bottom"``.
+    B: the chunks every domain's batch is cut into, an inner step each.
+    weight_decay: the outer step's weight decay.
+    outer_lr_per_domain: the outer step is ``outer_lr / num_domains``.
+    mixup_alpha: MixUp's inside every chunk (PGrad-BMix), or ``None``.
+  """
+
+  lr: float
+  outer_lr: float
+  k: int | str
+  components: str
+  B: int  # pylint: disable=invalid-name
+  weight_decay: float
+  outer_lr_per_domain: bool = False
+  mixup_alpha: float | None = None
+
+  @classmethod
+  def from_hparams(cls, hparams: Mapping[str, Any]) -> PGradHParams:
+    """Reads the hparams that the PGrad blocks declare."""
+    return cls(lr=hparams["lr"], outer_lr=hparams["outer_lr"],
+               k=hparams["k"], components=hparams["components"],
+               B=hparams["B"], weight_decay=hparams["weight_decay"],
+               outer_lr_per_domain=hparams.get("outer_lr_per_domain", False),
+               mixup_alpha=hparams.get("mixup_alpha"))
+
+  @property
+  def batch_chunks(self) -> int:
+    """The equal chunks every domain's batch is cut into: `B`."""
+    return self.B
+
+
+def _pgrad_training(space: hp.SearchSpace) -> None:
+  data = space.dataset
+  small = data.small_images
+  # The inner (Adam) learning rate; the paper does not search it. On WILDS,
+  # WILDS's (the paper's appendix "WILDS": 1e-3 on PovertyMap).
+  space.add("lr", 1e-3 if small else 5e-5, hp.POSITIVE,
+            wilds=hp.wilds_lr(data))
+  # On WILDS the outer step is gamma = c / n-hat (`_pgrad_wilds`), c = 0.1
+  # on PovertyMap and 0.01 on FMoW (the paper's appendix "WILDS").
+  space.add("outer_lr", 0.1, hp.POSITIVE,
+            wilds=0.1 if data.wilds == "PovertyMap" else 0.01)
+  space.add("k", 4, hp.Allowed(int, low=1, choices=("all",)))
+  space.add("components", "top", hp.Allowed(str, choices=("top", "bottom")))
+  chunks = 1
+  if space.algorithm.chunked:
+    chunks = PGRAD_B_SMALL_BATCHES if data.small_batches else PGRAD_B
+  space.add("B", chunks, hp.POSITIVE_INT)
+  # Every domain's batch is cut into B chunks, so it is rounded to the
+  # nearest multiple of B: 32 -> 33 (11 examples a chunk, the paper's "11
+  # samples in each small batch"), DomainBed's 64 on the MNIST-like datasets
+  # -> 63, WILDS's 8 -> 9.
+  batch = 64 if small else 24 if data.small_batches else 32
+  space.add("batch_size", hp.round_to_multiple(batch, chunks),
+            hp.POSITIVE_INT,
+            wilds=hp.round_to_multiple(hp.WILDS_BATCH_SIZE, chunks))
+  space.add("weight_decay", 0.0, hp.NON_NEGATIVE, hp.log_uniform(-6, -4))
+
+
+def _pgrad_wilds(space: hp.SearchSpace) -> None:
+  # The paper's WILDS protocol divides the outer step by n-hat, the domains
+  # sampled per step (WILDS's groups per batch; the paper does not state it).
+  space.add_wilds("outer_lr_per_domain", True, hp.Allowed(bool))
+
+
+def _register_pgrad(name: str, **facts: Any) -> None:
+  """Registers PGrad or a variant: its builder with typed hparams."""
+  ALGORITHMS.register(name, _PRINCIPAL_GRADIENTS, hparams_type=PGradHParams,
+                      **facts)
+
+
+# MixUp's mixing weight, of its examples (MixUp) or of PGrad-BMix's chunks.
+def _mixup(space: hp.SearchSpace) -> None:
+  space.add("mixup_alpha", 0.2, hp.POSITIVE, hp.log_uniform(-1, 1))
+
+
+_register_pgrad("PGrad", data_parallel=True, training_hparams=_pgrad_training,
+                hparams=_pgrad_wilds)
 # The "-B" variants differ only in their hparams (B = 3). PGrad-BMix mixes
 # the chunks of a batch across its domains, which the data axis cannot split.
-_PGRAD = "experiments.algorithms.principal_gradients:pgrad"
-ALGORITHMS.register("PGrad", _PGRAD, data_parallel=True)
-ALGORITHMS.register("PGrad-F", _PGRAD, options={"order": "fixed"},
-                    data_parallel=True, family="PGrad")
-ALGORITHMS.register("PGrad-B", _PGRAD, data_parallel=True, family="PGrad",
-                    chunked=True)
-ALGORITHMS.register("PGrad-BMix", _PGRAD, options={"mix": True},
-                    family="PGrad", chunked=True, mixup=True)
-ALGORITHMS.register("PGradParallel", _PGRAD, options={"parallel": True},
-                    data_parallel=True, family="PGrad")
+_register_pgrad("PGrad-F", options={"order": "fixed"}, data_parallel=True,
+                family="PGrad")
+_register_pgrad("PGrad-B", data_parallel=True, family="PGrad", chunked=True)
+_register_pgrad("PGrad-BMix", options={"mix": True}, family="PGrad",
+                chunked=True, hparams=_mixup)
+_register_pgrad("PGradParallel", options={"parallel": True},
+                data_parallel=True, family="PGrad")
 # The claims' ablations of PGrad. ``k="all"`` keeps every component of the
 # trajectory; ``components="bottom"`` with ``k=1`` steps along the
 # trajectory's least-varying direction (the paper's A.7).
 for _name, _fixed in (("PGrad-k1", {"k": 1}), ("PGrad-k2", {"k": 2}),
                       ("PGrad-kall", {"k": "all"}),
                       ("PGrad-Bottom", {"components": "bottom", "k": 1})):
-  ALGORITHMS.register(_name, _PGRAD, variant_of="PGrad", fixed_hparams=_fixed,
-                      data_parallel=True)
-_GRADIENTS = "experiments.algorithms.gradient_manipulation"
-ALGORITHMS.register("Fish", f"{_GRADIENTS}:fish", data_parallel=True)
-ALGORITHMS.register("Fishr", f"{_GRADIENTS}:fishr")
-_AUGMENTATION = "experiments.algorithms.mixing"
-ALGORITHMS.register("MixUp", f"{_AUGMENTATION}:mixup_algorithm",
-                    mixup=True)
-_INVARIANCE = "experiments.algorithms.invariance"
-ALGORITHMS.register("IRM", f"{_INVARIANCE}:irm")
-ALGORITHMS.register("CORAL", f"{_INVARIANCE}:coral", family="MMD")
-ALGORITHMS.register("MMD", f"{_INVARIANCE}:mmd")
-ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann")
+  _register_pgrad(_name, variant_of="PGrad", fixed_hparams=_fixed,
+                  data_parallel=True)
+
+
+def _fish(space: hp.SearchSpace) -> None:
+  space.add("meta_lr", 0.5, hp.POSITIVE, hp.choice([0.05, 0.1, 0.5]))
+  # DomainBed's placement and order; see
+  # experiments/algorithms/gradient_manipulation.py.
+  space.add("fish_weight_decay", "inner",
+            hp.Allowed(str, choices=("inner", "outer")))
+  space.add("fish_order", "fixed", hp.Allowed(str, choices=("fixed", "random")))
+
+
+ALGORITHMS.register("Fish", f"{_GRADIENTS}:fish", data_parallel=True,
+                    hparams=_fish)
+
+
+def _fishr(space: hp.SearchSpace) -> None:
+  space.add("lambda", 1000.0, hp.NON_NEGATIVE, hp.log_uniform(1, 4))
+  space.add("penalty_anneal_iters", 1500, hp.NON_NEGATIVE_INT,
+            hp.uniform(0, 5000, int))
+  space.add("ema", 0.95, hp.FRACTION, hp.uniform(0.90, 0.99))
+
+
+ALGORITHMS.register("Fishr", f"{_GRADIENTS}:fishr", hparams=_fishr)
+ALGORITHMS.register("MixUp", f"{_MIXING}:mixup_algorithm",
+                    hparams=_mixup)
+
+
+def _irm(space: hp.SearchSpace) -> None:
+  # On WILDS, WILDS's IRM lambda (its examples/configs).
+  space.add("irm_lambda", 1e2, hp.NON_NEGATIVE, hp.log_uniform(-1, 5),
+            wilds=1.0)
+  space.add("irm_penalty_anneal_iters", 500, hp.NON_NEGATIVE_INT,
+            hp.int_log_uniform(0, 4, base=10))
+
+
+ALGORITHMS.register("IRM", f"{_INVARIANCE}:irm", hparams=_irm)
+
+
+def _mmd(space: hp.SearchSpace) -> None:
+  space.add("mmd_gamma", 1.0, hp.NON_NEGATIVE, hp.log_uniform(-1, 1))
+
+
+def _coral(space: hp.SearchSpace) -> None:
+  # WILDS's deep CORAL weight (examples/configs/datasets.py); WILDS has no
+  # MMD.
+  space.update("mmd_gamma",
+               wilds=10.0 if space.dataset.wilds == "PovertyMap" else 0.1)
+
+
+ALGORITHMS.register("CORAL", f"{_INVARIANCE}:coral", family="MMD",
+                    hparams=_coral)
+ALGORITHMS.register("MMD", f"{_INVARIANCE}:mmd", hparams=_mmd)
+
+
+def _dann(space: hp.SearchSpace) -> None:
+  space.add("lambda", 1.0, hp.NON_NEGATIVE, hp.log_uniform(-2, 2))
+  space.add("weight_decay_d", 0.0, hp.NON_NEGATIVE, hp.log_uniform(-6, -2))
+  space.add("d_steps_per_g_step", 1, hp.POSITIVE_INT,
+            hp.int_log_uniform(0, 3))
+  space.add("grad_penalty", 0.0, hp.NON_NEGATIVE, hp.log_uniform(-2, 1))
+  space.add("beta1", 0.5, hp.FRACTION, hp.choice([0.0, 0.5]))
+  space.add("mlp_width", 256, hp.POSITIVE_INT, hp.int_log_uniform(6, 10))
+  space.add("mlp_depth", 3, hp.Allowed(int, low=2), hp.choice([3, 4, 5], int))
+  space.add("mlp_dropout", 0.0, hp.FRACTION, hp.choice([0.0, 0.1, 0.5]))
+  # The generator's and the discriminator's Adams, at the lr of the size.
+  for name in ("lr_g", "lr_d"):
+    space.add(name, space["lr"].default, hp.POSITIVE, space["lr"].search)
+  space.add("weight_decay_g", 0.0, hp.NON_NEGATIVE,
+            space["weight_decay"].search)
+
+
+ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
+
+
+def _group_dro(space: hp.SearchSpace) -> None:
+  space.add("groupdro_eta", 1e-2, hp.NON_NEGATIVE, hp.log_uniform(-3, -1))
+
+
 ALGORITHMS.register("GroupDRO", f"{_OPTIMIZATION}:group_dro",
-                    data_parallel=True)
-ALGORITHMS.register("MLDG", f"{_OPTIMIZATION}:mldg", data_parallel=True)
+                    data_parallel=True, hparams=_group_dro)
+
+
+def _mldg(space: hp.SearchSpace) -> None:
+  space.add("mldg_beta", 1.0, hp.NON_NEGATIVE, hp.log_uniform(-1, 1))
+  space.add("n_meta_test", 2, hp.POSITIVE_INT, hp.choice([1, 2], int))
+  # DomainBed's pairing at b93c22a1, or its earlier random pairs; see
+  # experiments/algorithms/optimization.py.
+  space.add("mldg_pairs", "meta_test_split",
+            hp.Allowed(str, choices=("meta_test_split", "random_pairs")))
+
+
+ALGORITHMS.register("MLDG", f"{_OPTIMIZATION}:mldg", data_parallel=True,
+                    hparams=_mldg)
+
+
+def _arm(space: hp.SearchSpace) -> None:
+  if not space.dataset.small_images:
+    # ARM's support sets are its batches: 8 images on photos.
+    space.update("batch_size", default=8, search=None)
+
+
 # ARM's network sees a context channel (models.ContextClassifier).
-ALGORITHMS.register("ARM", f"{_AUGMENTATION}:arm",
-                    model_options={"context_net": True})
+ALGORITHMS.register("ARM", f"{_MIXING}:arm",
+                    model_options={"context_net": True}, hparams=_arm)
 
 # The algorithms whose params paths the claims compare (the paper's appendix
 # A.4): a sweep saves their snapshots (``--trajectory_freq``) by default.

@@ -4,6 +4,10 @@ Every field of `Config` is a flag of ``python -m experiments.train`` with the
 same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
 
+Everything a run reads is resolved and checked once, into a frozen
+`RunSpec` (``experiments.train.resolve_run``): the flags and hyperparameters
+here (`parse_flags`), then its run directory, then its data.
+
 A run directory belongs to one configuration: the run writes its resolved
 arguments and hyperparameters to its ``config.json``
 (`experiments.runs.records` describes the run directory), and a later run in
@@ -25,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import textwrap
+import types
 import typing
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -77,7 +82,7 @@ def _field(default: Any, help: str) -> Any:  # pylint: disable=redefined-builtin
   return dataclasses.field(default=default, metadata={"help": help})
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Config:
   """What to train, on what, for how long, and where to write it.
 
@@ -202,8 +207,8 @@ class Config:
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
-      config.output_dir = str(
-          DEFAULT_RUNS_DIR / f"{name}-{args_hash(config.identity())[:8]}")
+      config = dataclasses.replace(config, output_dir=str(
+          DEFAULT_RUNS_DIR / f"{name}-{args_hash(config.identity())[:8]}"))
     return config
 
   def identity(self) -> dict[str, Any]:
@@ -223,20 +228,26 @@ class Config:
     return {name: value for name, value in dataclasses.asdict(self).items()
             if name not in EXECUTION_FIELDS}
 
-  def check_devices(self, hparams: Mapping[str, Any]) -> None:
-    """Checks that every domain's batch splits over ``devices``.
+  def check_batch_split(self, hparams: Mapping[str, Any]) -> None:
+    """Checks that every domain's batch splits as the step splits it.
 
-    A step's batch is split on a data axis (`training.Sharder`): every
-    domain's ``batch_size`` examples over the devices, within each of PGrad's
-    ``B`` chunks (docs/scaling.md).
+    The algorithm cuts every domain's ``batch_size`` examples into equal
+    chunks (PGrad's ``B``, ``catalog.AlgorithmEntry.batch_chunks``), and a
+    step on several ``devices`` splits each chunk over them on a data axis
+    (`training.Sharder`, docs/scaling.md).
 
     Raises:
-      UsageError: the algorithm cannot split its batch, or the batch does not
+      UsageError: the batch is no multiple of the chunks, or the algorithm
+        cannot split its batch over the devices, or the batch does not
         divide; the message names the batch sizes and device counts that do.
     """
+    entry = catalog.ALGORITHMS[self.algorithm]
+    batch, chunks = hparams["batch_size"], entry.batch_chunks(hparams)
+    if batch % chunks:
+      raise UsageError(f"--hparams: hparam 'batch_size' must be a multiple of "
+                       f"B = {chunks}, got {batch}. See --list_hparams.")
     if self.devices == 1:
       return
-    entry = catalog.ALGORITHMS[self.algorithm]
     if not entry.data_parallel:
       splitting = [name for name, e in catalog.ALGORITHMS.items()
                    if e.data_parallel]
@@ -245,7 +256,6 @@ class Config:
           "re-slices the domains' batches, which a data axis cannot split; "
           f"train it with --devices 1. These split their batch: "
           f"{', '.join(splitting)}.")
-    batch, chunks = hparams["batch_size"], hparams.get("B", 1)
     multiple = chunks * self.devices
     if batch % multiple:
       sizes = [size for size in (batch // multiple * multiple,
@@ -271,7 +281,8 @@ class Config:
 
     Raises:
       UsageError: ``hparams`` is not a JSON object, or names a hyperparameter
-        the algorithm lacks, or gives one a value out of its range.
+        the algorithm lacks, or gives one a value out of its range (each
+        alone: `check_batch_split` checks the batch).
     """
     hparams = hparams_registry.random_hparams(
         self.algorithm, self.dataset, self.hparams_seed, self.trial_seed)
@@ -400,27 +411,32 @@ def make_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Config:
+def parse_flags(
+    argv: Sequence[str] | None = None,
+) -> tuple[Config, dict[str, Any]]:
   """Parses and checks command-line flags, one per `Config` field.
 
-  A bad flag or hparam exits with a usage message and status 2, as argparse
-  does; so does ``--help``, with status 0, and ``--list_hparams``.
+  The configuration is resolved (`Config.resolve`), its hyperparameters
+  drawn and checked (`Config.hyperparameters`), and its batch's split
+  (`Config.check_batch_split`). A bad flag or hparam exits with a usage
+  message and status 2, as argparse does; so does ``--help``, with status
+  0, and ``--list_hparams``.
 
   Args:
     argv: the flags; ``None`` reads ``sys.argv[1:]``.
 
   Returns:
-    The resolved configuration.
+    The resolved configuration and its hyperparameters.
   """
   parser = make_parser()
   args = vars(parser.parse_args(argv))
   if args.pop("list_hparams"):
     print(hparams_registry.describe_hparams(args["algorithm"], args["dataset"]))
     parser.exit(0)
-  config = Config(**args)
   try:
-    config = config.resolve()
-    config.check_devices(config.hyperparameters())
+    config = Config(**args).resolve()
+    hparams = config.hyperparameters()
+    config.check_batch_split(hparams)
     # Checked here rather than in `Config.resolve`: a sweep lists runs whose
     # --init_params an earlier phase of it writes.
     if config.init_params is not None and not Path(
@@ -429,7 +445,48 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                        f"pass a run's {records.FINAL_PARAMS_FILE}.")
   except UsageError as e:
     parser.error(str(e))
-  return config
+  return config, hparams
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+  """The configuration of `parse_flags`, for what needs nothing else."""
+  return parse_flags(argv)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One run, every setting resolved and checked once
+  (``experiments.train.resolve_run``); `training.train` reads only this.
+
+  Attributes:
+    config: the configuration asked for, resolved: its identity names the
+      run and is what its config file holds.
+    hparams: its hyperparameters, checked: the draw of ``hparams_seed``
+      updated with ``--hparams`` (read-only).
+    protocol: the configuration it trains by, which its records hold:
+      `config`, but on a WILDS dataset `config` under WILDS's protocol
+      (``wilds.protocol``: held-out splits and steps).
+    train_domains: the domains it trains on: the others are held out.
+    resume: whether ``config.output_dir`` holds this run, to go on with
+      (`claim_run_directory`).
+    dataset: its data, as read (``datasets.MultiDomainDataset``): WILDS's
+      protocol and the held-out domains follow from them.
+    fingerprint: the data's (``datasets.fingerprint``), which the run
+      records.
+  """
+
+  config: Config
+  hparams: Mapping[str, Any]
+  protocol: Config
+  train_domains: tuple[int, ...]
+  resume: bool
+  dataset: Any
+  fingerprint: Mapping[str, Any]
+
+  def __post_init__(self):
+    # Frozen through: no reader can change the hyperparameters it was given.
+    object.__setattr__(self, "hparams",
+                       types.MappingProxyType(dict(self.hparams)))
 
 
 def _differences(

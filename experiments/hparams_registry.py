@@ -1,20 +1,28 @@
-"""DomainBed-style hyperparameters: defaults and seeded random draws.
+"""DomainBed-style hyperparameters: how they are declared, and answered.
 
 Every hyperparameter has a default, a random search distribution
-(``hparams_seed`` 0 means the defaults, as in DomainBed's sweeps) and the
-values it accepts, which `check_hparams` enforces on overrides and
-`describe_hparams` lists. The distributions follow DomainBed (Gulrajani &
-Lopez-Paz, ICLR 2021) for the baselines and PGrad's appendix A.10 table for
-the PGrad variants, whose search is deliberately narrow: only dropout and
-weight decay are drawn.
+(``hparams_seed`` 0 means the defaults, as in DomainBed's sweeps), the values
+it accepts, which `check_hparams` enforces on overrides and `describe_hparams`
+lists, and its value on WILDS, which the paper does not search.
 
-Batch sizes are per domain. PGrad-B splits every domain's batch into ``B``
-chunks, so its batch is rounded to the nearest multiple of ``B``: 32 -> 33
-(11 examples per chunk, as the paper's "11 samples in each small batch") and
-DomainBed's 64 for the MNIST-like datasets -> 63.
+An algorithm's hyperparameters on a dataset are declared in blocks that add
+to one `SearchSpace`, in this order (the order `describe_hparams` lists and a
+run's config file holds):
 
-Each hyperparameter draws from its own random stream, seeded by the seeds and
-its name, so adding a hyperparameter never changes the draws of the others.
+1. its training hyperparameters: DomainBed's learning rate, batch size and
+   weight decay of the dataset (`domainbed_training`), unless its entry's
+   ``training_hparams`` block declares its own;
+2. the dataset's: its network's and images' (`dataset_hparams`);
+3. its own terms: its entry's ``hparams`` block, after its family head's
+   (``catalog.AlgorithmEntry``).
+
+WILDS's own hyperparameters, which DomainBed's datasets lack, come last. The
+algorithms' blocks are in ``experiments/catalog.py``, each beside its entry;
+this module names no algorithm.
+
+Batch sizes are per domain. Each hyperparameter draws from its own random
+stream, seeded by the seeds and its name, so adding a hyperparameter never
+changes the draws of the others.
 """
 
 from __future__ import annotations
@@ -23,71 +31,23 @@ import dataclasses
 import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from experiments import catalog
+if TYPE_CHECKING:
+  from experiments import catalog
 
-# Chunks per domain batch of the "-B" variants
-# (`catalog.AlgorithmEntry.chunked`): the paper's B = 3, and B = 2 on
-# DomainNet (section 5.1), where memory limits the batch to 24 and two chunks
-# keep 12 examples each, near the 11 of B = 3 at 32 (appendix A.10).
-PGRAD_B = 3
-PGRAD_B_SMALL_BATCHES = 2
-
-
-def _chunks(algorithm: str, facts: catalog.DatasetEntry) -> int:
-  """``B`` by default: `PGRAD_B` for the "-B" variants (fewer where batches
-  are small), 1 for the rest of PGrad's family."""
-  if not catalog.ALGORITHMS[algorithm].chunked:
-    return 1
-  return PGRAD_B_SMALL_BATCHES if facts.small_batches else PGRAD_B
+# WILDS's fixed training hyperparameters (``examples/configs/datasets.py``):
+# batches of 64 examples from ``n_groups_per_batch`` = 8 domains, i.e. 8 per
+# domain, without weight decay (every weight decay's default, 0).
+WILDS_BATCH_SIZE = 8
+WILDS_DOMAINS_PER_STEP = 8
 
 
-def _family(algorithm: str) -> str:
-  """The algorithm whose hparams ``algorithm`` has (`catalog`'s family)."""
-  return catalog.ALGORITHMS[algorithm].family or algorithm
-
-
-def _wilds_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
-  """Fixed hyperparameters on WILDS, which the paper does not search.
-
-  From WILDS's ``examples/configs/datasets.py``: Adam at lr 1e-3
-  (PovertyMap) or 1e-4 (FMoW) without weight decay; batches of 64 examples
-  from ``n_groups_per_batch`` = 8 domains, i.e. 8 per domain; BatchNorm
-  trained; IRM's lambda 1; CORAL's weight 10 (PovertyMap) or 0.1 (FMoW).
-  From the paper (appendix "WILDS"): PGrad's inner Adam at lr 1e-3 on
-  PovertyMap, and the outer lr gamma = c / n-hat with c = 0.1 (PovertyMap) or
-  0.01 (FMoW), n-hat the domains sampled per step (8 here, as WILDS's
-  groups per batch; the paper does not state it). ``data_augmentation``:
-  PovertyMap's training flips and colour jitter, on by default as in WILDS
-  1.x's examples and Fish (`wilds_augmentation`); FMoW has none to toggle.
-  """
-  entry = catalog.ALGORITHMS[algorithm]
-  poverty = catalog.DATASETS[dataset].wilds == "PovertyMap"
-  hparams = {"lr": 1e-3 if poverty else 1e-4, "weight_decay": 0.0,
-             "batch_size": 8, "domains_per_step": 8, "bn_mode": "train",
-             "resnet_dropout": 0.0}
-  if poverty:
-    hparams["data_augmentation"] = True
-  if _family(algorithm) == "PGrad":
-    b = _chunks(algorithm, catalog.DATASETS[dataset])
-    hparams.update(outer_lr=0.1 if poverty else 0.01,
-                   outer_lr_per_domain=True, k=4, B=b,
-                   batch_size=round_to_multiple(8, b))
-  elif algorithm == "Fish":
-    hparams["meta_lr"] = 0.5
-  elif algorithm == "Fishr":
-    hparams.update({"lambda": 1000.0, "penalty_anneal_iters": 1500,
-                    "ema": 0.95})
-  elif algorithm == "IRM":
-    hparams.update(irm_lambda=1.0, irm_penalty_anneal_iters=500)
-  elif algorithm == "CORAL":
-    hparams["mmd_gamma"] = 10.0 if poverty else 0.1
-  if entry.mixup:
-    hparams["mixup_alpha"] = 0.2
-  return hparams
+def wilds_lr(dataset: catalog.DatasetEntry) -> float:
+  """WILDS's Adam learning rate: 1e-3 on PovertyMap, 1e-4 on FMoW."""
+  return 1e-3 if dataset.wilds == "PovertyMap" else 1e-4
 
 
 def round_to_multiple(size: int, multiple: int) -> int:
@@ -216,142 +176,166 @@ class HParam(NamedTuple):
     return self.default if self.search is None else self.search.draw(rng)
 
 
+# Stands for "the hparam's default" as its value on WILDS.
+_DEFAULT = object()
+
+
+class SearchSpace:
+  """The hyperparameters of one algorithm on one dataset, as declared.
+
+  The blocks (see the module docstring) `add` to it in turn; `hparams` is
+  then the space on its dataset: on WILDS every value fixed at its WILDS
+  value, unsearched, and WILDS's own hyperparameters (`add_wilds`) last.
+
+  Attributes:
+    algorithm: the algorithm's entry (a family member's own, whose facts its
+      head's blocks read).
+    dataset: the dataset's entry.
+  """
+
+  def __init__(self, algorithm: catalog.AlgorithmEntry,
+               dataset: catalog.DatasetEntry):
+    self.algorithm = algorithm
+    self.dataset = dataset
+    self._declared: dict[str, tuple[HParam, Any]] = {}
+    self._wilds_only: dict[str, HParam] = {}
+
+  def add(self, name: str, default: Any, allowed: Allowed,
+          search: Search | None = None, *, wilds: Any = _DEFAULT) -> None:
+    """Declares hyperparameter ``name``.
+
+    Args:
+      name: its name, new to the space.
+      default: its value when ``hparams_seed`` is 0.
+      allowed: the values it accepts.
+      search: its random search, or ``None`` when the search keeps the
+        default.
+      wilds: its value on WILDS; by default, its default.
+    """
+    if name in self._declared:
+      raise ValueError(f"hparam {name!r} is declared twice; `update` "
+                       "changes a declared one.")
+    self._declared[name] = (HParam(default, search, allowed), wilds)
+
+  def add_wilds(self, name: str, value: Any, allowed: Allowed) -> None:
+    """Declares a hyperparameter that only WILDS's datasets have, fixed at
+    ``value``: it follows every other, in the order declared."""
+    if self.dataset.wilds:
+      self._wilds_only[name] = HParam(value, None, allowed)
+
+  def update(self, name: str, **changes: Any) -> None:
+    """Changes a declared hyperparameter in place: its ``default``,
+    ``search``, ``allowed`` or ``wilds`` (as `add` takes them)."""
+    hparam, wilds = self._declared[name]
+    wilds = changes.pop("wilds", wilds)
+    self._declared[name] = (hparam._replace(**changes), wilds)
+
+  def __getitem__(self, name: str) -> HParam:
+    """A declared hyperparameter, as declared (its WILDS value aside)."""
+    return self._declared[name][0]
+
+  def hparams(self) -> dict[str, HParam]:
+    """Every hyperparameter on the space's dataset, by name, in order."""
+    if not self.dataset.wilds:
+      return {name: hparam for name, (hparam, _) in self._declared.items()}
+    # The paper searches nothing on WILDS.
+    fixed = {name: HParam(hparam.default if wilds is _DEFAULT else wilds,
+                          None, hparam.allowed)
+             for name, (hparam, wilds) in self._declared.items()}
+    return {**fixed, **self._wilds_only}
+
+
+def domainbed_training(space: SearchSpace) -> None:
+  """DomainBed's learning rate, batch size and weight decay of the dataset.
+
+  DomainBed's ``hparams_registry.py`` at b93c22a1: its MNIST-like datasets'
+  (small images) and the others' (photos), whose batch sizes are drawn up to
+  2^5 rather than 2^5.5 where memory limits them (DomainNet). On WILDS,
+  WILDS's (`WILDS_BATCH_SIZE`, `wilds_lr`).
+  """
+  data = space.dataset
+  if data.small_images:
+    space.add("lr", 1e-3, POSITIVE, log_uniform(-4.5, -2.5))
+    space.add("batch_size", 64, POSITIVE_INT, int_log_uniform(3, 9))
+    space.add("weight_decay", 0.0, NON_NEGATIVE)
+  else:
+    space.add("lr", 5e-5, POSITIVE, log_uniform(-5, -3.5),
+              wilds=wilds_lr(data))
+    top = 5 if data.small_batches else 5.5
+    space.add("batch_size", 32, POSITIVE_INT, int_log_uniform(3, top),
+              wilds=WILDS_BATCH_SIZE)
+    space.add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
+
+
+def dataset_hparams(space: SearchSpace) -> None:
+  """The hyperparameters of the dataset's network and images.
+
+  WILDS's: BatchNorm trained, no feature dropout, its images at their own
+  sizes; PovertyMap's training flips and colour jitter on by default, as in
+  WILDS 1.x's examples (`wilds_augmentation`), and FMoW none to toggle; and
+  `WILDS_DOMAINS_PER_STEP` domains sampled per step.
+  """
+  data = space.dataset
+  if data.small_images:
+    # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
+    # the embedded digits are 8x8 scans upsampled, so a quarter of that width
+    # learns them as well and trains in minutes on a CPU.
+    space.add("cnn_width", 16 if data.upsampled else 64, POSITIVE_INT)
+    # The image side the network sees; DomainBed's 28 (see
+    # datasets.resized for why the embedded digits can take 14).
+    space.add("image_size", 28, POSITIVE_INT)
+  else:
+    space.add("resnet_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
+    # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
+    space.add("bn_mode", "frozen", Allowed(str, choices=("frozen", "train")),
+              wilds="train")
+    if data.wilds in (None, "PovertyMap"):
+      # DomainBed's default: its training augmentation of the training
+      # domains (experiments/augmentation.py).
+      space.add("data_augmentation", True, Allowed(bool))
+    if not data.wilds:
+      # The photos' side: DomainBed's 224. A smaller side trains the photo
+      # path on a CPU in seconds.
+      space.add("image_size", 224, POSITIVE_INT)
+  space.add_wilds("domains_per_step", WILDS_DOMAINS_PER_STEP, POSITIVE_INT)
+
+
+def _entries(
+    algorithm: str, dataset: str
+) -> tuple[catalog.AlgorithmEntry, catalog.DatasetEntry]:
+  """The catalog's entries of ``algorithm`` and ``dataset``."""
+  # The catalog declares its algorithms' hparams in this module's terms, and
+  # so imports it: this module reads the catalog only once asked.
+  from experiments import catalog  # pylint: disable=import-outside-toplevel
+  return catalog.ALGORITHMS[algorithm], catalog.DATASETS[dataset]
+
+
 def _hparams(algorithm: str, dataset: str) -> dict[str, HParam]:
   """Every hyperparameter of ``algorithm`` on ``dataset``, by name."""
-  entry = catalog.ALGORITHMS[algorithm]
+  entry, data = _entries(algorithm, dataset)
   if entry.variant_of:
     hp = _hparams(entry.variant_of, dataset)
     for name, value in entry.fixed_hparams.items():
       hp[name] = HParam(value, None, hp[name].allowed)
     return hp
-  facts = catalog.DATASETS[dataset]
-  hp = _searched_hparams(algorithm, facts)
-  if not facts.wilds:
-    return hp
-  # WILDS's are photos: every name and its allowed values are those of
-  # DomainBed's photo datasets, with WILDS's values fixed, since the paper
-  # does not search there.
-  del hp["image_size"]  # WILDS's images keep their own sizes.
-  allowed = {"domains_per_step": POSITIVE_INT,
-             "outer_lr_per_domain": Allowed(bool),
-             "data_augmentation": Allowed(bool)}
-  wilds_values = _wilds_hparams(algorithm, dataset)
-  if "data_augmentation" not in wilds_values:
-    # WILDS augments no training images of this dataset (FMoW).
-    hp.pop("data_augmentation", None)
-  for name, value in wilds_values.items():
-    allowed.setdefault(name, hp[name].allowed if name in hp else None)
-    hp[name] = HParam(value, None, allowed[name])
-  return {name: hparam._replace(search=None) for name, hparam in hp.items()}
-
-
-def _searched_hparams(
-    algorithm: str, facts: catalog.DatasetEntry
-) -> dict[str, HParam]:
-  """DomainBed's search space of ``algorithm`` on a dataset of ``facts``, or
-  the paper's for PGrad's family."""
-  entry = catalog.ALGORITHMS[algorithm]
-  small = facts.small_images
-  family = _family(algorithm)
-  hp: dict[str, HParam] = {}
-
-  def add(name: str, default: Any, allowed: Allowed,
-          search: Search | None = None) -> None:
-    hp[name] = HParam(default, search, allowed)
-
-  if family == "PGrad":
-    # Inner (Adam) learning rate; the paper does not search it.
-    add("lr", 1e-3 if small else 5e-5, POSITIVE)
-    add("outer_lr", 0.1, POSITIVE)
-    add("k", 4, Allowed(int, low=1, choices=("all",)))
-    add("components", "top", Allowed(str, choices=("top", "bottom")))
-    add("B", _chunks(algorithm, facts), POSITIVE_INT)
-    batch = round_to_multiple(64 if small else 24 if facts.small_batches
-                              else 32, hp["B"].default)
-    add("batch_size", batch, POSITIVE_INT)
-    add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -4))
-  else:
-    if small:
-      add("lr", 1e-3, POSITIVE, log_uniform(-4.5, -2.5))
-      add("batch_size", 64, POSITIVE_INT, int_log_uniform(3, 9))
-      add("weight_decay", 0.0, NON_NEGATIVE)
-    else:
-      add("lr", 5e-5, POSITIVE, log_uniform(-5, -3.5))
-      top = 5 if facts.small_batches else 5.5
-      if algorithm == "ARM":
-        # ARM's support sets are its batches: 8 images on photos.
-        add("batch_size", 8, POSITIVE_INT)
-      else:
-        add("batch_size", 32, POSITIVE_INT, int_log_uniform(3, top))
-      add("weight_decay", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
-  if small:
-    # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
-    # the embedded digits are 8x8 scans upsampled, so a quarter of that width
-    # learns them as well and trains in minutes on a CPU.
-    add("cnn_width", 16 if facts.upsampled else 64, POSITIVE_INT)
-    # The image side the network sees; DomainBed's 28 (see
-    # datasets.resized for why the embedded digits can take 14).
-    add("image_size", 28, POSITIVE_INT)
-  if not small:
-    add("resnet_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
-    # DomainBed fine-tunes ResNets with frozen BatchNorm statistics.
-    add("bn_mode", "frozen", Allowed(str, choices=("frozen", "train")))
-    # DomainBed's default: its training augmentation of the training domains
-    # (experiments/data/photo_augmentation.py).
-    add("data_augmentation", True, Allowed(bool))
-    # The photos' side: DomainBed's 224. A smaller side trains the photo
-    # path on a CPU in seconds.
-    add("image_size", 224, POSITIVE_INT)
-
-  if algorithm == "Fish":
-    add("meta_lr", 0.5, POSITIVE, choice([0.05, 0.1, 0.5]))
-    # DomainBed's placement and order; see
-    # experiments/algorithms/gradient_manipulation.py.
-    add("fish_weight_decay", "inner", Allowed(str, choices=("inner", "outer")))
-    add("fish_order", "fixed", Allowed(str, choices=("fixed", "random")))
-  elif algorithm == "Fishr":
-    add("lambda", 1000.0, NON_NEGATIVE, log_uniform(1, 4))
-    add("penalty_anneal_iters", 1500, NON_NEGATIVE_INT, uniform(0, 5000, int))
-    add("ema", 0.95, FRACTION, uniform(0.90, 0.99))
-  elif algorithm == "IRM":
-    add("irm_lambda", 1e2, NON_NEGATIVE, log_uniform(-1, 5))
-    add("irm_penalty_anneal_iters", 500, NON_NEGATIVE_INT,
-        int_log_uniform(0, 4, base=10))
-  elif family == "MMD":
-    add("mmd_gamma", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
-  elif algorithm == "GroupDRO":
-    add("groupdro_eta", 1e-2, NON_NEGATIVE, log_uniform(-3, -1))
-  elif algorithm == "MLDG":
-    add("mldg_beta", 1.0, NON_NEGATIVE, log_uniform(-1, 1))
-    add("n_meta_test", 2, POSITIVE_INT, choice([1, 2], int))
-    # DomainBed's pairing at b93c22a1, or its earlier random pairs; see
-    # experiments/algorithms/optimization.py.
-    add("mldg_pairs", "meta_test_split",
-        Allowed(str, choices=("meta_test_split", "random_pairs")))
-  elif algorithm == "DANN":
-    add("lambda", 1.0, NON_NEGATIVE, log_uniform(-2, 2))
-    add("weight_decay_d", 0.0, NON_NEGATIVE, log_uniform(-6, -2))
-    add("d_steps_per_g_step", 1, POSITIVE_INT, int_log_uniform(0, 3))
-    add("grad_penalty", 0.0, NON_NEGATIVE, log_uniform(-2, 1))
-    add("beta1", 0.5, FRACTION, choice([0.0, 0.5]))
-    add("mlp_width", 256, POSITIVE_INT, int_log_uniform(6, 10))
-    add("mlp_depth", 3, Allowed(int, low=2), choice([3, 4, 5], int))
-    add("mlp_dropout", 0.0, FRACTION, choice([0.0, 0.1, 0.5]))
-    # The generator's and the discriminator's Adams, at the lr of the size.
-    for name in ("lr_g", "lr_d"):
-      add(name, hp["lr"].default, POSITIVE, hp["lr"].search)
-    add("weight_decay_g", 0.0, NON_NEGATIVE, hp["weight_decay"].search)
-  if entry.mixup:
-    add("mixup_alpha", 0.2, POSITIVE, log_uniform(-1, 1))
-  return hp
+  head = _entries(entry.family, dataset)[0] if entry.family else entry
+  blocks = [head.training_hparams or domainbed_training, dataset_hparams,
+            head.hparams]
+  if head is not entry:
+    blocks.append(entry.hparams)
+  space = SearchSpace(entry, data)
+  for block in blocks:
+    if block is not None:
+      block(space)
+  return space.hparams()
 
 
 def default_hparams(algorithm: str, dataset: str) -> dict[str, Any]:
   """The default hyperparameters of ``algorithm`` on ``dataset``.
 
   Args:
-    algorithm: an algorithm name, e.g. ``"PGrad-B"``.
-    dataset: a dataset name, e.g. ``"RotatedDigits"``.
+    algorithm: a name of ``catalog.ALGORITHMS``.
+    dataset: a name of ``catalog.DATASETS``.
 
   Returns:
     A dict of hyperparameters.
@@ -390,6 +374,10 @@ def check_hparams(
 ) -> None:
   """Checks names, types and ranges of hyperparameters against the registry.
 
+  Each is checked alone; what a run needs of several together (a batch that
+  splits into its chunks and over the devices) is the run's
+  (``config.Config.check_batch_split``).
+
   Args:
     algorithm: an algorithm name.
     dataset: a dataset name.
@@ -408,10 +396,6 @@ def check_hparams(
     allowed = registry[name].allowed
     if not allowed.accepts(value):
       raise ValueError(f"hparam {name!r} must be {allowed}, got {value!r}.")
-  if "B" in hparams and hparams["batch_size"] % hparams["B"]:
-    # Every domain's batch is cut into B equal chunks.
-    raise ValueError(f"hparam 'batch_size' must be a multiple of B = "
-                     f"{hparams['B']}, got {hparams['batch_size']}.")
 
 
 def describe_hparams(algorithm: str, dataset: str) -> str:

@@ -67,8 +67,10 @@ With ``--devices`` N > 1, every domain's batch is split over N devices on a
 the batch must divide, and the algorithm must keep it split
 (``catalog.AlgorithmEntry.data_parallel``).
 
-Flags are parsed and checked before JAX is imported (the training loop is in
-`experiments.training`), so a bad name or value is refused at once.
+Every setting is resolved and checked once, before JAX is imported (the
+training loop is in `experiments.training`), into the frozen
+`config.RunSpec` that the loop reads (`resolve_run`): a bad name or value
+is refused at once.
 """
 
 
@@ -77,9 +79,76 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+import numpy as np
+
+from experiments import catalog
 from experiments import config as config_lib
+from experiments.data import datasets
 from experiments.runs import records
+from experiments.data import wilds
+
+
+def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
+  """The run that a command line asks for, every setting resolved and
+  checked once.
+
+  In turn: the flags and hyperparameters (`config.parse_flags`, which exits
+  with status 2 and a usage message on a mistake), the run directory
+  (`config.claim_run_directory`), then the data, from which WILDS's protocol
+  (`wilds.protocol`) and the held-out domains follow.
+
+  Args:
+    argv: the flags; ``None`` reads ``sys.argv[1:]``.
+
+  Returns:
+    The run's frozen spec.
+
+  Raises:
+    config_lib.UsageError: the run directory holds another run or cannot be
+      written, or the data are missing or are not the run's, or the
+      held-out domains or the plateau checks do not fit them; nothing was
+      written (only what ``--overwrite`` deletes is gone).
+  """
+  config, hparams = config_lib.parse_flags(argv)
+  resume = config_lib.claim_run_directory(config, hparams)
+  try:
+    dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
+                                   seed=config.trial_seed)
+  except datasets.DatasetNotFoundError as e:
+    raise config_lib.UsageError(str(e)) from None
+  # A run goes on, or reports its result, only on its own data.
+  fingerprint = datasets.fingerprint(dataset)
+  if resume:
+    datasets.check_run_data(Path(config.output_dir), fingerprint)
+  # The run directory records the configuration as asked for: the
+  # protocol's changes follow from it.
+  protocol = config
+  if catalog.DATASETS[config.dataset].wilds is not None:
+    protocol = wilds.protocol(config, dataset, hparams)
+  num_domains = len(dataset.domains)
+  if not set(protocol.test_envs) <= set(range(num_domains)):
+    raise config_lib.UsageError(
+        f"--test_envs {protocol.test_envs} out of range for "
+        f"{protocol.dataset}'s {num_domains} domains (0 to "
+        f"{num_domains - 1}).")
+  train_domains = tuple(d for d in range(num_domains)
+                        if d not in protocol.test_envs)
+  if not train_domains:
+    raise config_lib.UsageError(
+        "Every domain is a test domain; none is left to train on.")
+  # Floating-point labels are regression targets, as `tasks` scores them.
+  label = np.asarray(dataset.domains[0][0]["label"])
+  if protocol.plateau_check_freq and np.issubdtype(label.dtype, np.floating):
+    raise config_lib.UsageError(
+        f"--plateau_check_freq: {protocol.dataset} is a regression, and the "
+        "convergence criterion is on validation accuracy; train a fixed "
+        "--steps instead.")
+  return config_lib.RunSpec(
+      config=config, hparams=hparams, protocol=protocol,
+      train_domains=train_domains, resume=resume, dataset=dataset,
+      fingerprint=fingerprint)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,21 +160,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     number when stopped by SIGINT (130, Ctrl-C) or SIGTERM (143), after
     saying where a rerun resumes.
   """
-  config = config_lib.parse_args(argv)
+  spec = None
   try:
-    # Imported once the flags are known good: importing JAX takes seconds.
+    spec = resolve_run(argv)
+    # Imported once the run is resolved: importing JAX takes seconds.
     from experiments import training  # pylint: disable=import-outside-toplevel
-    training.train(config)
+    training.train(spec)
   except config_lib.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt as e:
     # Ctrl-C's SIGINT, unless the run says which (training.Interrupted).
     signum = getattr(e, "signum", signal.SIGINT)
-    steps = records.checkpoint_steps(config.output_dir)
-    where = (f"checkpoint at step {steps[-1]} in {config.output_dir}; rerun "
-             "the same command to resume from it" if steps else
-             "no checkpoint yet; rerun the same command to start again")
+    if spec is None:
+      where = "before the run started; rerun the same command to run it"
+    else:
+      output_dir = spec.config.output_dir
+      steps = records.checkpoint_steps(output_dir)
+      where = (f"checkpoint at step {steps[-1]} in {output_dir}; rerun the "
+               "same command to resume from it" if steps else
+               "no checkpoint yet; rerun the same command to start again")
     print(f"\nstopped by {signal.Signals(signum).name}; {where}.",
           file=sys.stderr)
     return 128 + signum

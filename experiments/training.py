@@ -1,9 +1,10 @@
 """The training loop of one run of ``python -m experiments.train``.
 
-`train` runs a resolved `config.Config`: the protocol and checkpoints are
-described in `experiments.train`, the command line, which imports this
-module (and JAX) only once its flags have parsed, and the run directory and
-its records in `experiments.runs.records`.
+`train` runs a `config.RunSpec`, every setting of the run resolved and
+checked, which it only reads: the protocol and checkpoints are described in
+`experiments.train`, the command line, which resolves the spec and imports
+this module (and JAX) only then, and the run directory and its records in
+`experiments.runs.records`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from experiments import models
 from experiments import pretrained
 from experiments.runs import records
 from experiments.data import tasks
-from experiments.data import wilds
 
 CHECKPOINTS_KEPT = 2
 # DomainBed's ToTensor and Normalize (`datasets.normalize`) of every uint8
@@ -188,7 +188,7 @@ class Sharder:
   ``data`` mesh axis (docs/scaling.md): the step's program carries the
   split in its types, so PGrad's rollout keeps each chunk split over the
   devices (an Auto axis would gather it). Params and state are replicated.
-  `config.Config.check_devices` has checked that the batch divides.
+  `config.Config.check_batch_split` has checked that the batch divides.
   """
 
   def __init__(self, devices: int = 1):
@@ -694,24 +694,23 @@ def _compile_while_reading(
     return compiling.result(), batch
 
 
-def train(config: config_lib.Config) -> records.Record:
+def train(spec: config_lib.RunSpec) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
 
   A finished run (`records.is_done`) is not trained again: its last record
   is printed and returned.
 
   Args:
-    config: the run's configuration.
+    spec: the run, resolved and checked (``experiments.train.resolve_run``).
 
   Returns:
     The record of the final evaluation.
 
   Raises:
-    config_lib.UsageError: the configuration cannot run, or ``output_dir``
-      cannot be written or holds a run of another configuration, or a run
-      whose records are damaged (`records.read_run`), or a run of other
-      data (`datasets.check_run_data`), or the data have problems; nothing
-      was written.
+    config_lib.UsageError: the run cannot run here: its devices are not
+      there, or its records are damaged (`records.read_run`), or its
+      weights cannot be read or do not fit, or the data have problems;
+      nothing was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete; `Interrupted` on a signal of `STOP_SIGNALS`, from its
       arrival on, once the step in progress (if any) is checkpointed.
@@ -719,62 +718,33 @@ def train(config: config_lib.Config) -> records.Record:
   started = time.time()
   # From the start: a signal before the first step stops the run there.
   with _StopRequests() as stop:
-    return _train(config, stop, started)
+    return _train(spec, stop, started)
 
 
-def _train(config: config_lib.Config, stop: _StopRequests,
+def _train(spec: config_lib.RunSpec, stop: _StopRequests,
            started: float) -> records.Record:
   """`train`'s work, stopped as ``stop`` asks; ``started`` is its start
   time."""
-  use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
-  hparams = config.hyperparameters()
-  config.check_devices(hparams)
-  resume = config_lib.claim_run_directory(config, hparams)
+  config = spec.protocol
+  hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
-  # The data are checked (a folder's problems are usage errors) before any
-  # work, and a run goes on, or reports its result, only on its own data.
-  try:
-    dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
-                                   seed=config.trial_seed)
-  except datasets.DatasetNotFoundError as e:
-    raise config_lib.UsageError(str(e)) from None
-  fingerprint = datasets.fingerprint(dataset)
-  if resume:
-    datasets.check_run_data(output_dir, fingerprint)
-  if resume and records.is_done(output_dir):
+  use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
+  if spec.resume and records.is_done(output_dir):
     record = _checked_run(output_dir).records[-1]
     print("Already finished.", file=sys.stderr)
     print(final_line(record, output_dir))
     return record
   # A fresh run creates its directory at its first evaluation, so a run that
   # fails before then leaves nothing behind.
-  manager = _checkpoint_manager(output_dir) if resume else None
-  start = manager.latest_step() if resume else None
-  run = _checked_run(output_dir, checkpoint_step=start) if resume else None
+  manager = _checkpoint_manager(output_dir) if spec.resume else None
+  start = manager.latest_step() if spec.resume else None
+  run = (_checked_run(output_dir, checkpoint_step=start) if spec.resume
+         else None)
   sharder = Sharder(config.devices)
+  dataset = spec.dataset
   if "image_size" in hparams:
     dataset = datasets.resized(dataset, hparams["image_size"])
-  # The run directory records the configuration as requested: the protocol's
-  # changes follow from it.
-  requested = config
-  is_wilds = catalog.DATASETS[config.dataset].wilds is not None
-  if is_wilds:
-    config = wilds.protocol(config, dataset, hparams)
-  num_domains = len(dataset.domains)
-  if not set(config.test_envs) <= set(range(num_domains)):
-    raise config_lib.UsageError(
-        f"--test_envs {config.test_envs} out of range for {config.dataset}'s "
-        f"{num_domains} domains (0 to {num_domains - 1}).")
-  train_domains = [d for d in range(num_domains) if d not in config.test_envs]
-  if not train_domains:
-    raise config_lib.UsageError(
-        "Every domain is a test domain; none is left to train on.")
-  if config.plateau_check_freq and tasks.is_regression(
-      np.asarray(dataset.domains[0][0]["label"])):
-    raise config_lib.UsageError(
-        f"--plateau_check_freq: {config.dataset} is a regression, and the "
-        "convergence criterion is on validation accuracy; train a fixed "
-        "--steps instead.")
+  train_domains = list(spec.train_domains)
   splits = input_pipeline.split_domains(
       dataset, holdout_fraction=config.holdout_fraction,
       seed=config.trial_seed)
@@ -840,8 +810,10 @@ def _train(config: config_lib.Config, stop: _StopRequests,
   sizes = [len(splits[d][0]) for d in train_domains]
   # DomainBed's epoch is a pass over the smallest training domain, WILDS's
   # (wilds.protocol) over the whole training split.
-  steps_per_epoch = (sum(sizes) / images_per_step if is_wilds
-                     else min(sizes) / hparams["batch_size"])
+  steps_per_epoch = (
+      sum(sizes) / images_per_step
+      if catalog.DATASETS[config.dataset].wilds is not None
+      else min(sizes) / hparams["batch_size"])
   step = int(state.step)
   if config.trajectory_freq and step == 0:
     save_trajectory_point(output_dir, 0, state.params)
@@ -918,7 +890,7 @@ def _train(config: config_lib.Config, stop: _StopRequests,
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / timed
       if manager is None:
-        _start_run_directory(requested, hparams, fingerprint)
+        _start_run_directory(spec.config, hparams, spec.fingerprint)
         manager = _checkpoint_manager(output_dir)
       screen.phase("evaluating")
       record = {

@@ -24,8 +24,9 @@ The algorithms are grouped as the paper's related work groups them, one
 module each: `invariance` (IRM, MMD, DANN, CORAL), `optimization` (ERM,
 GroupDRO, MLDG), `mixing` (MixUp, ARM), `gradient_manipulation` (Fish,
 Fishr) and `principal_gradients` (PGrad and its variants), on the shared
-pieces of `base`. Adding one is a builder in its module and a row in
-``experiments/catalog.py`` (and its hparams in ``hparams_registry.py``).
+pieces of `base`. Adding one is a builder in its module and a block in
+``experiments/catalog.py``: its entry and its hparams (``experiments/README.md``
+lists every file).
 
 Each follows DomainBed's class of the same name; line numbers are of
 DomainBed's ``domainbed/algorithms.py`` at commit b93c22a1

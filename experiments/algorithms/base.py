@@ -110,15 +110,18 @@ def build_algorithm(
   Args:
     name: a name of ``catalog.ALGORITHMS``.
     network: the model, from `Network.split`.
-    hparams: its hyperparameters (see ``experiments.hparams_registry``).
+    hparams: its hyperparameters (see ``experiments.hparams_registry``),
+      which its builder gets as its entry types them
+      (``catalog.AlgorithmEntry.typed_hparams``).
     num_domains: the number of training domains.
     seed: seeds the algorithm's own randomness (e.g. PGrad's domain order).
 
   Returns:
     The algorithm.
   """
-  return catalog.ALGORITHMS[name].build(network, hparams,
-                                       num_domains=num_domains, seed=seed)
+  entry = catalog.ALGORITHMS[name]
+  return entry.build(network, entry.typed_hparams(hparams),
+                     num_domains=num_domains, seed=seed)
 
 
 def merge_domains(batches: Batches) -> Batches:
@@ -331,17 +334,17 @@ def gradient_algorithm(
 
 def rollout_algorithm(
     network: Network,
-    hparams: HParams,
     rollout: optax.GradientTransformationExtraArgs,
     outer_lr: float,
     *,
     outer_weight_decay: float,
-    mix_chunks: int | None = None,
+    mix: tuple[int, float] | None = None,
 ) -> Algorithm:
   """SGD(``outer_lr``) on a rollout transform (`pgrad_jax.pgrad` or ``fish``).
 
   ``outer_weight_decay`` decays the outer step's direction (0 for none).
-  ``mix_chunks`` (the rollout's ``B``) turns on `mixup` inside every chunk.
+  ``mix``, ``(chunks, alpha)`` with the rollout's ``B`` chunks, turns on
+  `mixup` inside every chunk.
   """
   tx = optax.chain(rollout, optax.add_decayed_weights(outer_weight_decay),
                    optax.sgd(outer_lr))
@@ -351,8 +354,9 @@ def rollout_algorithm(
   def update(params, stats, state, batches, key):
     data_key, mix_key = jax.random.split(key)
     batches = with_example_keys(batches, data_key)
-    if mix_chunks is not None:
-      batches = mixup(batches, mix_key, hparams["mixup_alpha"], mix_chunks,
+    if mix is not None:
+      mix_chunks, alpha = mix
+      batches = mixup(batches, mix_key, alpha, mix_chunks,
                       model_dtype(params))
     # Trained statistics ride along as the rollout's model state for this one
     # update; the algorithm's own state keeps None there, so its structure

@@ -45,7 +45,7 @@ def fish(network: base.Network, hparams: base.HParams, *, num_domains: int,
       base.adam(hparams) if inner else optax.adam(hparams["lr"]), order=order,
       num_domains=num_domains, seed=seed)
   return base.rollout_algorithm(
-      network, hparams, rollout, hparams["meta_lr"],
+      network, rollout, hparams["meta_lr"],
       outer_weight_decay=0.0 if inner else hparams["weight_decay"])
 
 

@@ -13,6 +13,7 @@ touching pyplot's global state.
 
 from __future__ import annotations
 
+import colorsys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,6 +54,10 @@ def to_palette(path: str | Path) -> None:
     full = drawn.convert("RGB")
   full.quantize(PNG_COLOURS, method=Image.Quantize.MEDIANCUT,
                 dither=Image.Dither.NONE).save(path, optimize=True)
+
+# The hue step of the palette past tab20's colours: a golden ratio of a turn
+# never comes back to a hue already taken.
+_GOLDEN_RATIO = (5**0.5 - 1) / 2
 
 
 def domain_name(env: int, names: Sequence[str] | None) -> str:
@@ -127,15 +132,30 @@ def _plot_band(axes: Axes, records: Sequence[Record], key: str,
                     linewidth=0)
 
 
+def palette_colour(index: int) -> tuple[float, ...]:
+  """The ``index``-th colour of the algorithms' palette, as RGBA.
+
+  The first 20 are "tab20"'s; those after have hues a golden ratio of a turn
+  apart (each distinct from every other and from tab20's, whose brightest
+  channel is never 0.8 with the dimmest 0.2), so the palette grows with the
+  registry and an algorithm's colour never changes when one is added after
+  it.
+  """
+  tab20 = colormaps["tab20"]
+  if index < tab20.N:
+    return tab20(index)
+  hue = (index - tab20.N) * _GOLDEN_RATIO % 1.0
+  return (*colorsys.hsv_to_rgb(hue, 0.75, 0.8), 1.0)
+
+
 def algorithm_colour(algorithm: str) -> tuple[float, ...]:
-  """One colour per registered algorithm, the same in every plot.
+  """One colour per registered algorithm, the same in every plot: the
+  `palette_colour` of its registry position.
 
   matplotlib's default cycle repeats after 10 lines, so a study of more
-  algorithms drew two of them alike; "tab20" gives each of the 20
-  registered algorithms its own, by registry position.
+  algorithms drew two of them alike.
   """
-  palette = colormaps["tab20"]
-  return palette(list(catalog.ALGORITHMS).index(algorithm) % palette.N)
+  return palette_colour(list(catalog.ALGORITHMS).index(algorithm))
 
 
 def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:

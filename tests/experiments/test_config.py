@@ -24,6 +24,7 @@ from experiments.runs import records
 from experiments.runs import sweep
 from experiments import train
 from experiments import training
+from experiments.data import wilds
 from test_train import REPO, read_records
 
 
@@ -366,6 +367,46 @@ def test_default_output_dir_is_one_per_configuration():
   assert config.output_dir.endswith(
       "RotatedDigits-PGrad-B-test0-"
       + sweep.Run.create(config.identity(), "s").output_dir.name[:8])
+
+
+def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
+    tmp_path, monkeypatch):
+  resolved = []
+
+  def counted(function):
+    def call(*args, **kwargs):
+      resolved.append(function.__name__)
+      return function(*args, **kwargs)
+    return call
+
+  for owner, name in ((config_lib.Config, "resolve"),
+                      (config_lib.Config, "hyperparameters"),
+                      (config_lib.Config, "check_batch_split"),
+                      (config_lib, "claim_run_directory"),
+                      (datasets, "get_dataset"), (wilds, "protocol")):
+    monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
+  run = tmp_path / "run"
+  spec = train.resolve_run([*TINY, "--test_envs", "1", "--output_dir",
+                            str(run)])
+  assert sorted(resolved) == ["check_batch_split", "claim_run_directory",
+                              "get_dataset", "hyperparameters", "resolve"]
+  assert (spec.config.test_envs, spec.train_domains, spec.resume) == (
+      [1], (0, 2, 3, 4, 5), False)
+  assert spec.protocol == spec.config  # No WILDS protocol on the digits.
+  assert (spec.hparams["B"], spec.hparams["batch_size"]) == (1, 3)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    spec.config.steps = 3
+  with pytest.raises(TypeError):
+    spec.hparams["lr"] = 1.0
+  assert not run.exists()
+  # Training resolves nothing again: it reads the spec.
+  resolved.clear()
+  record = training.train(spec)
+  assert resolved == []
+  assert record["hparams"] == dict(spec.hparams)
+  assert record["args"] == spec.protocol.record_args()
+  assert json.loads((run / records.CONFIG_FILE).read_text()) == (
+      config_lib.run_record(spec.config, spec.hparams))
 
 
 def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(

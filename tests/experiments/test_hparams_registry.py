@@ -1,4 +1,5 @@
-"""Tests for experiments/hparams_registry.py: the catalog's families."""
+"""Tests for experiments/hparams_registry.py: the catalog's blocks and
+families."""
 
 import pytest
 
@@ -12,6 +13,8 @@ WILDS_DATASETS = ["FMoW", "PovertyMap", "PovertyMap-D"]
 # What a family's member may set apart from its head: its chunks, and the
 # batch that they divide, and a mixup weight.
 OWN_HPARAMS = {"B", "batch_size", "mixup_alpha"}
+# The algorithms that mix examples, by MixUp's weight.
+MIXING = {"MixUp", "PGrad-BMix"}
 
 
 def _draws(algorithm, dataset):
@@ -35,8 +38,8 @@ def test_a_family_searches_the_space_of_its_head(dataset):
 def test_chunked_and_mixup_algorithms_have_their_hparams(dataset):
   for name, entry in catalog.ALGORITHMS.items():
     defaults = hparams_registry.default_hparams(name, dataset)
-    assert ("mixup_alpha" in defaults) == entry.mixup, name
-    if entry.mixup:
+    assert ("mixup_alpha" in defaults) == (name in MIXING), name
+    if name in MIXING:
       assert defaults["mixup_alpha"] == 0.2, name
     if "B" in defaults:
       # The paper's B = 3, and 2 on DomainNet (section 5.1).
@@ -86,3 +89,29 @@ def test_wilds_fixes_the_hparams_of_domainbeds_photos(dataset):
     defaults = hparams_registry.default_hparams(name, dataset)
     assert set(defaults) == names, name
     assert _draws(name, dataset) == [defaults] * 4, name
+
+
+@pytest.mark.parametrize("wilds", [None, "PovertyMap"])
+def test_a_space_keeps_the_declared_order_and_fixes_wilds_values(wilds):
+  algorithm = catalog.AlgorithmEntry(name="A", builder="builtins:dict")
+  dataset = catalog.DatasetEntry(name="D", builder="builtins:dict",
+                                 domains=("a", "b"), wilds=wilds)
+  space = hparams_registry.SearchSpace(algorithm, dataset)
+  space.add_wilds("groups", 3, hparams_registry.POSITIVE_INT)
+  space.add("rate", 1.0, hparams_registry.POSITIVE,
+            hparams_registry.log_uniform(-1, 1), wilds=2.0)
+  space.add("width", 5, hparams_registry.POSITIVE_INT,
+            hparams_registry.int_log_uniform(0, 3))
+  space.update("rate", default=1.5)
+  with pytest.raises(ValueError, match="'width' is declared twice"):
+    space.add("width", 6, hparams_registry.POSITIVE_INT)
+  hparams = space.hparams()
+  if wilds is None:
+    assert list(hparams) == ["rate", "width"]
+    assert [h.default for h in hparams.values()] == [1.5, 5]
+    assert hparams["rate"].search.description == "10^U(-1, 1)"
+  else:
+    # WILDS's values, or the defaults, unsearched; WILDS's own last.
+    assert list(hparams) == ["rate", "width", "groups"]
+    assert [h.default for h in hparams.values()] == [2.0, 5, 3]
+    assert all(h.search is None for h in hparams.values())

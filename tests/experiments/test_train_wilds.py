@@ -15,6 +15,7 @@ import pytest
 from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
+from experiments import train
 from experiments import training
 from experiments.data import wilds
 from test_train import kill_at_first_checkpoint
@@ -39,7 +40,7 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
                                                        small_id_eval):
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
-  record = training.train(config_lib.parse_args([
+  record = training.train(train.resolve_run([
       "--dataset", "PovertyMap", "--algorithm", "PGrad",
       "--data_dir", str(tmp_path / "data"), "--output_dir",
       str(tmp_path / "run"), "--steps", "4", "--checkpoint_freq", "2",
@@ -75,7 +76,7 @@ def test_poverty_map_evaluates_images_without_augmentation(tmp_path,
     # output can show.
     hparams = {"lr": 1e-30, "batch_size": 4, "domains_per_step": 3,
                "data_augmentation": data_augmentation}
-    record = training.train(config_lib.parse_args([
+    record = training.train(train.resolve_run([
         "--dataset", "PovertyMap", "--algorithm", "ERM", "--data_dir",
         str(tmp_path / "data"), "--output_dir",
         str(tmp_path / str(data_augmentation)), "--steps", "1",
@@ -96,7 +97,7 @@ def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
   with pytest.raises(config_lib.UsageError, match="regression"):
-    training.train(config_lib.parse_args([
+    training.train(train.resolve_run([
         "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
         "--output_dir", str(tmp_path / "run"), "--steps", "4",
         "--checkpoint_freq", "2", "--plateau_check_freq", "2", *SMALL]))
@@ -149,11 +150,11 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
            "--checkpoint_freq", "2", *SMALL]
   domains = '"domains_per_step": 2, "batch_size": 2'
-  erm = training.train(config_lib.parse_args([
+  erm = training.train(train.resolve_run([
       *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
       "--hparams", "{" + domains + "}"]))
   assert erm["hparams"]["lr"] == 1e-4
-  pgrad = training.train(config_lib.parse_args([
+  pgrad = training.train(train.resolve_run([
       *flags, "--algorithm", "PGrad", "--output_dir", str(tmp_path / "pgrad"),
       "--init_params", str(tmp_path / "erm" / "final_params.npz"),
       "--hparams", "{" + domains + "}"]))
@@ -163,7 +164,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   for key in ("acc", "worst_acc"):
     assert 0 <= pgrad[f"env{val}_in_{key}"] <= 1
   with pytest.raises(ValueError, match="does not fit the model"):
-    training.train(config_lib.parse_args([
+    training.train(train.resolve_run([
         *flags[:-2], "--model", "resnet18", "--algorithm", "PGrad",
         "--output_dir", str(tmp_path / "bad"), "--init_params",
         str(tmp_path / "erm" / "final_params.npz")]))

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from experiments import algorithms
-from experiments import config as config_lib
 from experiments import models
+from experiments import train
 from experiments import training
 import oracle
 from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS, Flatten
@@ -192,12 +192,11 @@ def test_arm_needs_its_context_network():
 
 
 def test_arm_trains_and_evaluates_through_the_training_loop(tmp_path):
-  config = config_lib.Config(
-      dataset="RotatedDigits", algorithm="ARM", test_envs=[0], steps=4,
-      checkpoint_freq=2, eval_examples=70, eval_batch_size=72,
-      output_dir=str(tmp_path / "run"),
-      hparams='{"image_size": 8, "cnn_width": 8, "batch_size": 8}').resolve()
-  record = training.train(config)
+  record = training.train(train.resolve_run([
+      "--dataset", "RotatedDigits", "--algorithm", "ARM", "--test_envs", "0",
+      "--steps", "4", "--checkpoint_freq", "2", "--eval_examples", "70",
+      "--eval_batch_size", "72", "--output_dir", str(tmp_path / "run"),
+      "--hparams", '{"image_size": 8, "cnn_width": 8, "batch_size": 8}']))
   assert np.isfinite(record["loss"])
   assert 0 <= record["env0_in_acc"] <= 1
   with np.load(tmp_path / "run" / "final_params.npz") as saved:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from PIL import Image
 
@@ -656,3 +657,14 @@ def test_every_registered_algorithm_has_a_colour_of_its_own():
   # A default colour cycle repeats after 10 lines; the study plots 14.
   colours = {plots.algorithm_colour(a) for a in catalog.ALGORITHMS}
   assert len(colours) == len(catalog.ALGORITHMS)
+
+
+def test_the_palette_grows_and_keeps_the_committed_plots_colours():
+  # The 20 algorithms of the committed plots keep tab20's colours, by
+  # registry position; any number after them get colours of their own.
+  tab20 = colormaps["tab20"]
+  assert [plots.palette_colour(i) for i in range(20)] == [
+      tab20(i) for i in range(20)]
+  colours = [plots.palette_colour(i) for i in range(1000)]
+  assert len(set(colours)) == len(colours)
+  assert all(len(c) == 4 and all(0 <= x <= 1 for x in c) for c in colours)
