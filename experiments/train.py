@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -151,6 +152,19 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
       fingerprint=fingerprint)
 
 
+class _Stopped(KeyboardInterrupt):
+  """SIGTERM before the run trains (resolving it can read a large folder)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+  del frame
+  raise _Stopped(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Command-line entry point; see the module docstring.
 
@@ -160,6 +174,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     number when stopped by SIGINT (130, Ctrl-C) or SIGTERM (143), after
     saying where a rerun resumes.
   """
+  # Until training takes the signals over (to stop at a checkpointed step),
+  # SIGTERM stops the command as Ctrl-C does; one ignored (nohup) stays so,
+  # and the handler before is back on return (main may run in a process
+  # that goes on, as tests run it).
+  previous = None
+  if (threading.current_thread() is threading.main_thread()
+      and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN):
+    previous = signal.signal(signal.SIGTERM, _stop)
+  try:
+    return _run(argv)
+  finally:
+    if previous is not None:
+      signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+  """`main` with its signal handler in place."""
   spec = None
   try:
     spec = resolve_run(argv)
@@ -170,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt as e:
-    # Ctrl-C's SIGINT, unless the run says which (training.Interrupted).
+    # Ctrl-C's SIGINT, unless the run says which (training.Interrupted,
+    # or _Stopped before it trains).
     signum = getattr(e, "signum", signal.SIGINT)
     if spec is None:
       where = "before the run started; rerun the same command to run it"

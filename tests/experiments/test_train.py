@@ -342,6 +342,29 @@ def test_damaged_records_are_refused_and_left_as_they_are(
   assert _files(run) == before
 
 
+# Prepended to a train command: SIGTERM arrives while the run reads its data.
+_SIGTERM_WHILE_READING = """\
+import os, signal
+from experiments.data import datasets
+get_dataset = datasets.get_dataset
+def get_dataset_and_signal(*args, **kwargs):
+  os.kill(os.getpid(), signal.SIGTERM)
+  return get_dataset(*args, **kwargs)
+datasets.get_dataset = get_dataset_and_signal
+"""
+
+
+def test_sigterm_while_the_data_is_read_stops_with_a_message(tmp_path):
+  output_dir = tmp_path / "run"
+  stopped = run_after(_SIGTERM_WHILE_READING, _command(output_dir))
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  assert "Traceback" not in stopped.stderr
+  assert stopped.stderr.endswith(
+      "stopped by SIGTERM; before the run started; rerun the same command "
+      "to run it.\n"), stopped.stderr
+  assert not records.checkpoint_steps(output_dir)
+
+
 def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
   output_dir = tmp_path / "run"
   stopped = kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ,
