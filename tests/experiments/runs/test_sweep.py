@@ -21,11 +21,16 @@ from experiments.runs import records
 from experiments.runs import rerun
 from experiments.runs import sweep
 
+# The steps that a held run has trained (see FAKE_TRAIN).
+HOLD_STEP = 3
+
 # Stands in for experiments.train: records each launch (its flags, the GPUs
 # it sees, its process ids and when it started), fails for hparams_seed 3,
-# and otherwise trains --steps steps of FAKE_STEP_S seconds each, resuming
-# from the steps a previous launch wrote to "progress". SIGTERM stops it
-# after the current step, as a preempted run.
+# and otherwise trains --steps steps, resuming from the steps a previous
+# launch wrote to "progress". SIGTERM stops it after the current step, as a
+# preempted run. The first launch of the run whose output directory is
+# FAKE_HOLD waits after step HOLD_STEP until a signal or a "release" file,
+# so that a test acts on a run mid-training whatever the machine's speed.
 FAKE_TRAIN = textwrap.dedent("""\
     import argparse, json, os, pathlib, signal, sys, time
     parser = argparse.ArgumentParser()
@@ -45,8 +50,11 @@ FAKE_TRAIN = textwrap.dedent("""\
     signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     if args.hparams_seed == 3:
       sys.exit("failed on purpose")
+    hold = os.environ.get("FAKE_HOLD") == str(out) and start == 0
     for step in range(start, args.steps):
-      time.sleep(float(os.environ.get("FAKE_STEP_S", "0")))
+      while (hold and step == {hold_step} and not stopped
+             and not (out / "release").exists()):
+        time.sleep(0.01)
       progress.write_text(str(step + 1))
       if stopped:
         (out / "stopped").write_text(str(step + 1))
@@ -54,7 +62,7 @@ FAKE_TRAIN = textwrap.dedent("""\
     (out / "results.jsonl").write_text('{"step": 7}\\n')
     (out / "ended").write_text(str(time.time()))
     (out / "done").write_text("")
-""")
+""").replace("{hold_step}", str(HOLD_STEP))
 
 
 @pytest.fixture
@@ -297,7 +305,6 @@ def check_one_run_per_gpu(runs, gpus):
 
 def test_multi_gpu_runs_one_run_per_gpu_at_a_time(
     tmp_path, train_command, monkeypatch, capsys):
-  monkeypatch.setenv("FAKE_STEP_S", "0.05")
   flags = sweep_flags(tmp_path, n_hparams=2) + [
       "--train_command", train_command, "--launcher", "multi_gpu"]
   runs = sweep.runs_for(sweep.parse_args(flags))
@@ -418,23 +425,23 @@ def wait_for_progress(run, steps, timeout_s=60):
     time.sleep(0.05)
 
 
-def start_slurm_sweep_past_step_3(tmp_path, train_command, monkeypatch,
-                                  steps):
+def start_held_slurm_sweep(tmp_path, train_command, monkeypatch, steps):
   """A 2-run slurm sweep of ``steps`` fake steps launched in a thread, once
-  its first run has trained 3 steps; its flags, runs, thread and result."""
-  monkeypatch.setenv("FAKE_STEP_S", "0.1")
+  its first run is held after `HOLD_STEP` steps; its flags, runs, thread and
+  result."""
   flags = slurm_flags(tmp_path, train_command, n_hparams=1) + [
       "--steps", str(steps)]
   runs = sweep.runs_for(sweep.parse_args(flags))
+  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
   thread, result = run_in_thread(sweep.main, flags)
-  wait_for_progress(runs[0], 3)
+  wait_for_progress(runs[0], HOLD_STEP)
   return flags, runs, thread, result
 
 
 @pytest.mark.slow
 def test_slurm_preempted_job_is_requeued_and_resumes(
     tmp_path, train_command, monkeypatch):
-  _, runs, thread, result = start_slurm_sweep_past_step_3(
+  _, runs, thread, result = start_held_slurm_sweep(
       tmp_path, train_command, monkeypatch, steps=30)
   # SLURM's warning of preemption, to the job's process (the training's
   # parent); SLURM then requeues the job, as the local executor does.
@@ -442,8 +449,9 @@ def test_slurm_preempted_job_is_requeued_and_resumes(
   thread.join(timeout=120)
   assert result == [0]
   first, second = launches(runs[0])
+  # The signal came while it was held: it stopped after the next step.
   stopped_at = int((runs[0].output_dir / "stopped").read_text())
-  assert 3 <= stopped_at < 30
+  assert stopped_at == HOLD_STEP + 1
   assert second["start"] == stopped_at
   assert first["ppid"] != second["ppid"]  # Another job process.
   assert all(r.status is sweep.Status.DONE for r in runs)
@@ -453,7 +461,7 @@ def test_slurm_preempted_job_is_requeued_and_resumes(
 @pytest.mark.slow
 def test_slurm_killed_job_resumes_when_submitted_again(
     tmp_path, train_command, monkeypatch, capsys):
-  flags, runs, thread, result = start_slurm_sweep_past_step_3(
+  flags, runs, thread, result = start_held_slurm_sweep(
       tmp_path, train_command, monkeypatch, steps=20)
   os.kill(launches(runs[0])[0]["pid"], signal.SIGKILL)
   thread.join(timeout=120)
@@ -464,22 +472,22 @@ def test_slurm_killed_job_resumes_when_submitted_again(
 
   assert sweep.main(flags) == 0
   first, second = launches(runs[0])
-  assert second["start"] == killed_at > 0
+  assert second["start"] == killed_at == HOLD_STEP
   assert all(r.status is sweep.Status.DONE for r in runs)
   assert len(launches(runs[1])) == 1
 
 
 def test_a_run_training_on_this_host_is_not_launched_again(
     tmp_path, train_command, monkeypatch, capsys):
-  monkeypatch.setenv("FAKE_STEP_S", "0.1")
   flags = sweep_flags(tmp_path, n_hparams=1) + [
       "--train_command", train_command, "--steps", "30"]
   runs = sweep.runs_for(sweep.parse_args(flags))
+  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
   process = runs[0].start(train_command)
   runs[0].record_launch(launcher="local", host=socket.gethostname(),
                         pid=process.pid)
   try:
-    wait_for_progress(runs[0], 1)
+    wait_for_progress(runs[0], HOLD_STEP)
     assert sweep.main(flags + ["--steps", "30"]) == 0
     assert (f"Skipped {runs[0].output_dir}: its training process "
             f"{process.pid} runs on this host") in capsys.readouterr().err
