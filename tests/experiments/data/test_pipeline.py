@@ -283,11 +283,15 @@ def test_worker_processes_resume_from_a_state_on_any_number_of_workers(
 # A program that reads batches built by two worker processes, then does
 # THEN; its workers' process ids on the first line of its output.
 _READ_FROM_WORKERS = """
-import multiprocessing, os, signal, time
+import collections, multiprocessing, os, signal, time
 import numpy as np
 from experiments.data import datasets, pipeline as input_pipeline
 
+BUILT = {built!r}  # A line per example a worker has transformed: its pid.
+
 def shifted(example, rng):
+  with open(BUILT, "a") as f:
+    f.write(f"{{os.getpid()}}\\n")
   return {{**example, "image": example["image"] + np.float32(rng.random())}}
 
 dataset = datasets.MultiDomainDataset(
@@ -300,24 +304,32 @@ batches = input_pipeline.make_train_iterator(
 for _ in range(3):
   next(batches)
 print(*(p.pid for p in multiprocessing.active_children()), flush=True)
-time.sleep(1)  # The workers build their next batches meanwhile.
+# Each worker has built a batch past the two (of 4 examples) that the three
+# taken could have come from: it holds batches of its own.
+while True:
+  built = collections.Counter(open(BUILT).read().split())
+  if len(built) == 2 and min(built.values()) >= 3 * 4:
+    break
+  time.sleep(0.01)
 {then}
 """
 
 
-def _read_from_workers(then):
+def _read_from_workers(then, tmp_path):
+  script = _READ_FROM_WORKERS.format(then=then, built=str(tmp_path / "built"))
   return subprocess.run(
-      [sys.executable, "-c", _READ_FROM_WORKERS.format(then=then)], cwd=REPO,
+      [sys.executable, "-c", script], cwd=REPO,
       capture_output=True, text=True, check=False, timeout=120)
 
 
 @pytest.mark.slow
-def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker():
+def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker(
+    tmp_path):
   # Each worker holds a batch it has built, in shared memory, when the
   # iterator closes: it frees it as it stops. (Killed instead, it left the
   # batch to Python's resource tracker, which frees what is left at exit
   # and warns of "leaked shared_memory objects".)
-  result = _read_from_workers("batches.close()")
+  result = _read_from_workers("batches.close()", tmp_path)
   assert result.returncode == 0, result.stderr
   assert len(result.stdout.split()) == 2, result.stdout
   assert "leaked" not in result.stderr, result.stderr
@@ -335,10 +347,11 @@ def _running(pid):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
                     reason="the kernel ends the workers on Linux only")
-def test_workers_end_when_their_process_is_killed():
+def test_workers_end_when_their_process_is_killed(tmp_path):
   # SIGKILL leaves the process no clean-up: the kernel signals its workers,
   # which end once their parent has gone (not when a thread of it ends).
-  result = _read_from_workers("os.kill(os.getpid(), signal.SIGKILL)")
+  result = _read_from_workers("os.kill(os.getpid(), signal.SIGKILL)",
+                              tmp_path)
   assert result.returncode == -signal.SIGKILL, result.stderr
   workers = [int(pid) for pid in result.stdout.split()]
   assert len(workers) == 2, result.stdout
