@@ -47,6 +47,23 @@ def stored(tree, block, contiguous=False):
   return out
 
 
+def assert_reads_back_as_numpy(tree, disp, beta):
+  """The stored float64 trajectory ``tree`` of ``disp`` gives back its steps,
+  and its Gram matrix and ``beta``-weighted sum match NumPy's. Call with
+  x64 enabled."""
+  unstacked = stacked(tree)
+  for name in SHAPES:
+    np.testing.assert_array_equal(np.asarray(unstacked[name]), disp[name])
+  got = jax.jit(pgrad_jax.gram)(tree)
+  summed = jax.jit(trajectory_lib.weighted_sum)(jnp.asarray(beta), tree)
+  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
+  for name, shape in SHAPES.items():
+    assert summed[name].shape == shape and summed[name].dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(summed[name]),
+                               np.tensordot(beta, disp[name], axes=1),
+                               rtol=1e-12, atol=1e-14)
+
+
 def test_gram_matches_numpy():
   disp = random_trajectory()
   with jax.enable_x64(True):
@@ -74,17 +91,7 @@ def test_gram_and_weighted_sum_of_either_layout_match_numpy(block):
              for k, v in tree.items()}
     assert kinds == {k: block is not None and int(np.prod(shape)) % block == 0
                      for k, shape in SHAPES.items()}
-    unstacked = stacked(tree)
-    for name in SHAPES:
-      np.testing.assert_array_equal(np.asarray(unstacked[name]), disp[name])
-    got = jax.jit(pgrad_jax.gram)(tree)
-    summed = jax.jit(trajectory_lib.weighted_sum)(jnp.asarray(beta), tree)
-  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
-  for name, shape in SHAPES.items():
-    assert summed[name].shape == shape and summed[name].dtype == jnp.float64
-    np.testing.assert_allclose(np.asarray(summed[name]),
-                               np.tensordot(beta, disp[name], axes=1),
-                               rtol=1e-12, atol=1e-14)
+    assert_reads_back_as_numpy(tree, disp, beta)
 
 
 @pytest.mark.parametrize("block", [None, 1, 2, 7, 145, 1024])
@@ -104,17 +111,7 @@ def test_contiguous_trajectory_matches_numpy(block):
     np.testing.assert_array_equal(
         np.asarray(tree.blocks),
         padded.reshape(6, num_blocks, size).transpose(1, 0, 2))
-    unstacked = stacked(tree)
-    got = jax.jit(pgrad_jax.gram)(tree)
-    summed = jax.jit(trajectory_lib.weighted_sum)(jnp.asarray(beta), tree)
-  for name in SHAPES:
-    np.testing.assert_array_equal(np.asarray(unstacked[name]), disp[name])
-  np.testing.assert_allclose(np.asarray(got), numpy_gram(disp), rtol=1e-12)
-  for name, shape in SHAPES.items():
-    assert summed[name].shape == shape and summed[name].dtype == jnp.float64
-    np.testing.assert_allclose(np.asarray(summed[name]),
-                               np.tensordot(beta, disp[name], axes=1),
-                               rtol=1e-12, atol=1e-14)
+    assert_reads_back_as_numpy(tree, disp, beta)
 
 
 def test_contiguous_needs_one_stored_dtype():
