@@ -376,7 +376,7 @@ def report(record: dict[str, Any]) -> str:
         ["part of pgrad-B", "median ms", "share of update",
          "trajectory read GB/s"],
         [[name, r["median_ms"], r["share_of_update"],
-          "" if r.get("read_gb_per_s") is None else r["read_gb_per_s"]]
+          r.get("read_gb_per_s")]
          for name, r in record["split"].items()]))
   return "\n\n".join(lines)
 

@@ -10,8 +10,9 @@ sharded, or **interleaved** (:class:`InterleavedLeaf`).
 
 The products over the trajectory ask for full float32 precision: left to its
 default, XLA:GPU may multiply float32 in TensorFloat-32 (10-bit mantissas),
-which would perturb the Gram matrix, and so the principal axes, by about
-1e-3. They read the trajectory once and are bound by memory, not arithmetic,
+which put the Gram matrix off by 1.6e-4 of its largest entry on an H200,
+against 5.6e-8 at full precision, and so perturbs the principal axes. They
+read the trajectory once and are bound by memory, not arithmetic,
 so full precision costs no time (docs/design.md).
 """
 
@@ -197,7 +198,7 @@ def num_steps(trajectory: Any) -> int:
 
 def gram(trajectory: Any) -> jax.Array:
   """The Gram matrix ``K[i, j] = <D_i, D_j>`` of the stored steps (without
-  theta_0's zero row and column), leaf by leaf.
+  theta_0's zero row and column), in any layout.
 
   Accumulated in at least float32, at full precision. A contiguous
   trajectory or an interleaved leaf is a batch of tiles; a stacked leaf is
