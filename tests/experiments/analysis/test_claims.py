@@ -10,9 +10,25 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+import threadpoolctl
 
 from experiments.analysis import claims
 from test_model_selection import make_record
+
+
+@pytest.fixture(name="one_openmp_thread", scope="module", autouse=True)
+def fixture_one_openmp_thread():
+  """Runs t-SNE (scikit-learn's, on OpenMP threads) on one thread.
+
+  Its threads wait for each other by spinning, at every one of the
+  optimisation's many short parallel steps: for a path of a few points, on
+  cores busy with other tests, two threads took 15 times the CPU time of one
+  (2.0 s against 0.13 s) for the same embedding. Importing t-SNE loads
+  scikit-learn's OpenMP, which the limit then reaches.
+  """
+  from sklearn import manifold  # pylint: disable=import-outside-toplevel,unused-import
+  with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+    yield
 
 def _roughness_by_loop(values):
   total = 0.0

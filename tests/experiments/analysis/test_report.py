@@ -23,6 +23,7 @@ from experiments.runs import records as records_lib
 from experiments.analysis import report
 from experiments.runs import study
 from experiments.runs import sweep
+from test_claims import fixture_one_openmp_thread  # pylint: disable=unused-import
 from test_convergence import _run as converging_run
 from test_model_selection import make_record, write_runs
 
