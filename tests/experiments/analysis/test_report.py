@@ -90,6 +90,14 @@ SUMMARY_TABLE = """\
 | PGrad | 80.0 ± 0.0 (1 of 2 trials) | X | X |"""
 
 
+@pytest.fixture(name="undrawn")
+def fixture_undrawn(monkeypatch):
+  """Figures built but neither drawn nor written, for the tests of what the
+  report says rather than of what it shows: drawing and writing them takes
+  most of a report's time."""
+  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+
+
 def test_report_tables_and_plots(tmp_path):
   write_runs(tmp_path / "sweep", sweep_records())
   assert report.main(["--input_dir", str(tmp_path / "sweep"),
@@ -118,7 +126,7 @@ def test_report_tables_and_plots(tmp_path):
   assert reason in text
 
 
-def test_rows_selected_among_fewer_draws_say_so(tmp_path):
+def test_rows_selected_among_fewer_draws_say_so(tmp_path, undrawn):
   # A second draw for ColoredDigits' ERM alone, worse on validation, so the
   # selected accuracies stay the same: PGrad's rows there, and every row of
   # the averages, selected among fewer draws than ERM's ColoredDigits cells.
@@ -142,7 +150,7 @@ def test_rows_selected_among_fewer_draws_say_so(tmp_path):
     assert "### Averages\n\n" + summary in section
 
 
-def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys):
+def test_hparams_seeds_reports_only_those_draws(tmp_path, capsys, undrawn):
   # A second draw of ColoredDigits' ERM, best on validation and worse on
   # the held-out domains: selected when reported, absent when filtered out.
   # ColoredDigits alone: the Toy dataset's plots would only slow it down.
@@ -198,7 +206,7 @@ def test_training_table_gives_the_steps_the_runs_trained():
   assert row[header.index("steps (median; most)")] == "30; 50"
 
 
-def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys):
+def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys, undrawn):
   write_runs(tmp_path / "sweep", sweep_records())
   damaged = sorted((tmp_path / "sweep").iterdir())[0]
   lines = (damaged / "results.jsonl").read_text().splitlines(keepends=True)
@@ -351,7 +359,7 @@ def _one_evaluation_sweep():
 
 @pytest.mark.filterwarnings("error")  # NumPy's warnings fail the test.
 def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
-    tmp_path, capsys):
+    tmp_path, capsys, monkeypatch):
   write_runs(tmp_path / "sweep", _one_evaluation_sweep())
   assert report.main(["--input_dir", str(tmp_path / "sweep"),
                       "--output_dir", str(tmp_path / "out")]) == 0
@@ -376,7 +384,9 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
     assert reason in err
   assert not list((tmp_path / "out" / "claims").glob("*_roughness.png"))
 
-  # A curve of one point is drawn as a marker.
+  # A curve of one point is drawn as a marker: the report's figures again,
+  # not drawn a second time.
+  monkeypatch.setattr(plots, "save", lambda figure, path: None)
   written, skipped = report.write_plots(
       records_lib.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
       tmp_path / "out" / "plots")
@@ -416,14 +426,11 @@ def test_curves_of_several_points_are_lines_without_markers(tmp_path):
 
 
 def test_every_claims_figure_has_a_title(tmp_path, monkeypatch):
+  # The figures as built, not drawn: their titles are set before.
   figures = {}
-  original_savefig = Figure.savefig
-
-  def savefig(self, path, **kwargs):
-    figures[Path(path).name] = self
-    original_savefig(self, path, **kwargs)
-
-  monkeypatch.setattr(Figure, "savefig", savefig)
+  monkeypatch.setattr(
+      plots, "save",
+      lambda figure, path: figures.__setitem__(Path(path).name, figure))
   rng = np.random.default_rng(0)
   records, trajectories = [], {}
   for algorithm in ("ERM", "PGrad", "PGrad-Bottom", "PGrad-B"):
