@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -484,12 +485,40 @@ def fixture_tiny_sweep(tmp_path_factory):
   return output_dir
 
 
+class Report(NamedTuple):
+  """A report written by ``report.main``.
+
+  Attributes:
+    output_dir: its directory.
+    figures: every figure it saved, by file name.
+  """
+
+  output_dir: Path
+  figures: dict[str, Figure]
+
+
+@pytest.fixture(name="tiny_report", scope="module")
+def fixture_tiny_report(tiny_sweep, tmp_path_factory):
+  """The tiny sweep's report, which the tests below read and do not change."""
+  output_dir = tmp_path_factory.mktemp("report")
+  figures = {}
+  original_savefig = Figure.savefig
+
+  def savefig(self, path, **kwargs):
+    figures[Path(path).name] = self
+    original_savefig(self, path, **kwargs)
+
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    assert report.main(["--input_dir", str(tiny_sweep),
+                        "--output_dir", str(output_dir)]) == 0
+  return Report(output_dir, figures)
+
+
 @pytest.mark.slow
 def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
-    tiny_sweep, tmp_path):
-  assert report.main(["--input_dir", str(tiny_sweep),
-                      "--output_dir", str(tmp_path / "out")]) == 0
-  text = (tmp_path / "out" / "results.md").read_text()
+    tiny_sweep, tiny_report, tmp_path, monkeypatch):
+  text = (tiny_report.output_dir / "results.md").read_text()
   assert "(plots/ColoredDigits_env0_PGrad-B_eigenvalues.png)" in text
   assert "(plots/ColoredDigits_env0_loss.png)" in text
 
@@ -508,8 +537,9 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
     assert row[2].strip() == row[3].strip() == f"{int(end.plateaued)}/1"
     assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
 
-  written, skipped = report.write_plots(records, "ColoredDigits", 0,
-                                        tmp_path / "out" / "plots")
+  # The report's figures again, not drawn a second time.
+  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   loss_figure = figures["training loss per domain"]
@@ -535,20 +565,9 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
 
 
 @pytest.mark.slow
-def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
-                                               monkeypatch):
-  figures = {}
-  original_savefig = Figure.savefig
-
-  def savefig(self, path, **kwargs):
-    figures[Path(path).name] = self
-    original_savefig(self, path, **kwargs)
-
-  monkeypatch.setattr(Figure, "savefig", savefig)
-  assert report.main(["--input_dir", str(tiny_sweep),
-                      "--output_dir", str(tmp_path)]) == 0
-
-  measured = json.loads((tmp_path / "claims" / "claims.json").read_text())
+def test_report_draws_and_measures_every_claim(tiny_report):
+  output_dir, figures = tiny_report
+  measured = json.loads((output_dir / "claims" / "claims.json").read_text())
   found = measured["ColoredDigits"]
   assert set(found) == {"smoothness", "bottom", "trajectory_length",
                         "trajectories"}
@@ -557,7 +576,7 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
   assert set(found["trajectories"]) == {"ERM", "PGrad"}
   for numbers in found["trajectories"].values():
     assert numbers["length"] >= numbers["displacement"] > 0
-  text = (tmp_path / "results.md").read_text()
+  text = (output_dir / "results.md").read_text()
   assert "## The paper's claims" in text
 
   # Every figure the report links exists, and shows its series and axes.
@@ -566,7 +585,7 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
                "ColoredDigits_bottom_loss.png",
                "ColoredDigits_trajectory_length.png",
                "ColoredDigits_env0_trial0_trajectory.png"):
-    assert (tmp_path / "claims" / name).is_file()
+    assert (output_dir / "claims" / name).is_file()
     assert f"claims/{name}" in text
   smooth = figures["ColoredDigits_env0_smoothness.png"].axes
   assert {line.get_label() for line in smooth[0].get_lines()} >= {
@@ -595,17 +614,22 @@ def test_report_draws_and_measures_every_claim(tiny_sweep, tmp_path,
     assert axes.get_xlabel() and axes.get_ylabel()
 
 
-def _report_files(input_dir, output_dir):
-  """Every file of the report on ``input_dir``, by its relative path."""
-  assert report.main(["--input_dir", str(input_dir),
-                      "--output_dir", str(output_dir)]) == 0
+def _files(output_dir):
+  """Every file of the report in ``output_dir``, by its relative path."""
   return {path.relative_to(output_dir): path.read_bytes()
           for path in sorted(output_dir.rglob("*")) if path.is_file()}
 
 
+def _report_files(input_dir, output_dir):
+  """Every file of the report on ``input_dir``, by its relative path."""
+  assert report.main(["--input_dir", str(input_dir),
+                      "--output_dir", str(output_dir)]) == 0
+  return _files(output_dir)
+
+
 @pytest.mark.slow
 def test_the_report_of_a_packed_sweep_is_its_directories_report(
-    tiny_sweep, tmp_path, capsys):
+    tiny_sweep, tiny_report, tmp_path, capsys):
   packed = tmp_path / "packed"
   shutil.copytree(tiny_sweep, packed)
   assert study.pack(packed) == 0
@@ -617,7 +641,7 @@ def test_the_report_of_a_packed_sweep_is_its_directories_report(
     shutil.rmtree(run_dir)
   # The pack alone: no params, every figure and number the same bytes.
   assert not list(packed.rglob("*.npy"))
-  expected = _report_files(tiny_sweep, tmp_path / "from_directories")
+  expected = _files(tiny_report.output_dir)
   assert _report_files(packed, tmp_path / "from_pack") == expected
   assert "claims/ColoredDigits_env0_trial0_trajectory.png" in {
       path.as_posix() for path in expected}
