@@ -2,7 +2,6 @@
 and a tiny real sweep."""
 
 import json
-import shlex
 import shutil
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from matplotlib.figure import Figure
 from PIL import Image
 
 from experiments import catalog
+from experiments import train
 from experiments.runs import convergence
 from experiments.analysis import claims as claims_lib
 from experiments.analysis import model_selection
@@ -473,15 +473,19 @@ TINY_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "PGrad-Bottom")
 @pytest.fixture(name="tiny_sweep", scope="module")
 def fixture_tiny_sweep(tmp_path_factory):
   output_dir = tmp_path_factory.mktemp("sweep")
-  train = f"{shlex.quote(sys.executable)} -m experiments.train " \
-          "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
-  assert sweep.main([
-      "--datasets", "ColoredDigits", "--algorithms", *TINY_ALGORITHMS,
+  args = sweep.parse_args([
+      "launch", "--datasets", "ColoredDigits",
+      "--algorithms", *TINY_ALGORITHMS,
       "--test_envs", "0", "--n_hparams", "1", "--n_trials", "1",
       "--steps", "6", "--checkpoint_freq", "2", "--trajectory_freq", "2",
       "--hparams", json.dumps({"batch_size": 3, "cnn_width": 8}),
-      "--jobs", "2", "--train_command", train,
-      "--output_dir", str(output_dir)]) == 0
+      "--output_dir", str(output_dir)])
+  # The sweep's runs, each trained by the command line the sweep would run,
+  # but here: a subprocess would import JAX, Flax and Orbax again for every
+  # run (test_sweep.py tests the launchers).
+  for run in sweep.runs_for(args):
+    assert train.main(run.command(
+        "--eval_examples 16 --eval_batch_size 16 --loss_examples 8")) == 0
   return output_dir
 
 
