@@ -7,7 +7,6 @@ import os
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import threading
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import catalog
+from experiments import train
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments.runs import sweep
@@ -520,13 +520,16 @@ def test_cost_counts_every_runs_steps(tmp_path, capsys):
   assert "FMoW trains for epochs" in capsys.readouterr().err
 
 
+# Small evaluations, for the real training runs.
+TRAIN_FLAGS = "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
+
+
 @pytest.mark.slow
 def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
     tmp_path):
-  # Small evaluations; the sweep passes the rest of each run's flags.
+  # The sweep passes the rest of each run's flags.
   train_command = (f"{shlex.quote(sys.executable)} -m experiments.train "
-                   "--eval_examples 16 --eval_batch_size 16 "
-                   "--loss_examples 8")
+                   f"{TRAIN_FLAGS}")
   flags = slurm_flags(tmp_path / "sweep", train_command, n_hparams=1) + [
       "--algorithms", "ERM", "--n_trials", "2", "--steps", "60",
       "--checkpoint_freq", "20", "--hparams", '{"batch_size": 6}']
@@ -551,11 +554,12 @@ def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
   assert "Requeued job" in open(runs[0].launch_record["stdout"]).read()
   assert "Resuming from step" in runs[0].log_file.read_text()
 
+  # Trained straight through in this process, with the sweep's flags: a
+  # subprocess would import JAX, Flax and Orbax once more.
   reference = tmp_path / "reference"
-  command = runs[0].command(train_command)
+  command = runs[0].command(TRAIN_FLAGS)
   command[command.index("--output_dir") + 1] = str(reference)
-  assert subprocess.run(command, capture_output=True,
-                        check=False).returncode == 0
+  assert train.main(command) == 0
   straight, resumed = (reference, runs[0].output_dir)
   assert rerun.first_difference(records.read_run(straight).records,
                                 records.read_run(resumed).records) is None
