@@ -2,11 +2,16 @@
 refused when their records are damaged or their flags cannot run.
 
 The runs train the default command (PGrad-B on RotatedDigits) on a short
-schedule: two training domains, tiny batches, small evaluation subsets. They
-run in subprocesses, as a user would, and share a JAX compilation cache so
-that only the first one compiles.
+schedule: two training domains, tiny batches, small evaluation subsets. The
+runs that are killed or signalled, or that need devices of their own, run in
+subprocesses, as a user would; the others, and the reruns that resume from
+what a killed run left on disk, run in this process through `train.main`,
+which spares each the seconds of importing JAX, Flax, Orbax and Grain. They
+share a JAX compilation cache so that only the first one compiles.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -41,20 +46,32 @@ TIMING = ("step_time", "data_wait_time", "compile_time",
           "time_to_first_step")
 
 
+def _flags(output_dir):
+  return [*FLAGS, "--output_dir", str(output_dir)]
+
+
 def _command(output_dir):
-  return [sys.executable, "-m", "experiments.train", *FLAGS,
-          "--output_dir", str(output_dir)]
+  return [sys.executable, "-m", "experiments.train", *_flags(output_dir)]
+
+
+def run_here(flags, capsys):
+  """Runs the train command with ``flags`` in this process (`train.main`,
+  which the command's process runs) and returns it as a finished process:
+  its exit status and what it printed."""
+  status = train.main(flags)
+  out, err = capsys.readouterr()
+  return subprocess.CompletedProcess(flags, status, out, err)
 
 
 @pytest.fixture(name="reference", scope="module")
 def fixture_reference(tmp_path_factory):
   """The output directory of an uninterrupted run."""
   output_dir = tmp_path_factory.mktemp("reference")
-  result = subprocess.run(_command(output_dir), cwd=REPO,
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
-  assert "Held-out accuracy" in result.stdout
-  assert result.stdout.endswith(f"Run directory: {output_dir}\n")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert train.main(_flags(output_dir)) == 0
+  assert "Held-out accuracy" in out.getvalue()
+  assert out.getvalue().endswith(f"Run directory: {output_dir}\n")
   return output_dir
 
 
@@ -135,7 +152,7 @@ def kill_at_first_checkpoint(command, output_dir, step, sig=signal.SIGKILL):
 
 @pytest.mark.slow
 def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ)
   # What a run killed later leaves: a record newer than any checkpoint, and
@@ -144,8 +161,7 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
   with (output_dir / "results.jsonl").open("a") as f:
     f.write(json.dumps({"step": FREQ + 1}) + "\n" + torn)
 
-  resumed = subprocess.run(_command(output_dir), cwd=REPO,
-                           capture_output=True, text=True, check=False)
+  resumed = run_here(_flags(output_dir), capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert "Resuming from step" in resumed.stderr
   assert f"Dropped the record of step {FREQ + 1}" in resumed.stderr
@@ -166,7 +182,7 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
 @pytest.mark.slow
 def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   # Checks at steps 4 and 8 of at most 10; the uninterrupted run's records
   # say where it first plateaued (its validation moves by one SE or less).
   check_freq = 2 * FREQ
@@ -174,12 +190,12 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   stop = next(step for step in range(check_freq, STEPS, check_freq)
               if ends[step].plateaued)
   output_dir = tmp_path / "run"
-  command = [*_command(output_dir), "--plateau_check_freq", str(check_freq)]
+  flags = [*_flags(output_dir), "--plateau_check_freq", str(check_freq)]
   # Killed once its checkpoint at the stop is saved, before it is done: the
   # resumed run reads its records, stops there again and trains no further.
-  kill_at_first_checkpoint(command, output_dir, stop)
-  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                           check=False)
+  kill_at_first_checkpoint([sys.executable, "-m", "experiments.train",
+                            *flags], output_dir, stop)
+  resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert f"Stopped at step {stop} of at most {STEPS}" in resumed.stderr
   assert f"after {stop} steps" in resumed.stdout
@@ -399,7 +415,7 @@ training.MetricMeter.add = add_and_signal
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
-    reference, tmp_path, sig):
+    reference, tmp_path, capsys, sig):
   # Step 3 of checkpoints every 2 steps: the run finishes it, evaluates and
   # checkpoints it, and exits 128 + the signal.
   output_dir, stop = tmp_path / "run", FREQ + 1
@@ -418,8 +434,7 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
   # A whole record, evaluated, as any reader of the records expects.
   assert 0 <= interrupt["env0_in_acc"] <= 1
 
-  resumed = subprocess.run(_command(output_dir), cwd=REPO,
-                           capture_output=True, text=True, check=False)
+  resumed = run_here(_flags(output_dir), capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert f"Resuming from step {stop}." in resumed.stderr
   expected, got = _params(reference), _params(output_dir)
@@ -473,16 +488,17 @@ training.MetricMeter.add = add_and_signal_later
 
 
 def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   # The case reported: a SIGTERM while the device was still on the steps
   # after a checkpoint, which the loop had all dispatched, was acknowledged,
   # and the run trained to the end and exited 0. The run now keeps at most
   # the next step in flight: it stops within a step or two of the device.
   freq, stop = 5, 6
   output_dir = tmp_path / "run"
-  command = [*_command(output_dir), "--checkpoint_freq", str(freq)]
+  flags = [*_flags(output_dir), "--checkpoint_freq", str(freq)]
   stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
-      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), command)
+      calls=stop, delay=0.5, sig=int(signal.SIGTERM)),
+                      [sys.executable, "-m", "experiments.train", *flags])
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
   assert "Traceback" not in stopped.stderr
   run = records.read_run(output_dir)
@@ -493,8 +509,7 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
   ), stopped.stderr
   assert [r["step"] for r in run.records] == [freq, run.checkpoint_step]
 
-  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                           check=False)
+  resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
