@@ -230,8 +230,50 @@ def test_stops_at_reads_the_records_at_check_steps_only():
   assert not stops(400, 0) and not stops(0, 100)
 
 
+# Prepended to a train command: records how the first training batch is
+# laid out on the devices, as placed and as the step's program types it.
+_RECORD_BATCH_LAYOUT = """import json, jax
+from experiments import training
+place = training.Sharder.batch
+def place_and_record(self, batch, axis):
+  placed = place(self, batch, axis)
+  if axis == 1 and not place_and_record.done:
+    image = placed["image"]
+    with open({path!r}, "w") as f:
+      json.dump({{"spec": tuple(image.sharding.spec),
+                 "type": str(jax.typeof(image)),
+                 "shards": sorted([s.device.id, *s.data.shape]
+                                  for s in image.addressable_shards)}}, f)
+    place_and_record.done = True
+  return placed
+place_and_record.done = False
+training.Sharder.batch = place_and_record
+"""
+
+
+# Two steps, the first checkpoint's: the runs on several devices.
+SHORT_FLAGS = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
+
+
+@pytest.fixture(name="two_devices", scope="module")
+def fixture_two_devices(tmp_path_factory):
+  """A run of `SHORT_FLAGS` on two (simulated) devices, in a process of its
+  own (a process's device count is set as JAX starts): the finished process,
+  its output directory, and the layout of its first training batch."""
+  tmp_path = tmp_path_factory.mktemp("two_devices")
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+         "--xla_force_host_platform_device_count=2"}
+  layout = tmp_path / "layout.json"
+  output_dir = tmp_path / "run"
+  result = run_after(
+      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
+      [sys.executable, "-m", "experiments.train", *SHORT_FLAGS, "--devices",
+       "2", "--output_dir", str(output_dir)], env=env)
+  return result, output_dir, layout
+
+
 @pytest.mark.slow
-def test_runs_data_parallel_on_several_devices(tmp_path):
+def test_runs_data_parallel_on_several_devices(two_devices, tmp_path):
   # The same two updates on one device and on two (simulated) devices, which
   # split the batches over a data axis: the runs differ only in the order of
   # floating-point sums. They are compared before chaos grows: over the 10
@@ -241,23 +283,34 @@ def test_runs_data_parallel_on_several_devices(tmp_path):
   # AMD EPYC). After two updates they were at most 3e-8 under
   # --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512, where the params move by
   # 3.5e-4 (median) and at most 1.2e-3: atol 1e-6 is 30 times the measured
-  # difference and a 350th of the median move.
-  runs = {}
-  for devices in (1, 2):
-    output_dir = tmp_path / f"{devices}_devices"
-    command = [*_command(output_dir), "--devices", str(devices)]
-    command[command.index("--steps") + 1] = "2"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-           f"--xla_force_host_platform_device_count={devices}"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
-                            text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    runs[devices] = _params(output_dir)
-  expected, got = runs[1], runs[2]
+  # difference and a 350th of the median move. The run on one device runs
+  # in this process, which has one.
+  result, output_dir, _ = two_devices
+  assert result.returncode == 0, result.stderr
+  assert train.main([*SHORT_FLAGS, "--devices", "1",
+                     "--output_dir", str(tmp_path / "1_devices")]) == 0
+  expected, got = _params(tmp_path / "1_devices"), _params(output_dir)
   assert got.keys() == expected.keys()
   for key in expected:
     np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6,
                                err_msg=key)
+
+
+def test_devices_split_every_domains_batch_on_a_data_axis(two_devices):
+  result, output_dir, layout = two_devices
+  assert result.returncode == 0, result.stderr
+  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
+          "devices on a data axis, 3 examples of every domain on each."
+          in result.stderr)
+  placed = json.loads(layout.read_text())
+  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
+  # step's program is typed with the split (Explicit sharding).
+  assert placed["spec"] == [None, "data"]
+  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
+                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
+  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
+  # The run is whole: its records check, as on one device.
+  assert [r["step"] for r in records.read_run(output_dir).records] == [FREQ]
 
 
 def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
@@ -668,49 +721,3 @@ def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
       f"error: --data_dir {a_file} is a file; pass the directory that holds "
       "the datasets.\n")
   assert "Traceback" not in refused.stderr
-
-
-# Prepended to a train command: records how the first training batch is
-# laid out on the devices, as placed and as the step's program types it.
-_RECORD_BATCH_LAYOUT = """import json, jax
-from experiments import training
-place = training.Sharder.batch
-def place_and_record(self, batch, axis):
-  placed = place(self, batch, axis)
-  if axis == 1 and not place_and_record.done:
-    image = placed["image"]
-    with open({path!r}, "w") as f:
-      json.dump({{"spec": tuple(image.sharding.spec),
-                 "type": str(jax.typeof(image)),
-                 "shards": sorted([s.device.id, *s.data.shape]
-                                  for s in image.addressable_shards)}}, f)
-    place_and_record.done = True
-  return placed
-place_and_record.done = False
-training.Sharder.batch = place_and_record
-"""
-
-
-def test_devices_split_every_domains_batch_on_a_data_axis(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-         "--xla_force_host_platform_device_count=2"}
-  layout = tmp_path / "layout.json"
-  flags = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
-  result = run_after(
-      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
-      [sys.executable, "-m", "experiments.train", *flags, "--devices", "2",
-       "--output_dir", str(tmp_path / "run")], env=env)
-  assert result.returncode == 0, result.stderr
-  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
-          "devices on a data axis, 3 examples of every domain on each."
-          in result.stderr)
-  placed = json.loads(layout.read_text())
-  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
-  # step's program is typed with the split (Explicit sharding).
-  assert placed["spec"] == [None, "data"]
-  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
-                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
-  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
-  # The run is whole: its records check, as on one device.
-  assert [r["step"] for r in records.read_run(tmp_path / "run").records] == [
-      FREQ]
