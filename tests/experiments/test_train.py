@@ -316,11 +316,8 @@ def test_devices_split_every_domains_batch_on_a_data_axis(two_devices):
 def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
     tmp_path):
   flags = [f if f != str(STEPS) else "6" for f in FLAGS]
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
-       "3", "--output_dir", str(tmp_path)],
-      cwd=REPO, capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
+  assert train.main([*flags, "--trajectory_freq", "3",
+                     "--output_dir", str(tmp_path)]) == 0
   trajectory = tmp_path / "trajectory"
   assert sorted(p.name for p in trajectory.iterdir()) == [
       "0000000.npy", "0000003.npy", "0000006.npy"]
