@@ -2,7 +2,9 @@
 
 The command-line tests run ``python -m experiments.train`` in subprocesses
 from a fresh working directory, as a user would, sharing the test run's JAX
-compilation cache (conftest.py).
+compilation cache (conftest.py); the runs whose process is no part of what
+a test checks run in this process, through `train.main`, which spares each
+the seconds of importing JAX, Flax, Orbax and Grain.
 """
 
 import dataclasses
@@ -25,7 +27,7 @@ from experiments.runs import sweep
 from experiments import train
 from experiments import training
 from experiments.data import wilds
-from test_train import REPO, read_records
+from test_train import REPO, read_records, run_here
 
 
 def test_every_config_field_is_a_flag(tmp_path):
@@ -169,24 +171,28 @@ def _only_run_dir(runs, pattern):
 
 
 @pytest.mark.slow
-def test_commands_in_one_directory_never_print_an_old_result(tmp_path):
+def test_commands_in_one_directory_never_print_an_old_result(
+    tmp_path, monkeypatch, capsys):
   # The README's commands one after the other in one working directory: each
-  # gets its own run directory and prints its own result.
-  first = _train_in(tmp_path, *TINY)
+  # gets its own run directory and prints its own result. The three that
+  # train run in this process (main, in that directory); the command that
+  # prints a finished run's result again, and the refused one, in their own.
+  monkeypatch.chdir(tmp_path)
+  first = run_here(TINY, capsys)
   run0 = _only_run_dir(tmp_path / "runs", "RotatedDigits-PGrad-B-test0-*")
   assert _printed_accuracy(first, "0°", 0) == round(
       _final_record(run0)["env0_in_acc"], 4)
 
-  second = _train_in(tmp_path, *TINY, "--test_envs", "1")
+  second = run_here([*TINY, "--test_envs", "1"], capsys)
   assert "Resuming" not in second.stderr
   run1 = _only_run_dir(tmp_path / "runs", "RotatedDigits-PGrad-B-test1-*")
   record = _final_record(run1)
   assert record["args"]["test_envs"] == [1]
   assert _printed_accuracy(second, "15°", 1) == round(record["env1_in_acc"], 4)
 
-  fish = _train_in(tmp_path, "--dataset", "ColoredDigits", "--algorithm",
-                   "Fish", "--test_envs", "2", *SHORT,
-                   "--hparams", '{"batch_size": 3}')
+  fish = run_here(["--dataset", "ColoredDigits", "--algorithm", "Fish",
+                   "--test_envs", "2", *SHORT, "--hparams",
+                   '{"batch_size": 3}'], capsys)
   assert "Resuming" not in fish.stderr
   run2 = _only_run_dir(tmp_path / "runs", "ColoredDigits-Fish-test2-*")
   record = _final_record(run2)

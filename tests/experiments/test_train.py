@@ -2,11 +2,16 @@
 refused when their records are damaged or their flags cannot run.
 
 The runs train the default command (PGrad-B on RotatedDigits) on a short
-schedule: two training domains, tiny batches, small evaluation subsets. They
-run in subprocesses, as a user would, and share a JAX compilation cache so
-that only the first one compiles.
+schedule: two training domains, tiny batches, small evaluation subsets. The
+runs that are killed or signalled, or that need devices of their own, run in
+subprocesses, as a user would; the others, and the reruns that resume from
+what a killed run left on disk, run in this process through `train.main`,
+which spares each the seconds of importing JAX, Flax, Orbax and Grain. They
+share a JAX compilation cache so that only the first one compiles.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -41,20 +46,32 @@ TIMING = ("step_time", "data_wait_time", "compile_time",
           "time_to_first_step")
 
 
+def _flags(output_dir):
+  return [*FLAGS, "--output_dir", str(output_dir)]
+
+
 def _command(output_dir):
-  return [sys.executable, "-m", "experiments.train", *FLAGS,
-          "--output_dir", str(output_dir)]
+  return [sys.executable, "-m", "experiments.train", *_flags(output_dir)]
+
+
+def run_here(flags, capsys):
+  """Runs the train command with ``flags`` in this process (`train.main`,
+  which the command's process runs) and returns it as a finished process:
+  its exit status and what it printed."""
+  status = train.main(flags)
+  out, err = capsys.readouterr()
+  return subprocess.CompletedProcess(flags, status, out, err)
 
 
 @pytest.fixture(name="reference", scope="module")
 def fixture_reference(tmp_path_factory):
   """The output directory of an uninterrupted run."""
   output_dir = tmp_path_factory.mktemp("reference")
-  result = subprocess.run(_command(output_dir), cwd=REPO,
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
-  assert "Held-out accuracy" in result.stdout
-  assert result.stdout.endswith(f"Run directory: {output_dir}\n")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert train.main(_flags(output_dir)) == 0
+  assert "Held-out accuracy" in out.getvalue()
+  assert out.getvalue().endswith(f"Run directory: {output_dir}\n")
   return output_dir
 
 
@@ -135,7 +152,7 @@ def kill_at_first_checkpoint(command, output_dir, step, sig=signal.SIGKILL):
 
 @pytest.mark.slow
 def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(output_dir), output_dir, FREQ)
   # What a run killed later leaves: a record newer than any checkpoint, and
@@ -144,8 +161,7 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
   with (output_dir / "results.jsonl").open("a") as f:
     f.write(json.dumps({"step": FREQ + 1}) + "\n" + torn)
 
-  resumed = subprocess.run(_command(output_dir), cwd=REPO,
-                           capture_output=True, text=True, check=False)
+  resumed = run_here(_flags(output_dir), capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert "Resuming from step" in resumed.stderr
   assert f"Dropped the record of step {FREQ + 1}" in resumed.stderr
@@ -166,7 +182,7 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
 @pytest.mark.slow
 def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   # Checks at steps 4 and 8 of at most 10; the uninterrupted run's records
   # say where it first plateaued (its validation moves by one SE or less).
   check_freq = 2 * FREQ
@@ -174,12 +190,12 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   stop = next(step for step in range(check_freq, STEPS, check_freq)
               if ends[step].plateaued)
   output_dir = tmp_path / "run"
-  command = [*_command(output_dir), "--plateau_check_freq", str(check_freq)]
+  flags = [*_flags(output_dir), "--plateau_check_freq", str(check_freq)]
   # Killed once its checkpoint at the stop is saved, before it is done: the
   # resumed run reads its records, stops there again and trains no further.
-  kill_at_first_checkpoint(command, output_dir, stop)
-  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                           check=False)
+  kill_at_first_checkpoint([sys.executable, "-m", "experiments.train",
+                            *flags], output_dir, stop)
+  resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert f"Stopped at step {stop} of at most {STEPS}" in resumed.stderr
   assert f"after {stop} steps" in resumed.stdout
@@ -214,8 +230,50 @@ def test_stops_at_reads_the_records_at_check_steps_only():
   assert not stops(400, 0) and not stops(0, 100)
 
 
+# Prepended to a train command: records how the first training batch is
+# laid out on the devices, as placed and as the step's program types it.
+_RECORD_BATCH_LAYOUT = """import json, jax
+from experiments import training
+place = training.Sharder.batch
+def place_and_record(self, batch, axis):
+  placed = place(self, batch, axis)
+  if axis == 1 and not place_and_record.done:
+    image = placed["image"]
+    with open({path!r}, "w") as f:
+      json.dump({{"spec": tuple(image.sharding.spec),
+                 "type": str(jax.typeof(image)),
+                 "shards": sorted([s.device.id, *s.data.shape]
+                                  for s in image.addressable_shards)}}, f)
+    place_and_record.done = True
+  return placed
+place_and_record.done = False
+training.Sharder.batch = place_and_record
+"""
+
+
+# Two steps, the first checkpoint's: the runs on several devices.
+SHORT_FLAGS = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
+
+
+@pytest.fixture(name="two_devices", scope="module")
+def fixture_two_devices(tmp_path_factory):
+  """A run of `SHORT_FLAGS` on two (simulated) devices, in a process of its
+  own (a process's device count is set as JAX starts): the finished process,
+  its output directory, and the layout of its first training batch."""
+  tmp_path = tmp_path_factory.mktemp("two_devices")
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+         "--xla_force_host_platform_device_count=2"}
+  layout = tmp_path / "layout.json"
+  output_dir = tmp_path / "run"
+  result = run_after(
+      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
+      [sys.executable, "-m", "experiments.train", *SHORT_FLAGS, "--devices",
+       "2", "--output_dir", str(output_dir)], env=env)
+  return result, output_dir, layout
+
+
 @pytest.mark.slow
-def test_runs_data_parallel_on_several_devices(tmp_path):
+def test_runs_data_parallel_on_several_devices(two_devices, tmp_path):
   # The same two updates on one device and on two (simulated) devices, which
   # split the batches over a data axis: the runs differ only in the order of
   # floating-point sums. They are compared before chaos grows: over the 10
@@ -225,33 +283,41 @@ def test_runs_data_parallel_on_several_devices(tmp_path):
   # AMD EPYC). After two updates they were at most 3e-8 under
   # --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512, where the params move by
   # 3.5e-4 (median) and at most 1.2e-3: atol 1e-6 is 30 times the measured
-  # difference and a 350th of the median move.
-  runs = {}
-  for devices in (1, 2):
-    output_dir = tmp_path / f"{devices}_devices"
-    command = [*_command(output_dir), "--devices", str(devices)]
-    command[command.index("--steps") + 1] = "2"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-           f"--xla_force_host_platform_device_count={devices}"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
-                            text=True, check=False)
-    assert result.returncode == 0, result.stderr
-    runs[devices] = _params(output_dir)
-  expected, got = runs[1], runs[2]
+  # difference and a 350th of the median move. The run on one device runs
+  # in this process, which has one.
+  result, output_dir, _ = two_devices
+  assert result.returncode == 0, result.stderr
+  assert train.main([*SHORT_FLAGS, "--devices", "1",
+                     "--output_dir", str(tmp_path / "1_devices")]) == 0
+  expected, got = _params(tmp_path / "1_devices"), _params(output_dir)
   assert got.keys() == expected.keys()
   for key in expected:
     np.testing.assert_allclose(got[key], expected[key], rtol=0, atol=1e-6,
                                err_msg=key)
 
 
+def test_devices_split_every_domains_batch_on_a_data_axis(two_devices):
+  result, output_dir, layout = two_devices
+  assert result.returncode == 0, result.stderr
+  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
+          "devices on a data axis, 3 examples of every domain on each."
+          in result.stderr)
+  placed = json.loads(layout.read_text())
+  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
+  # step's program is typed with the split (Explicit sharding).
+  assert placed["spec"] == [None, "data"]
+  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
+                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
+  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
+  # The run is whole: its records check, as on one device.
+  assert [r["step"] for r in records.read_run(output_dir).records] == [FREQ]
+
+
 def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
     tmp_path):
   flags = [f if f != str(STEPS) else "6" for f in FLAGS]
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", *flags, "--trajectory_freq",
-       "3", "--output_dir", str(tmp_path)],
-      cwd=REPO, capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
+  assert train.main([*flags, "--trajectory_freq", "3",
+                     "--output_dir", str(tmp_path)]) == 0
   trajectory = tmp_path / "trajectory"
   assert sorted(p.name for p in trajectory.iterdir()) == [
       "0000000.npy", "0000003.npy", "0000006.npy"]
@@ -399,7 +465,7 @@ training.MetricMeter.add = add_and_signal
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
-    reference, tmp_path, sig):
+    reference, tmp_path, capsys, sig):
   # Step 3 of checkpoints every 2 steps: the run finishes it, evaluates and
   # checkpoints it, and exits 128 + the signal.
   output_dir, stop = tmp_path / "run", FREQ + 1
@@ -418,8 +484,7 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
   # A whole record, evaluated, as any reader of the records expects.
   assert 0 <= interrupt["env0_in_acc"] <= 1
 
-  resumed = subprocess.run(_command(output_dir), cwd=REPO,
-                           capture_output=True, text=True, check=False)
+  resumed = run_here(_flags(output_dir), capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert f"Resuming from step {stop}." in resumed.stderr
   expected, got = _params(reference), _params(output_dir)
@@ -437,11 +502,14 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
           == [comparable(r) for r in read_records(reference)])
 
 
-# Prepended to a train command: from step CALLS on, each step computes for
-# a while longer on the device (its results unchanged bit for bit), and SIG
-# comes DELAY seconds after the loop has dispatched step CALLS. JAX lets the
-# loop run ahead of the device, so without a bound the loop has dispatched
-# every step to the next checkpoint by then.
+# Prepended to a train command: from step CALLS on, each step waits on the
+# device for a computation of a while (its results unchanged bit for bit),
+# and SIG comes DELAY seconds after the loop has dispatched step CALLS. JAX
+# lets the loop run ahead of the device, so without a bound the loop has
+# dispatched every step to the next checkpoint by then. The wait is a program
+# of its own, which the step's state goes through: the step's program is the
+# run's, which the compilation cache holds (compiling the two as one took
+# this test about 6 CPU-seconds).
 _SIGNAL_WHILE_THE_DEVICE_LAGS = """\
 import os, threading
 import jax, jax.numpy as jnp
@@ -450,15 +518,17 @@ make_train_step = training.make_train_step
 def busy(_):
   matrix = jnp.full((400, 400), 1 / 400, jnp.float32)
   return jax.lax.fori_loop(0, 300, lambda _, m: jnp.tanh(m @ m), matrix)[0, 0]
+@jax.jit
+def lag(step):
+  # tanh is at most 1: the step is unchanged, but waits for the product.
+  over = jax.lax.cond(step >= {calls} - 1, busy,
+                      lambda _: jnp.zeros((), jnp.float32), step) > 2
+  return jnp.where(over, 0, step)
 def make_lagging_step(algorithm, key):
   train_step = make_train_step(algorithm, key)
-  @jax.jit
   def lagging_step(state, batches):
-    # tanh is at most 1: the step is unchanged, but waits for the product.
-    over = jax.lax.cond(state.step >= {calls} - 1, busy,
-                        lambda _: jnp.zeros((), jnp.float32), state) > 2
-    state, metrics = train_step(state, batches)
-    return state._replace(step=jnp.where(over, 0, state.step)), metrics
+    return train_step(state._replace(step=lag(state.step)), batches)
+  lagging_step.lower = train_step.lower  # The run compiles its step.
   return lagging_step
 training.make_train_step = make_lagging_step
 add = training.MetricMeter.add
@@ -473,16 +543,17 @@ training.MetricMeter.add = add_and_signal_later
 
 
 def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
-    reference, tmp_path):
+    reference, tmp_path, capsys):
   # The case reported: a SIGTERM while the device was still on the steps
   # after a checkpoint, which the loop had all dispatched, was acknowledged,
   # and the run trained to the end and exited 0. The run now keeps at most
   # the next step in flight: it stops within a step or two of the device.
   freq, stop = 5, 6
   output_dir = tmp_path / "run"
-  command = [*_command(output_dir), "--checkpoint_freq", str(freq)]
+  flags = [*_flags(output_dir), "--checkpoint_freq", str(freq)]
   stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
-      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), command)
+      calls=stop, delay=0.5, sig=int(signal.SIGTERM)),
+                      [sys.executable, "-m", "experiments.train", *flags])
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
   assert "Traceback" not in stopped.stderr
   run = records.read_run(output_dir)
@@ -493,8 +564,7 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
   ), stopped.stderr
   assert [r["step"] for r in run.records] == [freq, run.checkpoint_step]
 
-  resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                           check=False)
+  resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
@@ -648,49 +718,3 @@ def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
       f"error: --data_dir {a_file} is a file; pass the directory that holds "
       "the datasets.\n")
   assert "Traceback" not in refused.stderr
-
-
-# Prepended to a train command: records how the first training batch is
-# laid out on the devices, as placed and as the step's program types it.
-_RECORD_BATCH_LAYOUT = """import json, jax
-from experiments import training
-place = training.Sharder.batch
-def place_and_record(self, batch, axis):
-  placed = place(self, batch, axis)
-  if axis == 1 and not place_and_record.done:
-    image = placed["image"]
-    with open({path!r}, "w") as f:
-      json.dump({{"spec": tuple(image.sharding.spec),
-                 "type": str(jax.typeof(image)),
-                 "shards": sorted([s.device.id, *s.data.shape]
-                                  for s in image.addressable_shards)}}, f)
-    place_and_record.done = True
-  return placed
-place_and_record.done = False
-training.Sharder.batch = place_and_record
-"""
-
-
-def test_devices_split_every_domains_batch_on_a_data_axis(tmp_path):
-  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-         "--xla_force_host_platform_device_count=2"}
-  layout = tmp_path / "layout.json"
-  flags = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
-  result = run_after(
-      _RECORD_BATCH_LAYOUT.format(path=str(layout)),
-      [sys.executable, "-m", "experiments.train", *flags, "--devices", "2",
-       "--output_dir", str(tmp_path / "run")], env=env)
-  assert result.returncode == 0, result.stderr
-  assert (f"batch of {TRAIN_DOMAINS} domains x 6 examples, split over 2 cpu "
-          "devices on a data axis, 3 examples of every domain on each."
-          in result.stderr)
-  placed = json.loads(layout.read_text())
-  # Every domain's 6 examples: 3 on each device, the domain axis whole; the
-  # step's program is typed with the split (Explicit sharding).
-  assert placed["spec"] == [None, "data"]
-  assert placed["shards"] == [[0, TRAIN_DOMAINS, 3, 28, 28, 1],
-                              [1, TRAIN_DOMAINS, 3, 28, 28, 1]]
-  assert placed["type"] == f"float32[{TRAIN_DOMAINS},6@data,28,28,1]"
-  # The run is whole: its records check, as on one device.
-  assert [r["step"] for r in records.read_run(tmp_path / "run").records] == [
-      FREQ]
