@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from flax import traverse_util
 
 from experiments import models
 from experiments import pretrained
@@ -13,16 +14,33 @@ import torch_writer
 
 BLOCKS, GROWTH, STEM = (6, 12, 24, 16), 32, 64
 
+# Every abstract DenseNet-121 (nnx.eval_shape) takes seconds to trace, its
+# own and in each conversion, which builds one to check the shapes against:
+# the tests share one model and one conversion where they can.
 
-def test_densenet121_has_the_published_parameter_count():
-  model = nnx.eval_shape(lambda: models.build_model(
+
+@pytest.fixture(name="abstract_densenet121", scope="module")
+def fixture_abstract_densenet121():
+  """torchvision's densenet121 as `models.build_model` builds it, abstract:
+  a 1000-class head."""
+  return nnx.eval_shape(lambda: models.build_model(
       "densenet121", num_classes=1000, input_shape=(224, 224, 3),
       rngs=nnx.Rngs(0)))
+
+
+@pytest.fixture(name="converted_state", scope="module")
+def fixture_converted_state():
+  """A random torchvision densenet121 state_dict and its conversion."""
+  state = torchvision_densenet121_state(num_classes=1000)
+  return state, pretrained.convert_torchvision_densenet121(state)
+
+
+def test_densenet121_has_the_published_parameter_count(abstract_densenet121):
   # torchvision's densenet121: 7,978,856 parameters (BatchNorm statistics
   # are buffers, not parameters).
   assert sum(leaf.size for leaf in jax.tree.leaves(
-      nnx.state(model, nnx.Param))) == 7_978_856
-  assert model.featurizer.num_features == 1024
+      nnx.state(abstract_densenet121, nnx.Param))) == 7_978_856
+  assert abstract_densenet121.featurizer.num_features == 1024
 
 
 def _bn(rng, name, channels, state):
@@ -115,33 +133,33 @@ def numpy_densenet121_logits(state, images):
   return features @ state["classifier.weight"].T + state["classifier.bias"]
 
 
-def _model_with_head(state, num_classes):
+def _model_with_head(abstract_model, state):
   """A DenseNet-121 in eval mode with the classifier of ``state`` as head.
 
-  Built abstractly and filled with zeros (the featurizer's weights are then
-  loaded), since initialising 8M random parameters takes long on a CPU.
+  ``abstract_model``'s structure filled with zeros (the featurizer's weights
+  are then loaded), since initialising 8M random parameters takes long on a
+  CPU.
   """
-  model = nnx.eval_shape(lambda: models.build_model(
-      "densenet121", num_classes=num_classes, input_shape=(32, 32, 3),
-      rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract_model)
 
   def concrete(leaf):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
       return jax.random.key(0)
     return np.zeros(leaf.shape, leaf.dtype)
 
-  nnx.update(model, jax.tree.map(concrete, nnx.state(model)))
+  model = nnx.merge(graphdef, jax.tree.map(concrete, abstract_state))
   model.head.kernel[...] = state["classifier.weight"].T
   model.head.bias[...] = state["classifier.bias"]
   model.eval()
   return model
 
 
-def test_converted_densenet_matches_a_numpy_forward_pass(tmp_path):
-  state = torchvision_densenet121_state()
+def test_converted_densenet_matches_a_numpy_forward_pass(
+    abstract_densenet121, converted_state, tmp_path):
+  state, converted = converted_state
   path = tmp_path / "densenet121.npz"
-  pretrained.save_npz(pretrained.convert_torchvision_densenet121(state), path)
-  model = _model_with_head(state, 10)
+  pretrained.save_npz(converted, path)
+  model = _model_with_head(abstract_densenet121, state)
   pretrained.load_pretrained(model, path)
   images = np.random.default_rng(1).normal(size=(2, 32, 32, 3))
   expected = numpy_densenet121_logits(state, images)
@@ -163,26 +181,27 @@ def test_densenet_conversion_reports_wrong_shapes():
     pretrained.convert_torchvision_densenet121(state)
 
 
-def test_old_torchvision_layer_names_convert_alike():
-  # torchvision's densenet121-a639ec97.pth names norm1 "norm.1", as
-  # DenseNets did before PyTorch refused dots in module names.
-  state = torchvision_densenet121_state(seed=3)
+def test_convert_cli_recognises_densenet_and_its_old_layer_names(
+    converted_state, tmp_path, capsys):
+  # torchvision's densenet121-a639ec97.pth, the file the CLI converts,
+  # names norm1 "norm.1", as DenseNets did before PyTorch refused dots in
+  # module names: its conversion is that of the same state with the new
+  # names.
+  state, converted_new = converted_state
   old = {re.sub(r"(denselayer\d+\.(norm|conv))([12])\.", r"\1.\3.", k): v
          for k, v in state.items()}
   assert "features.denseblock1.denselayer1.norm.1.weight" in old
-  expected = pretrained.convert_torchvision_densenet121(state)
-  jax.tree.map(np.testing.assert_array_equal,
-               pretrained.convert_torchvision_densenet121(old), expected)
-
-
-def test_convert_cli_recognises_densenet(tmp_path, capsys):
-  state = torchvision_densenet121_state(seed=2)
-  torch_writer.write_state_dict(tmp_path / "d.pth", state)
+  torch_writer.write_state_dict(tmp_path / "d.pth", old)
   out = tmp_path / "d.npz"
   assert pretrained.main(["convert", "--in", str(tmp_path / "d.pth"),
                           "--out", str(out)]) == 0
   assert "densenet121" in capsys.readouterr().out
+  expected = {"/".join(map(str, path)): leaf for path, leaf in
+              traverse_util.flatten_dict(converted_new).items()}
   with np.load(out) as converted:
+    assert set(converted.files) == set(expected)
+    for key, leaf in expected.items():
+      np.testing.assert_array_equal(converted[key], leaf, err_msg=key)
     np.testing.assert_array_equal(
         converted["conv0/kernel"],
         state["features.conv0.weight"].transpose(2, 3, 1, 0))

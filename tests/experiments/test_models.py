@@ -46,6 +46,30 @@ def _cached_model(name, channels, seed, kwargs):
   return _new_model(name, channels, seed, **dict(kwargs))
 
 
+def _filled(name, channels=3, seed=0, **kwargs):
+  """A concrete model for a test that loads its featurizer: the abstract
+  model's arrays drawn from NumPy, not initialised.
+
+  Loading overwrites the featurizer, whose init (about 2 CPU seconds for a
+  ResNet-18, see `_build`) a test of loading would throw away. Every float
+  is uniform in [0.5, 1.5) (positive, so also a valid variance), drawn
+  with ``seed``: two models of different seeds differ everywhere, so a
+  loader that left part of one alone would show.
+  """
+  graphdef, state = nnx.split(
+      nnx.eval_shape(lambda: _new_model(name, channels, seed, **kwargs)))
+  rng = np.random.default_rng(seed)
+
+  def fill(leaf):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      return jax.random.key(seed)
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      return jnp.asarray(rng.uniform(0.5, 1.5, leaf.shape), leaf.dtype)
+    return jnp.zeros(leaf.shape, leaf.dtype)
+
+  return nnx.merge(graphdef, jax.tree.map(fill, state))
+
+
 def _images(channels=3, n=2, seed=0):
   return jax.random.normal(jax.random.key(seed), (n, SIZE, SIZE, channels))
 
@@ -393,7 +417,7 @@ def test_load_pretrained_npz_sets_featurizer_and_keeps_head(resnet18_npz):
 @pytest.mark.parametrize("channels", [1, 8])
 def test_load_pretrained_adapts_stem_channels(resnet18_npz, channels):
   state_dict, path = resnet18_npz
-  model = _build("resnet18", channels)
+  model = _filled("resnet18", channels)
   pretrained.load_pretrained(model, path)
   rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
   kernel = np.asarray(model.featurizer.conv1.kernel[...])
@@ -407,7 +431,7 @@ def test_arm_resnet_stem_takes_the_red_filters_for_the_context(resnet18_npz):
   # DomainBed's ARM on photos: a ResNet for 3 + 1 channels, whose pretrained
   # stem is adapted as any other (networks.py lines 125-135).
   state_dict, path = resnet18_npz
-  model = _build("resnet18", 3, context_net=True)
+  model = _filled("resnet18", 3, context_net=True)
   assert isinstance(model, models.ContextClassifier)
   pretrained.load_pretrained(model, path)
   rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
@@ -424,10 +448,10 @@ def _featurizer_state(model):
 
 
 def test_orbax_round_trip(tmp_path):
-  source = _build("resnet18", bn_mode="train", seed=1)
+  source = _build("resnet18", bn_mode="train")  # test_train_bn's, too.
   source(_images())  # Moves the BN statistics away from their init.
   pretrained.save_featurizer(source, tmp_path / "featurizer")
-  target = _build("resnet18", seed=2)
+  target = _filled("resnet18", seed=2)
   pretrained.load_pretrained(target, tmp_path / "featurizer")
   _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
 
@@ -437,7 +461,7 @@ def test_orbax_checkpoint_of_an_nnx_state_loads(tmp_path):
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", nnx.state(source.featurizer, nnx.Param))
   checkpointer.wait_until_finished()
-  target = _build("mnist_cnn", seed=2)
+  target = _filled("mnist_cnn", seed=2)
   pretrained.load_pretrained(target, tmp_path / "state")
   _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
 
@@ -483,7 +507,9 @@ def test_load_pretrained_reads_a_torchvision_pth(resnet18_npz, tmp_path):
   # in test_pretrained.py) and converted as the .npz was.
   state_dict, npz = resnet18_npz
   torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
-  from_pth, from_npz = _build("resnet18", seed=1), _build("resnet18", seed=2)
+  # Two different models, so that a loader that left either alone would
+  # show.
+  from_pth, from_npz = _build("resnet18"), _filled("resnet18", seed=2)
   pretrained.load_pretrained(from_pth, tmp_path / "resnet18.pth")
   pretrained.load_pretrained(from_npz, npz)
   _assert_trees_equal(_featurizer_state(from_pth),

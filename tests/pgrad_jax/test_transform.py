@@ -24,10 +24,23 @@ def problem(n=2, b=6, dtype=jnp.float32):
   return params, {"x": x, "y": y}
 
 
-def update(tx, params, batches, state=None, **kw):
+def update(tx, params, batches, state=None, grads=None, **kw):
+  """``tx.update`` from ``state`` (default: a fresh one), jitted as a
+  training step runs it.
+
+  Op by op, every op of an update compiles on its own, which took most of
+  the tests' time; test_update_keeps_the_state_structure_and_matches_jit
+  checks eager updates against jitted ones. Two transforms that compute the
+  same operations give the same bits when both are compiled (measured under
+  --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512; eager, op by op, rounds
+  differently: up to 4e-7 apart in float32).
+  """
   state = tx.init(params) if state is None else state
-  return tx.update(None, state, params, loss_fn=kw.pop("loss_fn", loss_fn),
-                   batches=batches, **kw)
+  loss = kw.pop("loss_fn", loss_fn)
+  return jax.jit(lambda g, s, p, b: tx.update(g, s, p, loss_fn=loss,
+                                              batches=b, **kw))(
+                                                  grads, state, params,
+                                                  batches)
 
 
 def flat(tree):
@@ -70,11 +83,17 @@ def oracle_rtol(points, k, components):
   return max(1e-9, 10 * np.finfo(np.float64).eps * lam[0] / chosen.min())
 
 
+def linear_step(tx):
+  """``tx``'s update of `linear_loss`, jitted."""
+  return jax.jit(lambda s, p, b: tx.update(None, s, p, loss_fn=linear_loss,
+                                           batches=b))
+
+
 def run(tx, params, batches, steps=1):
   state = tx.init(params)
+  step = linear_step(tx)
   for _ in range(steps):
-    updates, state = tx.update(None, state, params, loss_fn=linear_loss,
-                               batches=batches)
+    updates, state = step(state, params, batches)
   return updates, state
 
 
@@ -93,10 +112,10 @@ def test_matches_numpy_oracle(options, B):
     state = tx.init(params)
     adam = oracle.Adam(0.05, 8)
     theta0 = flat(params)
+    step = linear_step(tx)
     # Two outer steps: the inner Adam state must carry over between them.
     for _ in range(2):
-      updates, state = tx.update(None, state, params, loss_fn=linear_loss,
-                                 batches=batches)
+      updates, state = step(state, params, batches)
       points, losses = oracle.trajectory(
           theta0, np.asarray(batches["x"]), np.asarray(batches["y"]),
           fixed_schedule(3, B), B, adam, N_IN, N_OUT,
@@ -369,8 +388,7 @@ def test_chains_with_other_transforms():
                    pgrad_jax.pgrad(optax.adam(0.1), B=2),
                    optax.add_decayed_weights(1e-4), optax.sgd(0.1))
   grads = jax.tree.map(jnp.ones_like, params)
-  updates, _ = tx.update(grads, tx.init(params), params, loss_fn=loss_fn,
-                         batches=batches, unused_extra=1)
+  updates, _ = update(tx, params, batches, grads=grads, unused_extra=1)
   assert np.all(np.isfinite(flat(updates)))
 
 
@@ -458,22 +476,12 @@ def test_numpy_integers_are_accepted():
   np.testing.assert_array_equal(flat(out), flat(ref))
 
 
-def jitted_update(tx, params, batches, state=None, grads=None):
-  """``update``, jitted: two transforms that compute the same operations
-  give the same bits when both are compiled (measured under
-  --xla_cpu_max_isa SSE4_2, AVX, AVX2 and AVX-512; eager, op by op, rounds
-  differently: up to 4e-7 apart in float32)."""
-  state = tx.init(params) if state is None else state
-  return jax.jit(lambda g, s, p, b: tx.update(
-      g, s, p, loss_fn=loss_fn, batches=b))(grads, state, params, batches)
-
-
 def test_inject_hyperparams_with_static_k_and_B():
   params, batches = problem()
   tx = optax.inject_hyperparams(pgrad_jax.pgrad, static_args=("k", "B"))(
       inner_opt=optax.adam(0.1), k=2, B=3, order="fixed")
-  out, _ = jitted_update(tx, params, batches)
-  ref, _ = jitted_update(
+  out, _ = update(tx, params, batches)
+  ref, _ = update(
       pgrad_jax.pgrad(optax.adam(0.1), k=2, B=3, order="fixed"), params,
       batches)
   np.testing.assert_array_equal(flat(out), flat(ref))
@@ -547,9 +555,9 @@ def test_multisteps_keeps_only_the_last_calls_rollout():
   inner = lambda: pgrad_jax.pgrad(optax.adam(0.1), B=2)
   tx = optax.MultiSteps(inner(), every_k_schedule=2)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  first, state = jitted_update(tx, params, other, grads=zeros)
-  second, state = jitted_update(tx, params, batches, state, grads=zeros)
-  alone, _ = jitted_update(inner(), params, batches)
+  first, state = update(tx, params, other, grads=zeros)
+  second, state = update(tx, params, batches, state, grads=zeros)
+  alone, _ = update(inner(), params, batches)
   assert np.all(flat(first) == 0)
   np.testing.assert_array_equal(flat(second), flat(alone))
 
@@ -563,8 +571,7 @@ def test_apply_if_finite_checks_only_the_incoming_gradients():
   for nonfinite, finite_output in (("propagate", False), ("skip", True)):
     tx = optax.apply_if_finite(
         pgrad_jax.pgrad(optax.adam(0.1), nonfinite=nonfinite), 3)
-    out, state = tx.update(zeros, tx.init(params), params, loss_fn=loss_fn,
-                           batches=batches)
+    out, state = update(tx, params, batches, grads=zeros)
     assert bool(np.all(np.isfinite(flat(out)))) == finite_output
     assert int(state.total_notfinite) == 0
 

@@ -130,6 +130,8 @@ def test_every_algorithm_takes_a_finite_step(name):
 def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
   # With float64 enabled, so that JAX's default dtype is float64: state made
   # in the default dtype, or in float32, shows in one of the two models.
+  # The update's dtypes are those of its trace, which jax.eval_shape gives
+  # without compiling it (as jax.jit would, to the same output types).
   with jax.enable_x64(True):
     pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
     model = build_model(name, LinearFeaturizer(pixels, 5, rngs=nnx.Rngs(0),
@@ -141,8 +143,8 @@ def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
     batches = make_batches()
     batches["image"] = batches["image"].astype(dtype)
     state = algorithm.init(params)
-    outputs = jax.jit(algorithm.update)(params, stats, state, batches,
-                                        jax.random.PRNGKey(1))
+    outputs = jax.eval_shape(algorithm.update, params, stats, state,
+                             batches, jax.random.PRNGKey(1))
   # The rollouts' pgrad_jax keeps its diagnostics (state and metrics) in
   # float32 (docs/api.md).
   rollout = name.startswith("PGrad") or name == "Fish"

@@ -59,9 +59,11 @@ def test_mixup_passes_every_pair_in_domainbeds_order_where_batchnorm_trains():
   _, new_stats, _, metrics = jax.jit(algorithm.update)(
       params, stats, algorithm.init(params), batches, key)
   # The mix the step drew (`base.gradient_algorithm` hands the objective
-  # the second half of its key), its pairs in DomainBed's order.
-  mixed = algorithms.mixup(batches, jax.random.split(key)[1],
-                           hparams["mixup_alpha"])
+  # the second half of its key), its pairs in DomainBed's order. Jitted, as
+  # in the step: op by op, its Beta sampler alone compiles dozens of
+  # programs.
+  mixed = jax.jit(algorithms.mixup, static_argnums=2)(
+      batches, jax.random.split(key)[1], hparams["mixup_alpha"])
   order = np.argsort(np.asarray(mixed["mix_pass"][:, 0]))
   assert list(order) != list(range(num_domains))  # The order shows.
   passes = {name: np.asarray(mixed[name])[order]
