@@ -28,22 +28,49 @@ def _new_model(name, channels=3, seed=0, **kwargs):
   )
 
 
-def _build(name, channels=3, seed=0, **kwargs):
-  """A fresh concrete model: a copy of the one built once per configuration.
+# Model options that change how a model runs, not its arrays: build_model
+# draws the same keys in the same order whatever they are (ResNet-18s of
+# every bn_mode and dropout rate have equal states, leaf by leaf).
+RUN_OPTIONS = ("bn_mode", "dropout")
 
-  Initialising a ResNet-18 takes about a second of random-number generation
-  under the tests' fast-compile XLA flags (conftest.py), and a dozen tests
-  build the same one. Each gets its own copy, so what one test changes
-  (loaded weights, updated statistics) no other test sees. Abstract models
-  (`nnx.eval_shape`) come from `_new_model`, never from this cache.
+
+def _build(name, channels=3, seed=0, **kwargs):
+  """A fresh concrete model: a copy of the arrays initialised once.
+
+  Initialising a ResNet-18 takes about 2 CPU seconds of random-number
+  generation under the tests' fast-compile XLA flags (conftest.py), and a
+  dozen tests build one. The arrays are initialised once per model, channels,
+  seed and option other than the `RUN_OPTIONS`, which the model of ``kwargs``
+  takes in its own structure. Each test gets its own copy, so what one test
+  changes (loaded weights, updated statistics) no other test sees. Abstract
+  models come from `_abstract`, never from this cache.
   """
-  return nnx.clone(_cached_model(name, channels, seed,
-                                 tuple(sorted(kwargs.items()))))
+  init_kwargs = {k: v for k, v in kwargs.items() if k not in RUN_OPTIONS}
+  model = nnx.clone(_cached_model(name, channels, seed,
+                                  tuple(sorted(init_kwargs.items()))))
+  if kwargs == init_kwargs:
+    return model
+  graphdef, _ = nnx.split(_abstract(name, channels, **kwargs))
+  return nnx.merge(graphdef, nnx.state(model))
 
 
 @functools.cache
 def _cached_model(name, channels, seed, kwargs):
   return _new_model(name, channels, seed, **dict(kwargs))
+
+
+def _abstract(name, channels=3, **kwargs):
+  """`_new_model`'s abstract model (`nnx.eval_shape`): shapes and dtypes.
+
+  Traced once per configuration (a ResNet-50's trace takes about a CPU
+  second) and shared: the tests only read it, or split it to fill a copy.
+  """
+  return _cached_abstract(name, channels, tuple(sorted(kwargs.items())))
+
+
+@functools.cache
+def _cached_abstract(name, channels, kwargs):
+  return nnx.eval_shape(lambda: _new_model(name, channels, **dict(kwargs)))
 
 
 def _filled(name, channels=3, seed=0, **kwargs):
@@ -56,8 +83,7 @@ def _filled(name, channels=3, seed=0, **kwargs):
   with ``seed``: two models of different seeds differ everywhere, so a
   loader that left part of one alone would show.
   """
-  graphdef, state = nnx.split(
-      nnx.eval_shape(lambda: _new_model(name, channels, seed, **kwargs)))
+  graphdef, state = nnx.split(_abstract(name, channels, **kwargs))
   rng = np.random.default_rng(seed)
 
   def fill(leaf):
@@ -84,7 +110,7 @@ def _abstract_forward(name, channels=3, **kwargs):
   Abstract evaluation traces the same code as a real call without compiling
   it, which keeps shape checks on the large models fast.
   """
-  model = nnx.eval_shape(lambda: _new_model(name, channels, **kwargs))
+  model = _abstract(name, channels, **kwargs)
   graphdef, state = nnx.split(model)
 
   def forward(state, x):
@@ -233,7 +259,7 @@ def test_resnet_parameter_counts(depth, featurizer_params, torchvision_total):
   without_fc = [v for k, v in sizes.items() if not k.startswith("fc.")]
   assert sum(without_fc) == featurizer_params
 
-  model = nnx.eval_shape(lambda: _new_model(f"resnet{depth}"))
+  model = _abstract(f"resnet{depth}")
   params = nnx.state(model.featurizer, nnx.Param)
   assert sum(p.size for p in jax.tree.leaves(params)) == featurizer_params
 
@@ -364,7 +390,7 @@ def test_convert_torchvision_state_dict_layout(resnet18_npz):
   np.testing.assert_array_equal(
       tree["layer3"][1]["bn2"]["var"], state_dict["layer3.1.bn2.running_var"]
   )
-  abstract = nnx.eval_shape(lambda: _new_model("resnet18"))
+  abstract = _abstract("resnet18")
   expected = nnx.to_pure_dict(
       nnx.state(abstract.featurizer, (nnx.Param, nnx.BatchStat))
   )
@@ -470,8 +496,7 @@ def test_mismatched_weights_raise_clear_errors(resnet18_npz, tmp_path):
   state_dict, path = resnet18_npz
   with pytest.raises(ValueError, match=r"missing[\s\S]*layer1/0/conv3/kernel"):
     # Shapes suffice to detect the mismatch, so the model can stay abstract.
-    pretrained.load_pretrained(
-        nnx.eval_shape(lambda: _new_model("resnet50")), path)
+    pretrained.load_pretrained(_abstract("resnet50"), path)
 
   tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
   tree["layer1"][0]["conv2"]["kernel"] = np.zeros((3, 3, 64, 32), np.float32)
