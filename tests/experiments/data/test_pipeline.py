@@ -1,9 +1,10 @@
 """Tests for experiments/data/pipeline.py."""
 
+import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grain
@@ -335,13 +336,17 @@ def test_closed_workers_leave_no_shared_memory_to_the_resource_tracker(
   assert "leaked" not in result.stderr, result.stderr
 
 
-def _running(pid):
-  """Whether process ``pid`` runs (a zombie has ended)."""
+def _ended_within(pid, timeout_s):
+  """Whether process ``pid`` (not a child of this one) ends within
+  ``timeout_s``: its pidfd becomes readable when it has ended."""
   try:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[
-        0] != "Z"
-  except FileNotFoundError:
-    return False
+    pidfd = os.pidfd_open(pid)
+  except ProcessLookupError:  # Already gone, reaped.
+    return True
+  try:
+    return bool(select.select([pidfd], [], [], timeout_s)[0])
+  finally:
+    os.close(pidfd)
 
 
 @pytest.mark.slow
@@ -355,7 +360,4 @@ def test_workers_end_when_their_process_is_killed(tmp_path):
   assert result.returncode == -signal.SIGKILL, result.stderr
   workers = [int(pid) for pid in result.stdout.split()]
   assert len(workers) == 2, result.stdout
-  deadline = time.time() + 30
-  while any(map(_running, workers)) and time.time() < deadline:
-    time.sleep(0.1)
-  assert not any(map(_running, workers)), workers
+  assert all(_ended_within(pid, timeout_s=30) for pid in workers), workers

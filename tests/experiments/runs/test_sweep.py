@@ -29,8 +29,10 @@ HOLD_STEP = 3
 # and otherwise trains --steps steps, resuming from the steps a previous
 # launch wrote to "progress". SIGTERM stops it after the current step, as a
 # preempted run. The first launch of the run whose output directory is
-# FAKE_HOLD waits after step HOLD_STEP until a signal or a "release" file,
-# so that a test acts on a run mid-training whatever the machine's speed.
+# FAKE_HOLD waits after step HOLD_STEP until SIGTERM (or SIGKILL), so that
+# a test acts on a run mid-training whatever the machine's speed. SIGTERM is
+# blocked and read from the pending signals: the held run sleeps in
+# sigwait, and no signal can slip between a check and the wait.
 FAKE_TRAIN = textwrap.dedent("""\
     import argparse, json, os, pathlib, signal, sys, time
     parser = argparse.ArgumentParser()
@@ -46,17 +48,14 @@ FAKE_TRAIN = textwrap.dedent("""\
           "argv": sys.argv[1:], "start": start, "pid": os.getpid(),
           "ppid": os.getppid(), "started": time.time(),
           "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
-    stopped = []
-    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if args.hparams_seed == 3:
       sys.exit("failed on purpose")
     hold = os.environ.get("FAKE_HOLD") == str(out) and start == 0
     for step in range(start, args.steps):
-      while (hold and step == {hold_step} and not stopped
-             and not (out / "release").exists()):
-        time.sleep(0.01)
+      held = hold and step == {hold_step} and signal.sigwait({signal.SIGTERM})
       progress.write_text(str(step + 1))
-      if stopped:
+      if held or signal.SIGTERM in signal.sigpending():
         (out / "stopped").write_text(str(step + 1))
         sys.exit(143)
     (out / "results.jsonl").write_text('{"step": 7}\\n')
