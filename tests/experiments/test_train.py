@@ -50,8 +50,20 @@ def _flags(output_dir):
   return [*FLAGS, "--output_dir", str(output_dir)]
 
 
+def _with_steps(steps):
+  """`FLAGS` with ``steps`` training steps."""
+  flags = list(FLAGS)
+  flags[flags.index("--steps") + 1] = str(steps)
+  return flags
+
+
+def _train_command(flags):
+  """``python -m experiments.train`` with ``flags``."""
+  return [sys.executable, "-m", "experiments.train", *flags]
+
+
 def _command(output_dir):
-  return [sys.executable, "-m", "experiments.train", *_flags(output_dir)]
+  return _train_command(_flags(output_dir))
 
 
 def run_here(flags, capsys):
@@ -193,8 +205,7 @@ def test_run_stops_at_its_first_plateaued_check_even_when_killed_there(
   flags = [*_flags(output_dir), "--plateau_check_freq", str(check_freq)]
   # Killed once its checkpoint at the stop is saved, before it is done: the
   # resumed run reads its records, stops there again and trains no further.
-  kill_at_first_checkpoint([sys.executable, "-m", "experiments.train",
-                            *flags], output_dir, stop)
+  kill_at_first_checkpoint(_train_command(flags), output_dir, stop)
   resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   assert f"Stopped at step {stop} of at most {STEPS}" in resumed.stderr
@@ -252,7 +263,7 @@ training.Sharder.batch = place_and_record
 
 
 # Two steps, the first checkpoint's: the runs on several devices.
-SHORT_FLAGS = [f if f != str(STEPS) else str(FREQ) for f in FLAGS]
+SHORT_FLAGS = _with_steps(FREQ)
 
 
 @pytest.fixture(name="two_devices", scope="module")
@@ -267,8 +278,8 @@ def fixture_two_devices(tmp_path_factory):
   output_dir = tmp_path / "run"
   result = run_after(
       _RECORD_BATCH_LAYOUT.format(path=str(layout)),
-      [sys.executable, "-m", "experiments.train", *SHORT_FLAGS, "--devices",
-       "2", "--output_dir", str(output_dir)], env=env)
+      _train_command([*SHORT_FLAGS, "--devices", "2", "--output_dir",
+                      str(output_dir)]), env=env)
   return result, output_dir, layout
 
 
@@ -315,7 +326,7 @@ def test_devices_split_every_domains_batch_on_a_data_axis(two_devices):
 
 def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
     tmp_path):
-  flags = [f if f != str(STEPS) else "6" for f in FLAGS]
+  flags = _with_steps(6)
   assert train.main([*flags, "--trajectory_freq", "3",
                      "--output_dir", str(tmp_path)]) == 0
   trajectory = tmp_path / "trajectory"
@@ -552,8 +563,7 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
   output_dir = tmp_path / "run"
   flags = [*_flags(output_dir), "--checkpoint_freq", str(freq)]
   stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
-      calls=stop, delay=0.5, sig=int(signal.SIGTERM)),
-                      [sys.executable, "-m", "experiments.train", *flags])
+      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), _train_command(flags))
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
   assert "Traceback" not in stopped.stderr
   run = records.read_run(output_dir)
@@ -710,8 +720,8 @@ def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
   a_file = tmp_path / "data.zip"
   a_file.write_text("")
   refused = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--dataset", "PACS",
-       "--data_dir", str(a_file), "--output_dir", str(tmp_path / "run")],
+      _train_command(["--dataset", "PACS", "--data_dir", str(a_file),
+                      "--output_dir", str(tmp_path / "run")]),
       cwd=REPO, capture_output=True, text=True, check=False)
   assert refused.returncode == 2
   assert refused.stderr.endswith(

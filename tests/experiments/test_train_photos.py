@@ -22,13 +22,12 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
-from experiments import train
 from experiments import training
 from test_models import random_state_dict
 from test_pretrained import fixture_server  # pylint: disable=unused-import
 from test_pretrained import serve_weights
 import torch_writer
-from test_train import kill_at_first_checkpoint
+from test_train import kill_at_first_checkpoint, run_here
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, FREQ = 4, 2
@@ -148,11 +147,9 @@ def test_photo_run_killed_and_resumed_ends_bit_for_bit_as_uninterrupted(
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(data_dir, output_dir, 1), output_dir,
                            FREQ)
-  capsys.readouterr()
-  status = train.main(_args(data_dir, output_dir, 0))
-  err = capsys.readouterr().err
-  assert status == 0, err
-  assert "Resuming from step" in err
+  resumed = run_here(_args(data_dir, output_dir, 0), capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resuming from step" in resumed.stderr
   expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
   for key in expected:

@@ -17,7 +17,7 @@ from experiments.data import datasets
 from experiments import train
 from experiments import training
 from experiments.data import wilds
-from test_train import kill_at_first_checkpoint
+from test_train import kill_at_first_checkpoint, run_here
 import wilds_data
 
 ID_EVAL_SIZE = 6
@@ -215,11 +215,9 @@ def test_poverty_map_run_resumes_after_a_kill(pgrad_run, tmp_path,
   data, reference, _ = pgrad_run
   output_dir = tmp_path / "run"
   kill_at_first_checkpoint(_command(data, output_dir, 0), output_dir, 2)
-  capsys.readouterr()
-  status = train.main(_pgrad_flags(data, output_dir, 1))
-  err = capsys.readouterr().err
-  assert status == 0, err
-  assert "Resuming from step" in err
+  resumed = run_here(_pgrad_flags(data, output_dir, 1), capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "Resuming from step" in resumed.stderr
   # Trained on augmented images (PovertyMap's default), drawn again alike.
   assert all(r["hparams"]["data_augmentation"] for r in _records(output_dir))
   expected, got = _params(reference), _params(output_dir)

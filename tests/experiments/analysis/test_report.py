@@ -91,12 +91,17 @@ SUMMARY_TABLE = """\
 | PGrad | 80.0 ± 0.0 (1 of 2 trials) | X | X |"""
 
 
+def _build_figures_only(monkeypatch):
+  """From here on, figures are built but neither drawn nor written: drawing
+  and writing them takes most of a report's time."""
+  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+
+
 @pytest.fixture(name="undrawn")
 def fixture_undrawn(monkeypatch):
-  """Figures built but neither drawn nor written, for the tests of what the
-  report says rather than of what it shows: drawing and writing them takes
-  most of a report's time."""
-  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+  """`_build_figures_only`, for the tests of what the report says rather
+  than of what it shows."""
+  _build_figures_only(monkeypatch)
 
 
 def test_report_tables_and_plots(tmp_path):
@@ -387,7 +392,7 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
 
   # A curve of one point is drawn as a marker: the report's figures again,
   # not drawn a second time.
-  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+  _build_figures_only(monkeypatch)
   written, skipped = report.write_plots(
       records_lib.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
       tmp_path / "out" / "plots")
@@ -542,7 +547,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
     assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
 
   # The report's figures again, not drawn a second time.
-  monkeypatch.setattr(plots, "save", lambda figure, path: None)
+  _build_figures_only(monkeypatch)
   written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
