@@ -22,8 +22,11 @@ evaluated every ``--checkpoint-freq`` steps; its records
   runs;
 * the data wait, ``data_wait_time`` of the same records, the part of the
   step spent waiting for the training batch;
-* ``compile_time`` and ``time_to_first_step``, where the loop records them
-  (older loops do not: "n/a").
+* ``compile_time``, ``first_batch_time`` and ``time_to_first_step``, where
+  the loop records them (older loops do not: "n/a"), and the start-up
+  ratio: the time to the first step over the compile and the first batch,
+  the two things a run must wait for (the loop overlaps them, so at best
+  the ratio is under 1).
 
 The update is `benchmarks.step_time`'s (``erm`` and ``pgrad-B``,
 `step_time.Methods`) on the same device, network, image size and
@@ -62,7 +65,7 @@ MODELS = ("mnist_cnn", "resnet18", "resnet50")
 ALGORITHMS = {"ERM": "erm", "PGrad-B": "pgrad"}
 DIGITS, PHOTOS = "RotatedDigits", "PACS"
 # The loop's records of its start-up, in seconds (missing in older loops).
-START_UP_FIELDS = ("compile_time", "time_to_first_step")
+START_UP_FIELDS = ("compile_time", "first_batch_time", "time_to_first_step")
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -219,10 +222,16 @@ def steady(runs: Sequence[Sequence[records_lib.Record]],
 
 def start_up(run: Sequence[records_lib.Record],
              wall_s: float) -> dict[str, float | None]:
-  """A run's start-up as its records give it (None where they do not), and
-  its command's wall time."""
+  """A run's start-up as its records give it (None where they do not), its
+  start-up ratio, time to first step / (compile + first batch), and its
+  command's wall time."""
   first = next((r for r in run if START_UP_FIELDS[0] in r), {})
-  return {**{field: first.get(field) for field in START_UP_FIELDS},
+  fields = {field: first.get(field) for field in START_UP_FIELDS}
+  waited = (None if fields["first_batch_time"] is None
+            else fields["compile_time"] + fields["first_batch_time"])
+  return {**fields,
+          "start_up_ratio": (None if not waited
+                             else fields["time_to_first_step"] / waited),
           "wall_s": wall_s}
 
 
@@ -249,7 +258,7 @@ def summarize(case: Case, algorithm: str,
   update_ms = update.median_ms
   runs = {"cold": start_up(cold, walls[0]), "warm": start_up(warm, walls[1])}
   saved = {}
-  for field in START_UP_FIELDS:
+  for field in ("compile_time", "time_to_first_step"):
     before, after = runs["cold"][field], runs["warm"][field]
     saved[field] = None if before is None or after is None else before - after
   return {
@@ -380,6 +389,9 @@ def report(record: dict[str, Any]) -> str:
       _cell(r["runs"]["warm"]["time_to_first_step"]),
       _cell(r["runs"]["cold"]["compile_time"]),
       _cell(r["runs"]["warm"]["compile_time"]),
+      _cell(r["runs"]["cold"]["first_batch_time"]),
+      _cell(r["runs"]["cold"]["start_up_ratio"]),
+      _cell(r["runs"]["warm"]["start_up_ratio"]),
       r["runs"]["cold"]["wall_s"], r["runs"]["warm"]["wall_s"],
   ] for r in record["results"]]
   return (f"{env['device_kind']} ({env['platform']}), jax {env['jax']}, "
@@ -389,7 +401,9 @@ def report(record: dict[str, Any]) -> str:
               ["model", "algorithm", "batch", "loop step ms", "update ms",
                "loop / update", "data wait ms", "first step s (cold)",
                "first step s (warm)", "compile s (cold)", "compile s (warm)",
-               "run s (cold)", "run s (warm)"], rows))
+               "first batch s (cold)", "start-up ratio (cold)",
+               "start-up ratio (warm)", "run s (cold)", "run s (warm)"],
+              rows))
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

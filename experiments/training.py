@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import signal
 import sys
@@ -45,6 +46,8 @@ from experiments.runs import records
 from experiments.data import tasks
 
 CHECKPOINTS_KEPT = 2
+# A user's own threshold for the programs the compilation cache keeps.
+COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 # DomainBed's ToTensor and Normalize (`datasets.normalize`) of every uint8
 # level, by RGB channel: photos cross to the device as uint8 and the step
 # looks their values up here (`normalized`), the same float32 values as on
@@ -647,10 +650,19 @@ def _warn_if_long(seconds: float, config: config_lib.Config) -> None:
 
 def use_compile_cache(path: Path | None) -> None:
   """Keeps compiled programs in ``path`` (JAX's persistent compilation
-  cache), for later runs of the same shape to load; None: none kept."""
+  cache), for later runs of the same shape to load; None: none kept.
+
+  Every program is kept, however quick it was to compile, unless
+  ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` says otherwise: JAX's
+  default keeps only those of a second or more, but the model's eager
+  initialisation compiles one small program per initializer and shape
+  (0.3-0.7 s each on a CPU), which together can outlast the step's compile.
+  """
   jax.config.update("jax_enable_compilation_cache", path is not None)
   if path is not None:
     jax.config.update("jax_compilation_cache_dir", str(path))
+    if COMPILE_TIME_ENV not in os.environ:
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _example(dataset: datasets.MultiDomainDataset,
@@ -678,7 +690,8 @@ def _compile_while_reading(
 
   Returns:
     The seconds compiling took (reading from the persistent compilation
-    cache, where it holds the program), and the batch ``read()`` returned.
+    cache, where it holds the program), the seconds ``read()`` took, and
+    the batch it returned.
   """
 
   def compile_step() -> float:
@@ -690,8 +703,10 @@ def _compile_while_reading(
 
   with futures.ThreadPoolExecutor(1, thread_name_prefix="compile") as pool:
     compiling = pool.submit(compile_step)
+    start = time.time()
     batch = read()
-    return compiling.result(), batch
+    first_batch_time = time.time() - start
+    return compiling.result(), first_batch_time, batch
 
 
 def train(spec: config_lib.RunSpec) -> records.Record:
@@ -829,7 +844,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     if (step < config.steps and not stops_at(config, written, step)
         and (stop.signum is None or unsaved)):
       screen.phase("compiling")
-      compile_time, batch = _compile_while_reading(
+      compile_time, first_batch_time, batch = _compile_while_reading(
           step_program, state, sharder, _example(dataset, augment, train_domains,
                                                splits),
           (domains_per_step or len(train_domains), hparams["batch_size"]),
@@ -866,8 +881,9 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         time_to_first_step = time.time() - started
         screen.phase("training")
         tqdm.tqdm.write(
-            f"Compiled the step in {compile_time:.1f} s; the first step "
-            f"ended {time_to_first_step:.1f} s after the run started.",
+            f"Compiled the step in {compile_time:.1f} s while reading the "
+            f"first batch in {first_batch_time:.1f} s; the first step ended "
+            f"{time_to_first_step:.1f} s after the run started.",
             file=sys.stderr)
         estimate_start = time.time()
       elif steps_run == 1 + ESTIMATE_STEPS and on_cpu_photos:
@@ -900,6 +916,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
           **meter.result(), "step_time": step_time,
           "data_wait_time": data_wait / timed,
           "compile_time": compile_time,
+          "first_batch_time": first_batch_time,
           "time_to_first_step": time_to_first_step,
           **evaluate(eval_step, state, dataset, sets, config, sharder,
                      augment)}

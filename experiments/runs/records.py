@@ -24,6 +24,8 @@ A *record* is one evaluation::
                           # compiling excepted
    "data_wait_time": float,  # of which reading the next training batch
    "compile_time": float,    # seconds compiling the step (a cache hit: less)
+   "first_batch_time": float,  # seconds reading the first training batch,
+                          # which the step's compiling overlaps
    "time_to_first_step": float,  # from the start of training to the end of
                           # its first step in this process
    "interrupted": str,    # only on a record written at SIGINT or SIGTERM
@@ -86,6 +88,10 @@ DATASET_FILE = "dataset.json"
 RESULTS_FILE = "results.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 TRAJECTORY_DIR = "trajectory"
+# The fields of a record that time its training, which no rerun reproduces
+# (records written before the loop timed its start-up lack the last three).
+TIMING_FIELDS = ("step_time", "data_wait_time", "compile_time",
+                 "first_batch_time", "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
 DONE_FILE = "done"
 # A sweep's packed runs (`pack_runs`), beside their directories.

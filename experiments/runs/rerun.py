@@ -56,10 +56,8 @@ if TYPE_CHECKING:
 
 COMMANDS = ("reproduce", "longer")
 # Fields of a record that differ between two trainings of one run: where it
-# was written and how fast it went (records written before the loop timed
-# its compilation lack the last two).
-_UNREPRODUCIBLE = ("output_dir", "step_time", "data_wait_time",
-                   "compile_time", "time_to_first_step")
+# was written and how fast it went.
+_UNREPRODUCIBLE = ("output_dir", *records.TIMING_FIELDS)
 # The flags that pick the longer command's run, and its length.
 _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
                  "test_env", "longer_steps")

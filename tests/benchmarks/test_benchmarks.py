@@ -216,9 +216,11 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   # PGrad-B's default batch on RotatedDigits, 5 training domains.
   assert (case.dataset, case.domains, case.batch) == ("RotatedDigits", 5, 63)
   cold = _records([(9.0, 2.0), (0.30, 0.01), (0.50, 0.03)],
-                  compile_time=6.0, time_to_first_step=8.5)
+                  compile_time=6.0, first_batch_time=2.5,
+                  time_to_first_step=8.5)
   warm = _records([(4.0, 2.0), (0.40, 0.02)],
-                  compile_time=1.5, time_to_first_step=3.0)
+                  compile_time=1.5, first_batch_time=0.5,
+                  time_to_first_step=3.0)
   update = common.Timing(compile_ms=5000.0, times_ms=[300.0, 200.0, 800.0])
   row = end_to_end.summarize(case, "PGrad-B", cold, warm, (20.0, 12.0),
                              update)
@@ -231,9 +233,11 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   assert row["data_wait_ms"] == pytest.approx(1e3 * wait_s)
   assert row["data_wait_share"] == pytest.approx(wait_s / step_s)
   assert row["runs"] == {
-      "cold": {"compile_time": 6.0, "time_to_first_step": 8.5,
+      "cold": {"compile_time": 6.0, "first_batch_time": 2.5,
+               "time_to_first_step": 8.5, "start_up_ratio": 1.0,
                "wall_s": 20.0},
-      "warm": {"compile_time": 1.5, "time_to_first_step": 3.0,
+      "warm": {"compile_time": 1.5, "first_batch_time": 0.5,
+               "time_to_first_step": 3.0, "start_up_ratio": 1.5,
                "wall_s": 12.0}}
   assert row["warm_saves_s"] == pytest.approx(
       {"compile_time": 4.5, "time_to_first_step": 5.5})
@@ -245,6 +249,7 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
                              _records([(4.0, 2.0), (0.3, 0.0)]), (20.0, 12.0),
                              update)
   assert old["runs"]["cold"]["compile_time"] is None
+  assert old["runs"]["cold"]["start_up_ratio"] is None
   assert old["warm_saves_s"] == {"compile_time": None,
                                  "time_to_first_step": None}
   record = {"environment": common.environment(),
@@ -253,7 +258,7 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   json.dumps(record)
   table = end_to_end.report(record)
   (erm_line,) = [line for line in table.splitlines() if " ERM " in line]
-  assert erm_line.count("n/a") == 4
+  assert erm_line.count("n/a") == 7
 
 
 def test_end_to_end_needs_a_steady_interval():

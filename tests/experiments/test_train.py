@@ -18,6 +18,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -42,8 +44,7 @@ FLAGS = [
 ]
 NUM_DOMAINS, TRAIN_DOMAINS, B = 6, 2, 3
 # The fields of a record that time the run, which no rerun reproduces.
-TIMING = ("step_time", "data_wait_time", "compile_time",
-          "time_to_first_step")
+TIMING = records.TIMING_FIELDS
 
 
 def _flags(output_dir):
@@ -696,6 +697,60 @@ def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
   config = config_lib.parse_args(["--compile_cache_dir", "none"])
   assert config.identity() == config_lib.parse_args([]).identity()
   assert "compile_cache_dir" not in config.record_args()
+
+
+@pytest.mark.parametrize("user_threshold", [None, "2.5"])
+def test_the_compile_cache_keeps_every_program_unless_the_user_says(
+    monkeypatch, tmp_path, user_threshold):
+  # The model's initialisation compiles many programs of under a second
+  # each, which JAX's default threshold (1 s) would compile again every run.
+  name = "jax_persistent_cache_min_compile_time_secs"
+  options = (name, "jax_enable_compilation_cache",
+             "jax_compilation_cache_dir")
+  before = {option: getattr(jax.config, option) for option in options}
+  try:
+    if user_threshold is None:
+      monkeypatch.delenv(training.COMPILE_TIME_ENV, raising=False)
+    else:
+      # JAX reads the variable when it starts; a run started so has it.
+      monkeypatch.setenv(training.COMPILE_TIME_ENV, user_threshold)
+      jax.config.update(name, float(user_threshold))
+    training.use_compile_cache(tmp_path)
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    assert getattr(jax.config, name) == (
+        0 if user_threshold is None else float(user_threshold))
+  finally:
+    for option, value in before.items():
+      jax.config.update(option, value)
+
+
+def test_the_step_compiles_while_the_first_batch_is_read():
+  # Each side waits for the other to have begun: done one after the other,
+  # the compile (or the read) would wait for ever, and the test fail.
+  tracing, read = threading.Event(), threading.Event()
+
+  def step(state, batch):
+    tracing.set()
+    assert read.wait(30), "the read did not end while the step compiled"
+    return state + batch["image"].sum()
+
+  read_seconds = []
+
+  def read_first_batch():
+    start = time.time()
+    assert tracing.wait(30), "the step did not compile while reading"
+    read.set()
+    read_seconds.append(time.time() - start)
+    return "the first batch"
+
+  example = {"image": np.zeros((4, 4, 1), np.float32)}
+  compile_time, first_batch_time, batch = training._compile_while_reading(
+      jax.jit(step), np.zeros((), np.float32), training.Sharder(1), example,
+      (2, 3), read_first_batch)
+  assert batch == "the first batch"
+  # The read's own time is what the record gives.
+  assert read_seconds[0] <= first_batch_time
+  assert compile_time > 0
 
 
 def test_the_final_line_counts_steps_in_words():

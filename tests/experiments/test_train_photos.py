@@ -22,6 +22,7 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
+from experiments.runs import records
 from experiments import training
 from test_models import random_state_dict
 from test_pretrained import fixture_server  # pylint: disable=unused-import
@@ -41,8 +42,7 @@ FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
                                   "image_size": IMAGE_SIZE}),
          "--eval_examples", "4", "--eval_batch_size", "8",
          "--loss_examples", "4"]
-TIMING = ("step_time", "data_wait_time", "compile_time",
-          "time_to_first_step")
+TIMING = records.TIMING_FIELDS
 
 
 @pytest.fixture(name="data_dir", scope="module")
