@@ -51,10 +51,12 @@ scratch. At the end the run writes its final params and its ``done`` file; the
 same command then prints its result again.
 
 The output directory belongs to one configuration, recorded in its config
-file at the first evaluation (the directory is created then, so a run failing
-earlier leaves nothing). A run of another configuration there, or a directory
-that cannot be written, is refused before any work, with exit status 2,
-unless ``--overwrite`` (see `experiments.config`).
+file before the run writes anything else there: at the first evaluation, or
+with ``--trajectory_freq`` at the step-0 snapshot. The directory is created
+then, so a run failing earlier leaves nothing, and a run killed later leaves
+a directory that the same command resumes. A run of another configuration
+there, or a directory that cannot be written, is refused before any work,
+with exit status 2, unless ``--overwrite`` (see `experiments.config`).
 
 With ``trajectory_freq`` N > 0, the params after every N-th step (and at
 step 0) are saved flattened as float32 snapshots (see

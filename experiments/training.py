@@ -478,6 +478,25 @@ def _start_run_directory(
   records.write_fingerprint(output_dir, fingerprint)
 
 
+def _started_run_directory(
+    manager: ocp.CheckpointManager | None, spec: config_lib.RunSpec,
+    hparams: dict[str, Any]
+) -> ocp.CheckpointManager:
+  """The run's checkpoint manager, ``manager``; a fresh run, which has none
+  yet, first starts its run directory (`_start_run_directory`).
+
+  A fresh run calls it before the first file it writes in its directory,
+  whichever that is: the step-0 params snapshot (``--trajectory_freq``) or
+  the first evaluation's record. The config file is then there before any
+  other, so that a run killed at any moment leaves a directory that the
+  same command resumes rather than refuses (`config.claim_run_directory`).
+  """
+  if manager is None:
+    _start_run_directory(spec.config, hparams, spec.fingerprint)
+    manager = _checkpoint_manager(Path(spec.config.output_dir))
+  return manager
+
+
 def _checkpoint_manager(output_dir: Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       (output_dir / records.CHECKPOINT_DIR).absolute(),
@@ -734,8 +753,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     print("Already finished.", file=sys.stderr)
     print(final_line(record, output_dir))
     return record
-  # A fresh run creates its directory at its first evaluation, so a run that
-  # fails before then leaves nothing behind.
+  # A fresh run creates its directory when it first writes there
+  # (`_started_run_directory`), so a run that fails before leaves nothing.
   manager = _checkpoint_manager(output_dir) if spec.resume else None
   start = manager.latest_step() if spec.resume else None
   run = (_checked_run(output_dir, checkpoint_step=start) if spec.resume
@@ -816,6 +835,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       else min(sizes) / hparams["batch_size"])
   step = int(state.step)
   if config.trajectory_freq and step == 0:
+    # A fresh run's first file: the later snapshots follow it.
+    manager = _started_run_directory(manager, spec, hparams)
     save_trajectory_point(output_dir, 0, state.params)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
@@ -889,9 +910,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         continue
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / timed
-      if manager is None:
-        _start_run_directory(spec.config, hparams, spec.fingerprint)
-        manager = _checkpoint_manager(output_dir)
+      manager = _started_run_directory(manager, spec, hparams)
       screen.phase("evaluating")
       record = {
           "args": config.record_args(), "hparams": hparams,
@@ -922,7 +941,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       meter = MetricMeter()
       interval_start, timed, data_wait = time.time(), 0, 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
-  if manager is not None:  # None: stopped before a fresh run's first step.
+  if manager is not None:  # None: a fresh run stopped before writing.
     manager.wait_until_finished()
     manager.close()
   if stop.signum is not None and step < config.steps and not stops_at(

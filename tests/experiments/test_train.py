@@ -343,6 +343,43 @@ def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
   np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
 
 
+# Prepended to a train command: the run SIGKILLs itself once its step-0
+# params snapshot is on disk, before its first step (and checkpoint).
+_DIE_AFTER_FIRST_SNAPSHOT = """\
+import os, signal
+from experiments import training
+save = training.save_trajectory_point
+def save_then_die(output_dir, step, params):
+  save(output_dir, step, params)
+  if step == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+training.save_trajectory_point = save_then_die
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_first_snapshot_resumes_bit_for_bit(
+    reference, tmp_path, capsys):
+  # The case reported: the step-0 snapshot was the run directory's first
+  # file, before its config file; killed then, the run's directory was
+  # refused by the same command as a run of unknown configuration.
+  output_dir = tmp_path / "run"
+  flags = [*_flags(output_dir), "--trajectory_freq", "5"]
+  killed = run_after(_DIE_AFTER_FIRST_SNAPSHOT, _train_command(flags))
+  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  assert list(records.trajectory_files(output_dir)) == [0]
+  assert not records.checkpoint_steps(output_dir)
+  assert (output_dir / records.CONFIG_FILE).exists()
+
+  resumed = run_here(flags, capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  assert list(records.trajectory_files(output_dir)) == [0, 5, STEPS]
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
 def _files(output_dir):
   """Every file of a run directory, with its bytes."""
   return {p.relative_to(output_dir): p.read_bytes()
