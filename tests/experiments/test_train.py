@@ -400,6 +400,33 @@ def test_a_finished_run_prints_its_result_again_and_writes_nothing(
       "held-out domains' in splits; no model selection): "
       f"{held_out}. Run directory: {reference}\n")
   assert _files(reference) == before
+  # The training loop, called on the finished run, says the same.
+  assert training.train(train.resolve_run(_flags(reference))) == last
+  assert capsys.readouterr() == (out, err)
+  assert _files(reference) == before
+
+
+def test_a_finished_runs_result_is_printed_without_importing_jax(reference):
+  # The README's default command run again once finished: its result, read
+  # from the records, needs neither JAX nor the training loop (seconds of
+  # imports). Python's import log (-X importtime, on stderr) names every
+  # module the command imported.
+  again = subprocess.run(
+      [sys.executable, "-X", "importtime", "-m", "experiments.train",
+       *_flags(reference)],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert again.returncode == 0, again.stderr
+  assert again.stdout == records.final_line(read_records(reference)[-1],
+                                            reference) + "\n"
+  assert "Already finished." in again.stderr
+  imported = {line.rsplit("|", 1)[-1].strip()
+              for line in again.stderr.splitlines()
+              if line.startswith("import time:")}
+  assert "experiments.config" in imported, again.stderr
+  needless = sorted(name for name in imported
+                    if name.split(".")[0] in ("jax", "jaxlib")
+                    or name == "experiments.training")
+  assert not needless, needless[:10]
 
 
 def _truncate_mid_line(run):
@@ -733,15 +760,6 @@ def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
   config = config_lib.parse_args(["--compile_cache_dir", "none"])
   assert config.identity() == config_lib.parse_args([]).identity()
   assert "compile_cache_dir" not in config.record_args()
-
-
-def test_the_final_line_counts_steps_in_words():
-  record = make_record("RotatedDigits", "ERM", 0, 0, 0, 1,
-                       in_accs=[0.5] * 6, out_accs=[0.5] * 6,
-                       domains=[f"{15 * i}°" for i in range(6)])
-  assert "after 1 step (the last step's" in training.final_line(record, "r")
-  record["step"] = 2
-  assert "after 2 steps (the last" in training.final_line(record, "r")
 
 
 def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):
