@@ -521,6 +521,44 @@ def _check_writable(output_dir: Path) -> None:
                      f"({e.strerror}); pass a writable --output_dir.") from None
 
 
+def read_checked_run(output_dir: str | Path, **checkpoint: int | None
+                     ) -> records.RunRecords:
+  """`records.read_run`, with damaged records a usage error naming the fix.
+
+  Args:
+    output_dir: the run directory.
+    **checkpoint: ``checkpoint_step``, as `records.read_run` takes it.
+
+  Raises:
+    UsageError: the records are damaged.
+  """
+  try:
+    return records.read_run(output_dir, **checkpoint)
+  except records.DamagedRunError as e:
+    raise UsageError(f"{e}. Train it again from scratch: the same command "
+                     "with --overwrite.") from None
+
+
+def report_finished_run(output_dir: str | Path) -> records.Record | None:
+  """Prints the result of the run in ``output_dir`` if it is finished
+  (`records.is_done`), as the train command prints it again, and returns
+  its last record; returns None for a run not finished, printing nothing.
+
+  It imports no JAX, so that the command prints a finished run's result
+  without the seconds of importing the training loop.
+
+  Raises:
+    UsageError: the run is finished but its records are damaged
+      (`read_checked_run`); nothing is printed.
+  """
+  if not records.is_done(output_dir):
+    return None
+  record = read_checked_run(output_dir).records[-1]
+  print("Already finished.", file=sys.stderr)
+  print(records.final_line(record, output_dir))
+  return record
+
+
 def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
   """Whether to resume the run in ``config.output_dir``; refuses another's.
 

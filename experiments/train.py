@@ -48,13 +48,15 @@ Records that contradict themselves or the checkpoints (which no run, even
 killed, leaves) are refused with exit status 2 before anything else, as is a
 finished run's; the same command with ``--overwrite`` trains again from
 scratch. At the end the run writes its final params and its ``done`` file; the
-same command then prints its result again.
+same command then prints its result again, without importing JAX.
 
 The output directory belongs to one configuration, recorded in its config
-file at the first evaluation (the directory is created then, so a run failing
-earlier leaves nothing). A run of another configuration there, or a directory
-that cannot be written, is refused before any work, with exit status 2,
-unless ``--overwrite`` (see `experiments.config`).
+file before the run writes anything else there: at the first evaluation, or
+with ``--trajectory_freq`` at the step-0 snapshot. The directory is created
+then, so a run failing earlier leaves nothing, and a run killed later leaves
+a directory that the same command resumes. A run of another configuration
+there, or a directory that cannot be written, is refused before any work,
+with exit status 2, unless ``--overwrite`` (see `experiments.config`).
 
 With ``trajectory_freq`` N > 0, the params after every N-th step (and at
 step 0) are saved flattened as float32 snapshots (see
@@ -70,7 +72,8 @@ the batch must divide, and the algorithm must keep it split
 Every setting is resolved and checked once, before JAX is imported (the
 training loop is in `experiments.training`), into the frozen
 `config.RunSpec` that the loop reads (`resolve_run`): a bad name or value
-is refused at once.
+is refused at once, and a finished run's result is printed then
+(`config.report_finished_run`), JAX never imported.
 """
 
 
@@ -194,7 +197,11 @@ def _run(argv: Sequence[str] | None) -> int:
   spec = None
   try:
     spec = resolve_run(argv)
-    # Imported once the run is resolved: importing JAX takes seconds.
+    # A finished run's result needs no JAX, whose import takes seconds.
+    if spec.resume and config_lib.report_finished_run(
+        spec.config.output_dir) is not None:
+      return 0
+    # Imported once the run is resolved and to be trained.
     from experiments import training  # pylint: disable=import-outside-toplevel
     training.train(spec)
   except config_lib.UsageError as e:

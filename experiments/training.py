@@ -420,26 +420,6 @@ def save_trajectory_point(output_dir: Path, step: int, params: nnx.State):
   partial.replace(path)
 
 
-def held_out_metric(record: records.Record, env: int) -> float:
-  """A held-out domain's headline metric: accuracy, or Pearson's r."""
-  return record.get(records.env_key(env, "in", "acc"),
-                    record.get(records.env_key(env, "in", "r")))
-
-
-def final_line(record: records.Record, output_dir: str | Path) -> str:
-  """What a run prints at its end: its last record's held-out metric, said
-  for what it is, and where the run is."""
-  test_envs = record["args"]["test_envs"]
-  metric = ("accuracy" if records.env_key(test_envs[0], "in", "acc") in record
-            else "Pearson's r")
-  held_out = ", ".join(f"{record['domains'][t]} (env{t}) "
-                       f"{held_out_metric(record, t):.4f}" for t in test_envs)
-  steps = f"{record['step']} step{'' if record['step'] == 1 else 's'}"
-  return (f"Held-out {metric} after {steps} (the last step's, "
-          f"on the held-out domains' in splits; no model selection): "
-          f"{held_out}. Run directory: {output_dir}")
-
-
 def load_params(
     path: str | Path, params: nnx.State, stats: nnx.State
 ) -> tuple[nnx.State, nnx.State]:
@@ -481,24 +461,29 @@ def _start_run_directory(
   records.write_fingerprint(output_dir, fingerprint)
 
 
+def _started_run_directory(
+    manager: ocp.CheckpointManager | None, spec: config_lib.RunSpec,
+    hparams: dict[str, Any]
+) -> ocp.CheckpointManager:
+  """The run's checkpoint manager, ``manager``; a fresh run, which has none
+  yet, first starts its run directory (`_start_run_directory`).
+
+  A fresh run calls it before the first file it writes in its directory,
+  whichever that is: the step-0 params snapshot (``--trajectory_freq``) or
+  the first evaluation's record. The config file is then there before any
+  other, so that a run killed at any moment leaves a directory that the
+  same command resumes rather than refuses (`config.claim_run_directory`).
+  """
+  if manager is None:
+    _start_run_directory(spec.config, hparams, spec.fingerprint)
+    manager = _checkpoint_manager(Path(spec.config.output_dir))
+  return manager
+
+
 def _checkpoint_manager(output_dir: Path) -> ocp.CheckpointManager:
   return ocp.CheckpointManager(
       (output_dir / records.CHECKPOINT_DIR).absolute(),
       options=ocp.CheckpointManagerOptions(max_to_keep=CHECKPOINTS_KEPT))
-
-
-def _checked_run(output_dir: Path, **checkpoint: int | None
-                 ) -> records.RunRecords:
-  """`records.read_run`, with damaged records a usage error naming the fix.
-
-  Raises:
-    config_lib.UsageError: the records are damaged.
-  """
-  try:
-    return records.read_run(output_dir, **checkpoint)
-  except records.DamagedRunError as e:
-    raise config_lib.UsageError(f"{e}. Train it again from scratch: the same "
-                                "command with --overwrite.") from None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -570,7 +555,8 @@ def _forget_interrupt_checkpoint(
   (directory / str(step)).rename(deleted)
   shutil.rmtree(deleted)
   manager = _checkpoint_manager(output_dir)
-  run = _checked_run(output_dir, checkpoint_step=manager.latest_step())
+  run = config_lib.read_checked_run(output_dir,
+                                    checkpoint_step=manager.latest_step())
   records.keep_checkpointed(run)
   return manager, run.checkpointed
 
@@ -630,7 +616,7 @@ class _Screen:
   def results(self, record: records.Record,
               test_envs: Sequence[int]) -> None:
     """Shows a record's training loss and mean held-out metric."""
-    held_out = [held_out_metric(record, t) for t in test_envs]
+    held_out = [records.held_out_metric(record, t) for t in test_envs]
     self._results = (f", loss={record['loss']:.4f}, "
                      f"held_out={np.mean(held_out):.4f}")
 
@@ -712,8 +698,10 @@ def _compile_while_reading(
 def train(spec: config_lib.RunSpec) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
 
-  A finished run (`records.is_done`) is not trained again: its last record
-  is printed and returned.
+  A finished run (`records.is_done`) is not trained again: its result is
+  printed, as the train command prints it (`config.report_finished_run`,
+  which the command calls before importing this module), and its last
+  record returned.
 
   Args:
     spec: the run, resolved and checked (``experiments.train.resolve_run``).
@@ -744,17 +732,16 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
   hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
   use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
-  if spec.resume and records.is_done(output_dir):
-    record = _checked_run(output_dir).records[-1]
-    print("Already finished.", file=sys.stderr)
-    print(final_line(record, output_dir))
-    return record
-  # A fresh run creates its directory at its first evaluation, so a run that
-  # fails before then leaves nothing behind.
+  if spec.resume:
+    record = config_lib.report_finished_run(output_dir)
+    if record is not None:
+      return record
+  # A fresh run creates its directory when it first writes there
+  # (`_started_run_directory`), so a run that fails before leaves nothing.
   manager = _checkpoint_manager(output_dir) if spec.resume else None
   start = manager.latest_step() if spec.resume else None
-  run = (_checked_run(output_dir, checkpoint_step=start) if spec.resume
-         else None)
+  run = (config_lib.read_checked_run(output_dir, checkpoint_step=start)
+         if spec.resume else None)
   sharder = Sharder(config.devices)
   dataset = spec.dataset
   if "image_size" in hparams:
@@ -831,6 +818,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       else min(sizes) / hparams["batch_size"])
   step = int(state.step)
   if config.trajectory_freq and step == 0:
+    # A fresh run's first file: the later snapshots follow it.
+    manager = _started_run_directory(manager, spec, hparams)
     save_trajectory_point(output_dir, 0, state.params)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
@@ -905,9 +894,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         continue
       jax.block_until_ready(state)
       step_time = (time.time() - interval_start) / timed
-      if manager is None:
-        _start_run_directory(spec.config, hparams, spec.fingerprint)
-        manager = _checkpoint_manager(output_dir)
+      manager = _started_run_directory(manager, spec, hparams)
       screen.phase("evaluating")
       record = {
           "args": config.record_args(), "hparams": hparams,
@@ -939,7 +926,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       meter = MetricMeter()
       interval_start, timed, data_wait = time.time(), 0, 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
-  if manager is not None:  # None: stopped before a fresh run's first step.
+  if manager is not None:  # None: a fresh run stopped before writing.
     manager.wait_until_finished()
     manager.close()
   if stop.signum is not None and step < config.steps and not stops_at(
@@ -947,10 +934,10 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     raise Interrupted(stop.signum)
   save_params(output_dir / records.FINAL_PARAMS_FILE, state)
   # Done only on records that check, whatever touched them meanwhile.
-  _checked_run(output_dir)
+  config_lib.read_checked_run(output_dir)
   records.mark_done(output_dir)
   if step < config.steps:
     print(f"Stopped at step {step} of at most {config.steps}: plateaued "
           "(--plateau_check_freq).", file=sys.stderr)
-  print(final_line(record, output_dir))
+  print(records.final_line(record, output_dir))
   return record

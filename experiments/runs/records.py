@@ -144,6 +144,26 @@ def train_envs(record: Record) -> list[int]:
   return [i for i in range(num_envs(record)) if i not in held_out]
 
 
+def held_out_metric(record: Record, env: int) -> float:
+  """A held-out domain's headline metric: accuracy, or Pearson's r."""
+  return record.get(env_key(env, "in", "acc"),
+                    record.get(env_key(env, "in", "r")))
+
+
+def final_line(record: Record, output_dir: str | Path) -> str:
+  """What a run prints at its end: its last record's held-out metric, said
+  for what it is, and where the run is."""
+  test_envs = record["args"]["test_envs"]
+  metric = ("accuracy" if env_key(test_envs[0], "in", "acc") in record
+            else "Pearson's r")
+  held_out = ", ".join(f"{record['domains'][t]} (env{t}) "
+                       f"{held_out_metric(record, t):.4f}" for t in test_envs)
+  steps = f"{record['step']} step{'' if record['step'] == 1 else 's'}"
+  return (f"Held-out {metric} after {steps} (the last step's, "
+          f"on the held-out domains' in splits; no model selection): "
+          f"{held_out}. Run directory: {output_dir}")
+
+
 def is_done(run_dir: str | Path) -> bool:
   """Whether the run finished (its ``done`` file exists)."""
   return (Path(run_dir) / DONE_FILE).exists()

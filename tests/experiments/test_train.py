@@ -344,6 +344,43 @@ def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
   np.testing.assert_array_equal(np.sort(points[2]), np.sort(params))
 
 
+# Prepended to a train command: the run SIGKILLs itself once its step-0
+# params snapshot is on disk, before its first step (and checkpoint).
+_DIE_AFTER_FIRST_SNAPSHOT = """\
+import os, signal
+from experiments import training
+save = training.save_trajectory_point
+def save_then_die(output_dir, step, params):
+  save(output_dir, step, params)
+  if step == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+training.save_trajectory_point = save_then_die
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_its_first_snapshot_resumes_bit_for_bit(
+    reference, tmp_path, capsys):
+  # The case reported: the step-0 snapshot was the run directory's first
+  # file, before its config file; killed then, the run's directory was
+  # refused by the same command as a run of unknown configuration.
+  output_dir = tmp_path / "run"
+  flags = [*_flags(output_dir), "--trajectory_freq", "5"]
+  killed = run_after(_DIE_AFTER_FIRST_SNAPSHOT, _train_command(flags))
+  assert killed.returncode == -signal.SIGKILL, killed.stderr
+  assert list(records.trajectory_files(output_dir)) == [0]
+  assert not records.checkpoint_steps(output_dir)
+  assert (output_dir / records.CONFIG_FILE).exists()
+
+  resumed = run_here(flags, capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  assert list(records.trajectory_files(output_dir)) == [0, 5, STEPS]
+  expected, got = _params(reference), _params(output_dir)
+  assert got.keys() == expected.keys()
+  for key in expected:
+    np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
 def _files(output_dir):
   """Every file of a run directory, with its bytes."""
   return {p.relative_to(output_dir): p.read_bytes()
@@ -364,6 +401,33 @@ def test_a_finished_run_prints_its_result_again_and_writes_nothing(
       "held-out domains' in splits; no model selection): "
       f"{held_out}. Run directory: {reference}\n")
   assert _files(reference) == before
+  # The training loop, called on the finished run, says the same.
+  assert training.train(train.resolve_run(_flags(reference))) == last
+  assert capsys.readouterr() == (out, err)
+  assert _files(reference) == before
+
+
+def test_a_finished_runs_result_is_printed_without_importing_jax(reference):
+  # The README's default command run again once finished: its result, read
+  # from the records, needs neither JAX nor the training loop (seconds of
+  # imports). Python's import log (-X importtime, on stderr) names every
+  # module the command imported.
+  again = subprocess.run(
+      [sys.executable, "-X", "importtime", "-m", "experiments.train",
+       *_flags(reference)],
+      cwd=REPO, capture_output=True, text=True, check=False)
+  assert again.returncode == 0, again.stderr
+  assert again.stdout == records.final_line(read_records(reference)[-1],
+                                            reference) + "\n"
+  assert "Already finished." in again.stderr
+  imported = {line.rsplit("|", 1)[-1].strip()
+              for line in again.stderr.splitlines()
+              if line.startswith("import time:")}
+  assert "experiments.config" in imported, again.stderr
+  needless = sorted(name for name in imported
+                    if name.split(".")[0] in ("jax", "jaxlib")
+                    or name == "experiments.training")
+  assert not needless, needless[:10]
 
 
 def _truncate_mid_line(run):
@@ -751,15 +815,6 @@ def test_the_step_compiles_while_the_first_batch_is_read():
   # The read's own time is what the record gives.
   assert read_seconds[0] <= first_batch_time
   assert compile_time > 0
-
-
-def test_the_final_line_counts_steps_in_words():
-  record = make_record("RotatedDigits", "ERM", 0, 0, 0, 1,
-                       in_accs=[0.5] * 6, out_accs=[0.5] * 6,
-                       domains=[f"{15 * i}°" for i in range(6)])
-  assert "after 1 step (the last step's" in training.final_line(record, "r")
-  record["step"] = 2
-  assert "after 2 steps (the last" in training.final_line(record, "r")
 
 
 def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):

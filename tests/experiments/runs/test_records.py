@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from experiments.runs import records
+from test_model_selection import make_record
 
 STEPS = (2, 4, 6)
 
@@ -273,6 +274,15 @@ def test_trajectory_files_by_step(tmp_path):
   assert list(found) == [0, 5, 10]
   assert found[5].name == "0000005.npy"
   assert records.trajectory_files(tmp_path / "none") == {}
+
+
+def test_the_final_line_counts_steps_in_words():
+  record = make_record("RotatedDigits", "ERM", 0, 0, 0, 1,
+                       in_accs=[0.5] * 6, out_accs=[0.5] * 6,
+                       domains=[f"{15 * i}°" for i in range(6)])
+  assert "after 1 step (the last step's" in records.final_line(record, "r")
+  record["step"] = 2
+  assert "after 2 steps (the last" in records.final_line(record, "r")
 
 
 def test_env_keys_round_trip():
