@@ -38,6 +38,7 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import catalog
 from experiments import config as config_lib
 from experiments.runs import convergence
+from experiments.runs import environment
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
 from experiments import models
@@ -454,11 +455,13 @@ def _start_run_directory(
     fingerprint: dict[str, Any]
 ) -> None:
   """Creates the run directory and records the configuration it belongs to,
-  then the fingerprint of its data (`datasets.fingerprint`)."""
+  then the fingerprint of its data (`datasets.fingerprint`) and the machine
+  it trains on (`environment.describe`)."""
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   records.write_config(output_dir, config_lib.run_record(config, hparams))
   records.write_fingerprint(output_dir, fingerprint)
+  records.append_environment(output_dir, environment.describe(config.devices))
 
 
 def _started_run_directory(
@@ -832,6 +835,14 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     unsaved = run is not None and start != manager.latest_step()
     if (step < config.steps and not stops_at(config, written, step)
         and (stop.signum is None or unsaved)):
+      if run is not None:
+        # A resumed run trains on here: this machine joins the record of
+        # where it trained, unless it was the last there. (A fresh run
+        # records it as it starts its directory.) Checkpoints without an
+        # entry are of a run from before runs recorded theirs.
+        records.append_environment(
+            output_dir, environment.describe(config.devices),
+            unrecorded_before=start is not None)
       screen.phase("compiling")
       compile_time, first_batch_time, batch = _compile_while_reading(
           step_program, state, sharder, _example(dataset, augment, train_domains,

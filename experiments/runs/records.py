@@ -7,6 +7,12 @@ A run directory holds::
   dataset.json          the fingerprint of the data it trains on
                         (`experiments.data.datasets.fingerprint`); runs from
                         before fingerprints have none
+  environment.json      where it trained (`append_environment`): a list of
+                        `experiments.runs.environment.describe` entries,
+                        the machine that started it, then one more each time
+                        it resumed on another (a first null: it trained
+                        before, unrecorded); runs from before this file
+                        have none
   results.jsonl         one record per evaluation, a JSON object per line
   checkpoints/<step>/   Orbax checkpoints of the last evaluations
   trajectory/<step>.npy params snapshots, with --trajectory_freq
@@ -59,6 +65,7 @@ is one run, in name order::
 
   {"run": str,            # its directory's name
    "config": {...},       # its config.json
+   "environment": [...],  # its environment.json, where it has one
    "records": [...],      # its records, as in results.jsonl
    "trajectory": {...}}   # only for a run that saved params snapshots:
                           # what the paper's claims read of them
@@ -85,6 +92,7 @@ from typing import Any
 
 CONFIG_FILE = "config.json"
 DATASET_FILE = "dataset.json"
+ENVIRONMENT_FILE = "environment.json"
 RESULTS_FILE = "results.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 TRAJECTORY_DIR = "trajectory"
@@ -99,8 +107,8 @@ PACK_FILE = "runs.jsonl.gz"
 # The files a run writes besides CONFIG_FILE; a directory holding any of them
 # but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
 # log there first.)
-RUN_FILES = (DATASET_FILE, RESULTS_FILE, CHECKPOINT_DIR, TRAJECTORY_DIR,
-             FINAL_PARAMS_FILE, DONE_FILE)
+RUN_FILES = (DATASET_FILE, ENVIRONMENT_FILE, RESULTS_FILE, CHECKPOINT_DIR,
+             TRAJECTORY_DIR, FINAL_PARAMS_FILE, DONE_FILE)
 
 Record = dict[str, Any]
 
@@ -380,6 +388,48 @@ def write_fingerprint(run_dir: str | Path,
                (json.dumps(fingerprint, indent=1) + "\n").encode())
 
 
+def read_environment(run_dir: str | Path) -> list[Any] | None:
+  """The run's environment entries (`ENVIRONMENT_FILE`), oldest first; None
+  for a run without the file."""
+  path = Path(run_dir) / ENVIRONMENT_FILE
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    return None
+
+
+def append_environment(run_dir: str | Path, entry: Mapping[str, Any], *,
+                       unrecorded_before: bool = False) -> bool:
+  """Adds ``entry`` (`experiments.runs.environment.describe`) to the run's
+  `ENVIRONMENT_FILE` unless it equals the last entry there, and writes the
+  file whole.
+
+  A run resumed on the machine it last trained on therefore adds nothing,
+  and one resumed elsewhere adds that machine.
+
+  Args:
+    run_dir: the run's directory.
+    entry: the environment of the process about to train the run.
+    unrecorded_before: whether the run trained before in processes that
+      recorded no entry (it is from before runs recorded them). A file
+      begun now then starts with a null entry for them, so that the new
+      entry does not claim the steps trained before.
+
+  Returns:
+    Whether the file changed.
+  """
+  entries = read_environment(run_dir)
+  if entries is None:
+    entries = [None] if unrecorded_before else []
+  # Compared as read back from JSON, where tuples are lists.
+  entry = json.loads(json.dumps(entry))
+  if entries and entries[-1] == entry:
+    return False
+  _write_whole(Path(run_dir) / ENVIRONMENT_FILE,
+               (json.dumps([*entries, entry], indent=1) + "\n").encode())
+  return True
+
+
 class DatasetChangedError(ValueError):
   """A run meets other data than it recorded; the message says what
   changed, for the caller to add the way out."""
@@ -522,11 +572,14 @@ class PackedRun:
     trajectory: what the claims read of its params snapshots
       (`experiments.analysis.claims.ProjectedPath`); None where it saved
       none.
+    environment: its `ENVIRONMENT_FILE`'s entries; None for a run from
+      before runs recorded them.
   """
 
   config: dict[str, Any]
   records: list[Record]
   trajectory: dict[str, Any] | None = None
+  environment: list[Any] | None = None
 
 
 def finished_run_dirs(sweep_dir: str | Path) -> list[Path]:
@@ -549,7 +602,8 @@ def _read_pack_file(path: Path, stamp: tuple[int, int]
     for line in lines:
       run = json.loads(line)
       packed[run["run"]] = PackedRun(run["config"], run["records"],
-                                     run.get("trajectory"))
+                                     run.get("trajectory"),
+                                     run.get("environment"))
   return packed
 
 
@@ -583,6 +637,15 @@ def finished_records(run_dir: str | Path) -> list[Record] | None:
   return read_run(run_dir).records if is_done(run_dir) else None
 
 
+def run_environment(run_dir: str | Path) -> list[Any] | None:
+  """Where the run trained (`ENVIRONMENT_FILE`'s entries), packed
+  (`packed_run`) or in its directory; None for a run without them."""
+  packed = packed_run(run_dir)
+  if packed is not None:
+    return packed.environment
+  return read_environment(run_dir)
+
+
 def pack_runs(sweep_dir: str | Path,
               trajectories: Mapping[str, Mapping[str, Any]]
               ) -> tuple[list[str], dict[Path, str]]:
@@ -590,8 +653,10 @@ def pack_runs(sweep_dir: str | Path,
 
   The runs are those already packed and every finished run directory
   right under ``sweep_dir`` (`finished_run_dirs`), a directory replacing a
-  packed run of its name. The file is the same, byte for byte, for the
-  same runs: lines in name order, gzip without a time stamp or file name.
+  packed run of its name; each with its config, its records and, where it
+  has one, its `ENVIRONMENT_FILE`. The file is the same, byte for byte, for
+  the same runs: lines in name order, gzip without a time stamp or file
+  name.
 
   Args:
     sweep_dir: the sweep's directory.
@@ -605,7 +670,8 @@ def pack_runs(sweep_dir: str | Path,
   """
   sweep_dir = Path(sweep_dir)
   runs = {name: {"config": packed.config, "records": packed.records,
-                 "trajectory": packed.trajectory}
+                 "trajectory": packed.trajectory,
+                 "environment": packed.environment}
           for name, packed in read_pack(sweep_dir).items()}
   skipped = {}
   for run_dir in finished_run_dirs(sweep_dir):
@@ -620,10 +686,16 @@ def pack_runs(sweep_dir: str | Path,
       continue
     runs[run_dir.name] = {"config": json.loads(config.read_text()),
                           "records": found,
-                          "trajectory": trajectories.get(run_dir.name)}
+                          "trajectory": trajectories.get(run_dir.name),
+                          "environment": read_environment(run_dir)}
   lines = []
   for name, run in sorted(runs.items()):
-    line = {"run": name, "config": run["config"], "records": run["records"]}
+    line = {"run": name, "config": run["config"]}
+    # Only where the run has one: a run without keeps the line it had
+    # before runs recorded where they trained, byte for byte.
+    if run["environment"] is not None:
+      line["environment"] = run["environment"]
+    line["records"] = run["records"]
     if run["trajectory"] is not None:
       line["trajectory"] = run["trajectory"]
     lines.append(json.dumps(line) + "\n")

@@ -22,8 +22,9 @@ Runs are launched in the study's order. They live in
 ``<output_dir>/<md5 of their args>``. ``pack`` writes the finished ones, and
 those of the longer command, to one compressed file in each directory
 (``runs.jsonl.gz``, `experiments.runs.records.pack_runs`): every run's config and
-records, and for the runs that saved params snapshots what the paper's claims
-read of them (`experiments.analysis.claims.ProjectedPath`). The packs are
+records, where it trained if it recorded that, and for the runs that saved
+params snapshots what the paper's claims read of them
+(`experiments.analysis.claims.ProjectedPath`). The packs are
 what is committed; run directories, with their checkpoints, params and logs,
 are not (see .gitignore). So the same command continues a study stopped
 half-way, on this machine from the runs' checkpoints and on a fresh clone from

@@ -460,7 +460,8 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
 def test_overwrite_deletes_the_run_files_only(tmp_path):
   run = tmp_path / "run"
   _write_run_config(run, ["--seed", "3"])
-  for name in ("results.jsonl", "final_params.npz", "done"):
+  for name in ("dataset.json", "environment.json", "results.jsonl",
+               "final_params.npz", "done"):
     (run / name).write_text("")
   (run / "checkpoints").mkdir()
   (run / "checkpoints" / "2").write_text("")

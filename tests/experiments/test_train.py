@@ -29,6 +29,7 @@ import pytest
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.runs import convergence
+from experiments.runs import environment
 from experiments.runs import records
 from experiments import train
 from experiments import training
@@ -123,6 +124,14 @@ def test_run_writes_domainbed_results_and_done(reference):
   assert all(np.all(np.isfinite(v)) for v in params.values())
 
 
+def test_a_run_records_the_machine_it_trained_on(reference):
+  [entry] = records.read_environment(reference)
+  assert entry["backend"] == jax.default_backend()
+  assert entry["jax"] == jax.__version__
+  # This process trained it.
+  assert entry == environment.describe()
+
+
 # Prepended to a train command: once checkpoint STEP is on disk, the run
 # sends itself SIG (a SIGKILL, or Ctrl-C's SIGINT), so the signal lands
 # between that checkpoint and the end of the run without the test watching
@@ -191,6 +200,9 @@ def test_run_killed_and_restarted_ends_bit_for_bit_as_uninterrupted(
 
   assert ([comparable(r) for r in read_records(output_dir)]
           == [comparable(r) for r in read_records(reference)])
+  # Killed and resumed on one machine: trained on that one alone.
+  assert records.read_environment(output_dir) == records.read_environment(
+      reference)
 
 
 @pytest.mark.slow
@@ -371,9 +383,15 @@ def test_a_run_killed_after_its_first_snapshot_resumes_bit_for_bit(
   assert list(records.trajectory_files(output_dir)) == [0]
   assert not records.checkpoint_steps(output_dir)
   assert (output_dir / records.CONFIG_FILE).exists()
+  # As if it had started on another machine: resumed here, it adds this
+  # one.
+  [entry] = records.read_environment(output_dir)
+  elsewhere = {**entry, "processor": "another processor"}
+  (output_dir / records.ENVIRONMENT_FILE).write_text(json.dumps([elsewhere]))
 
   resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
+  assert records.read_environment(output_dir) == [elsewhere, entry]
   assert list(records.trajectory_files(output_dir)) == [0, 5, STEPS]
   expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
@@ -638,6 +656,9 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
       f"{output_dir}; rerun the same command to resume from it.\n"
   ), stopped.stderr
   assert [r["step"] for r in run.records] == [freq, run.checkpoint_step]
+  # As if from before runs recorded where they trained: the resumed run
+  # does not claim the steps trained so far.
+  (output_dir / records.ENVIRONMENT_FILE).unlink()
 
   resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
@@ -646,6 +667,8 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
   assert records.checkpoint_steps(output_dir) == [freq, STEPS]
+  assert records.read_environment(output_dir) == [None,
+                                                  environment.describe()]
 
 
 # Prepended to a train command: the run sends itself SIG as it calls

@@ -173,6 +173,16 @@ def test_load_runs_skips_damaged_runs_and_says_why(tmp_path):
   assert "is of step 4, after step 6" in found.skipped[damaged]
 
 
+# An entry of an environment file (`environment.describe`), and another
+# machine's.
+MACHINE = {"processor": "AMD EPYC 7B13", "processor_features": ["avx2"],
+           "cores": 2, "backend": "cpu", "devices": {"kind": "cpu", "count": 1},
+           "jax": "0.7.0", "jaxlib": "0.7.0", "python": "3.12.3",
+           "xla_flags": None}
+OTHER_MACHINE = {**MACHINE, "processor": "Intel(R) Xeon(R) Platinum 8481C",
+                 "processor_features": ["avx2", "avx512f"]}
+
+
 def make_finished(sweep_dir, name, steps=STEPS, acc=0.5):
   """A finished run as a study commits it: config, records and done."""
   run_dir = make_run(sweep_dir / name, steps=steps, checkpoints=None)
@@ -187,6 +197,7 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
     tmp_path):
   sweep = tmp_path / "sweep"
   b = make_finished(sweep, "b", acc=0.1)
+  records.append_environment(b, MACHINE)
   a = make_finished(sweep, "a", steps=(1, 3))
   make_run(sweep / "unfinished", done=False)
   damaged = make_finished(sweep, "damaged")
@@ -203,11 +214,17 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
   assert data[4:8] == b"\0\0\0\0" and data[3] == 0
   packed_lines = gzip.decompress(data).decode().splitlines()
   assert [json.loads(line)["run"] for line in packed_lines] == ["a", "b"]
+  # A run without an environment file packs as before runs had one.
+  assert packed_lines[0] == json.dumps(
+      {"run": "a", "config": json.loads((a / records.CONFIG_FILE).read_text()),
+       "records": records.read_run(a).records})
   found = records.read_pack(sweep)
   assert list(found) == ["a", "b"]
   assert found["b"].records == records.read_run(b).records
   assert found["b"].config == json.loads((b / records.CONFIG_FILE).read_text())
   assert found["b"].trajectory == path and found["a"].trajectory is None
+  assert found["b"].environment == [MACHINE] == records.read_environment(b)
+  assert found["a"].environment is None
 
   # Packed again after the directories are gone: the same bytes.
   for run_dir in (a, b):
@@ -217,6 +234,8 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
   # A packed run is finished, with its records, where no directory is.
   assert records.packed_run(a).records == found["a"].records
   assert records.finished_records(b) == found["b"].records
+  assert records.run_environment(b) == [MACHINE]
+  assert records.run_environment(a) is None
   assert records.finished_records(sweep / "unfinished") is None
   assert records.finished_records(sweep / "absent") is None
 
@@ -351,3 +370,58 @@ def test_a_long_list_of_changes_is_cut_short(tmp_path):
   with pytest.raises(records.DatasetChangedError,
                      match=r": domain d0: new; .*domain d5: new; and 4 more$"):
     records.check_fingerprint(tmp_path, {"dataset": "X", "domains": many})
+
+
+def test_an_environment_is_appended_only_where_it_changed(tmp_path):
+  assert records.read_environment(tmp_path) is None  # A run from before.
+  assert records.append_environment(tmp_path, MACHINE)
+  path = tmp_path / records.ENVIRONMENT_FILE
+  assert json.loads(path.read_text()) == [MACHINE]
+  # Resumed on the same machine: nothing added, nothing rewritten (its
+  # features given as a tuple, as JSON reads them back a list).
+  before = path.stat().st_mtime_ns, path.read_bytes()
+  assert not records.append_environment(
+      tmp_path, {**MACHINE, "processor_features": ("avx2",)})
+  assert (path.stat().st_mtime_ns, path.read_bytes()) == before
+  # Resumed elsewhere, then back: each change of machine is an entry.
+  assert records.append_environment(tmp_path, OTHER_MACHINE)
+  assert records.append_environment(tmp_path, MACHINE)
+  assert records.read_environment(tmp_path) == [MACHINE, OTHER_MACHINE,
+                                                MACHINE]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      records.ENVIRONMENT_FILE]
+  # --overwrite deletes it with the run's other files.
+  assert records.ENVIRONMENT_FILE in records.RUN_FILES
+
+
+def test_a_run_trained_before_it_recorded_environments_starts_with_null(
+    tmp_path):
+  assert records.append_environment(tmp_path, MACHINE, unrecorded_before=True)
+  assert records.read_environment(tmp_path) == [None, MACHINE]
+  # Only a file begun now says so: one that exists recorded every process.
+  other = tmp_path / "other"
+  other.mkdir()
+  records.append_environment(other, MACHINE)
+  assert records.append_environment(other, OTHER_MACHINE,
+                                    unrecorded_before=True)
+  assert records.read_environment(other) == [MACHINE, OTHER_MACHINE]
+
+
+def test_an_environment_is_written_whole_or_not_at_all(tmp_path,
+                                                       monkeypatch):
+  records.append_environment(tmp_path, MACHINE)
+  before = (tmp_path / records.ENVIRONMENT_FILE).read_bytes()
+
+  def killed(self, target):
+    raise KeyboardInterrupt
+
+  # Interrupted before the new file replaces the old one: the old one
+  # stays whole.
+  monkeypatch.setattr(type(tmp_path), "replace", killed)
+  with pytest.raises(KeyboardInterrupt):
+    records.append_environment(tmp_path, OTHER_MACHINE)
+  assert (tmp_path / records.ENVIRONMENT_FILE).read_bytes() == before
+  monkeypatch.undo()
+  records.append_environment(tmp_path, OTHER_MACHINE)
+  assert records.read_environment(tmp_path) == [MACHINE, OTHER_MACHINE]
+  assert not (tmp_path / f"{records.ENVIRONMENT_FILE}.partial").exists()

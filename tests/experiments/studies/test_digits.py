@@ -1,6 +1,7 @@
 """Tests for experiments/studies/digits.py: the digits study's runs."""
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -104,3 +105,16 @@ def test_the_committed_study_is_every_run_done_and_no_params():
             if path.endswith((".npy", ".npz", records.RESULTS_FILE))
             or f"/{records.CHECKPOINT_DIR}/" in path]
   assert params == []
+
+
+@pytest.mark.parametrize("results_dir", ["study", "study_longer"])
+def test_a_committed_pack_packs_again_to_the_same_bytes(results_dir,
+                                                        tmp_path):
+  # What `study pack` does on a fresh clone, which has no run directories:
+  # every packed run is written again as it was read, byte for byte,
+  # whatever the pack's format gained since (its runs predate environment
+  # files).
+  committed = RESULTS / results_dir / records.PACK_FILE
+  shutil.copy(committed, tmp_path / records.PACK_FILE)
+  records.pack_runs(tmp_path, {})
+  assert (tmp_path / records.PACK_FILE).read_bytes() == committed.read_bytes()
