@@ -19,6 +19,9 @@ that every record comes out equal to the committed one, timing excepted. It
 times each run whole (start-up, compilation, training and evaluation) and
 estimates from them what the sampled groups cost on this machine: each
 sampled run's time stands for the other held-out domains of its group.
+Floating-point results can change with the processor, so the report says
+where each run trained and where it trained again (the runs' environment
+files, `experiments.runs.records.ENVIRONMENT_FILE`).
 
 ``longer`` trains one run for a given number of steps without stopping at its
 plateau, in its own directory (default: the runs' directory with
@@ -115,9 +118,13 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
   Returns:
     A report: for every chosen run its group, whether its records (not its
     trajectory snapshots) came out equal, timing excepted, or where they
-    first differ, and its wall time in seconds; and the estimated wall time
-    of all of ``runs`` in the chosen groups at ``jobs`` runs at a time (each
-    chosen run's time times its group's size, over ``jobs``).
+    first differ, its wall time in seconds, and the machines it trained on
+    (``trained_on``: the run's environment entries, None for a run from
+    before runs recorded them) and on which it was retrained
+    (``retrained_on``, the copy's; None if it wrote none); and the
+    estimated wall time of all of ``runs`` in the chosen groups at ``jobs``
+    runs at a time (each chosen run's time times its group's size, over
+    ``jobs``).
   """
   def retrain(run):
     copy = dataclasses.replace(run,
@@ -131,7 +138,9 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
                                    records.read_run(copy.output_dir).records))
     return {"run": run.output_dir.name, "group": list(group(run)),
             "equal": difference is None, "difference": difference,
-            "seconds": round(seconds, 1)}
+            "seconds": round(seconds, 1),
+            "trained_on": records.run_environment(run.output_dir),
+            "retrained_on": records.read_environment(copy.output_dir)}
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
     results = list(pool.map(retrain, chosen))
@@ -141,6 +150,21 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
           "runs_in_sampled_groups": sum(sizes[group(run)] for run in chosen),
           "jobs": jobs,
           "estimated_hours": round(total / jobs / 3600, 2)}
+
+
+def machines_note(result: dict[str, Any]) -> str:
+  """What `reproduce`'s line of ``result`` adds of the machines: nothing
+  where the run was retrained in the environment it trained in (or not at
+  all), else the processors it trained on, for a difference to be read
+  against them."""
+  trained, retrained = result["trained_on"], result["retrained_on"]
+  if retrained is None or trained == retrained:
+    return ""
+  if trained is None:
+    return "  (trained where unrecorded)"
+  processors = ", ".join("unrecorded" if entry is None else entry["processor"]
+                         for entry in trained)
+  return f"  (trained in another environment: {processors})"
 
 
 def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
@@ -272,7 +296,7 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
   for result in report["runs"]:
     print(f"{'equal' if result['equal'] else 'DIFFERENT':9} "
           f"{result['seconds']:7.1f} s  {' '.join(map(str, result['group']))}"
-          f"  {result['difference'] or ''}")
+          f"  {result['difference'] or ''}{machines_note(result)}")
   print(f"{report['runs_in_sampled_groups']} runs in the sampled groups: "
         f"about {report['estimated_hours']} h at {args.jobs} at a time.")
   if args.output:

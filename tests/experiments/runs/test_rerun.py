@@ -1,8 +1,11 @@
 """Tests for experiments/runs/rerun.py: reproducing and lengthening finished
 runs, from a study's command line and from a plain sweep's."""
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
+from typing import Any
 
 from experiments.runs import records
 from experiments.runs import rerun
@@ -73,13 +76,18 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   assert result["equal"] and result["difference"] is None, result
   assert result["group"] == ["RotatedDigits", "ERM", 0, 0]
   assert report["estimated_hours"] == round(result["seconds"] / 3600, 2)
+  # Trained and retrained on this machine, which each run recorded.
+  [trained] = result["trained_on"]
+  assert trained == records.read_environment(run.output_dir)[0]
+  assert result["retrained_on"] == [trained]
 
   # Packed, as a study is committed, the run is compared with the same
-  # records.
+  # records, and says where it trained.
   committed = records.read_run(run.output_dir).records
   records.pack_runs(run.output_dir.parent, {})
   shutil.rmtree(run.output_dir)
   assert records.finished_records(run.output_dir) == committed
+  assert records.run_environment(run.output_dir) == [trained]
   assert run.status is sweep.Status.DONE
 
   # A committed record changed afterwards is found.
@@ -87,6 +95,71 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   assert rerun.first_difference(committed, changed) == (
       "step 2: env1_in_acc = 2.0, "
       f"{committed[-1]['env1_in_acc']!r} committed")
+
+
+MACHINE = {"processor": "AMD EPYC 7B13", "backend": "cpu"}
+OTHER_MACHINE = {"processor": "Intel(R) Xeon(R) Platinum 8481C",
+                 "backend": "cpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CopiedRun:
+  """A finished run as `rerun.reproduce` sees one, whose training copies
+  the records of ``source`` (not where it trained) and records ``machine``
+  (None: nothing) as where it trained."""
+
+  output_dir: Path
+  args: dict[str, Any]
+  source: Path
+  machine: dict[str, Any] | None
+
+  def train(self) -> int:
+    shutil.copytree(self.source, self.output_dir, ignore=lambda *_: [
+        records.ENVIRONMENT_FILE])
+    if self.machine is not None:
+      records.append_environment(self.output_dir, self.machine)
+    return 0
+
+
+def test_reproduce_reports_where_each_run_trained_and_was_retrained(
+    tmp_path):
+  args = {"dataset": "RotatedDigits", "algorithm": "ERM", "hparams_seed": 0,
+          "test_envs": [0]}
+  trained = {}
+  for name, where in (("old", None), ("same", [MACHINE]),
+                      ("moved", [OTHER_MACHINE, MACHINE]),
+                      ("elsewhere", [OTHER_MACHINE])):
+    source = tmp_path / "runs" / name
+    source.mkdir(parents=True)
+    records.append_record(source, _record(1, 0.5))
+    records.mark_done(source)
+    for entry in where or []:
+      records.append_environment(source, entry)
+    trained[name] = CopiedRun(source, {**args, "trial_seed": len(trained)},
+                              source, MACHINE)
+  report = rerun.reproduce(list(trained.values()), list(trained.values()),
+                           tmp_path / "scratch", jobs=1)
+  results = {result["run"]: result for result in report["runs"]}
+  assert all(result["equal"] for result in results.values())
+  assert {name: (result["trained_on"], result["retrained_on"])
+          for name, result in results.items()} == {
+              "old": (None, [MACHINE]),
+              "same": ([MACHINE], [MACHINE]),
+              "moved": ([OTHER_MACHINE, MACHINE], [MACHINE]),
+              "elsewhere": ([OTHER_MACHINE], [MACHINE])}
+  # The line printed of each run names the machines only where they
+  # differ.
+  assert {name: rerun.machines_note(result)
+          for name, result in results.items()} == {
+              "old": "  (trained where unrecorded)",
+              "same": "",
+              "moved": "  (trained in another environment: "
+                       "Intel(R) Xeon(R) Platinum 8481C, AMD EPYC 7B13)",
+              "elsewhere": "  (trained in another environment: "
+                           "Intel(R) Xeon(R) Platinum 8481C)"}
+  # A retraining that recorded nothing (it failed first) adds no note.
+  assert rerun.machines_note({"trained_on": [OTHER_MACHINE],
+                              "retrained_on": None}) == ""
 
 
 def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
