@@ -30,8 +30,15 @@ evaluated every ``--checkpoint-freq`` steps; its records
 
 The update is `benchmarks.step_time`'s (``erm`` and ``pgrad-B``,
 `step_time.Methods`) on the same device, network, image size and
-``domains x batch`` examples, timed in this process once the runs are done;
-"loop / update" is the steady step time over its median.
+``domains x batch`` examples, compiled in this process before the runs and
+timed ``--repeats`` calls right before, between and right after the two
+runs of its algorithm: a shared machine's speed drifts over minutes by more
+than the loop's overhead, and so the update is timed when the loop trains.
+"loop / update" is the steady step time over the update's mean, both means
+(a median would leave out the slow calls that a mean over the loop's steps
+holds). The updates stay in memory while the loop trains; on a GPU this
+process allocates what they need, not JAX's default share of the memory,
+which the loop's process takes.
 
 Run ``python -m benchmarks.end_to_end --help`` for the flags; the results go
 to stdout as a table and, with ``--out``, to a JSON file.
@@ -41,11 +48,12 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +75,10 @@ DIGITS, PHOTOS = "RotatedDigits", "PACS"
 # The loop's records of its start-up, in seconds (missing in older loops).
 START_UP_FIELDS = ("compile_time", "first_batch_time", "time_to_first_step")
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+# JAX takes most of a GPU's memory when it starts, unless told not to: this
+# process's updates would leave the loop's too little.
+PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+_USERS_PREALLOCATE = os.environ.get(PREALLOCATE_ENV)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -184,6 +196,20 @@ def train_command(case: Case, algorithm: str, output_dir: Path,
   return command
 
 
+def loop_environment(cache_dir: Path,
+                     users_preallocate: str | None = None) -> dict[str, str]:
+  """The environment of the loop's process: this one's, its compilation
+  cache in ``cache_dir``, and GPU memory allocated as the user's
+  environment says (``users_preallocate``, `PREALLOCATE_ENV` as this
+  process started; by default, JAX's own default), not as this process
+  does."""
+  env = {**{k: v for k, v in os.environ.items() if k != PREALLOCATE_ENV},
+         CACHE_ENV: str(cache_dir)}
+  if users_preallocate is not None:
+    env[PREALLOCATE_ENV] = users_preallocate
+  return env
+
+
 def train(command: Sequence[str], cache_dir: Path,
           output_dir: Path) -> tuple[list[records_lib.Record], float]:
   """Runs the loop; returns its records and the command's wall time (s).
@@ -191,7 +217,7 @@ def train(command: Sequence[str], cache_dir: Path,
   Raises:
     RuntimeError: the run failed; the message ends with its output.
   """
-  env = {**os.environ, CACHE_ENV: str(cache_dir)}
+  env = loop_environment(cache_dir, _USERS_PREALLOCATE)
   start = time.perf_counter()
   process = subprocess.run(command, cwd=REPO, env=env, capture_output=True,
                            text=True, check=False)
@@ -255,7 +281,7 @@ def summarize(case: Case, algorithm: str,
   """
   step_s = steady([cold, warm], "step_time")
   wait_s = steady([cold, warm], "data_wait_time")
-  update_ms = update.median_ms
+  update_ms = update.mean_ms
   runs = {"cold": start_up(cold, walls[0]), "warm": start_up(warm, walls[1])}
   saved = {}
   for field in ("compile_time", "time_to_first_step"):
@@ -268,6 +294,7 @@ def summarize(case: Case, algorithm: str,
       "hparams": dict(case.hparams[algorithm]),
       "loop_step_ms": None if step_s is None else 1e3 * step_s,
       "update_ms": update_ms,
+      "update_median_ms": update.median_ms,
       "update_compile_ms": update.compile_ms,
       "update_times_ms": update.times_ms,
       "loop_over_update": None if step_s is None else 1e3 * step_s / update_ms,
@@ -296,9 +323,12 @@ def benchmark_model(case: Case) -> common.Model:
   return common.Model(params, loss_fn, (case.image_size, case.image_size, 1))
 
 
-def time_updates(case: Case, algorithms: Sequence[str],
-                 args: argparse.Namespace) -> dict[str, common.Timing]:
-  """`step_time`'s updates of ``algorithms`` on the case's batch."""
+def update_calls(
+    case: Case, algorithms: Sequence[str], args: argparse.Namespace
+) -> tuple[dict[str, Callable[[], Any]], dict[str, common.Timing]]:
+  """`step_time`'s updates of ``algorithms`` on the case's batch, as calls
+  of no arguments, compiled and warmed up: their `common.Timing`s hold the
+  compile times alone."""
   model = benchmark_model(case)
   flags = step_time.parse_args([
       "--domains", str(case.domains), "--batch", str(case.batch),
@@ -315,7 +345,7 @@ def time_updates(case: Case, algorithms: Sequence[str],
     fn, state = build() if algorithm == "ERM" else build(unroll)
     state = common.place(state, mesh)
     calls[algorithm] = lambda fn=fn, state=state: fn(params, state, batches)
-  return common.time_interleaved(calls, args.repeats, args.warmup)
+  return calls, common.time_interleaved(calls, 0, args.warmup)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -331,10 +361,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data_dir = input_pipeline.write_photo_folder(
             scratch / "photos", per_class=args.per_class,
             size=args.photo_size)
-      loop = {}
+      print(f"Compiling the updates of {model}.", file=sys.stderr,
+            flush=True)
+      calls, compiled = update_calls(case, args.algorithms, args)
       for algorithm in args.algorithms:
         cache_dir = scratch / f"cache_{model}_{algorithm}"
         runs, walls = [], []
+        update_ms = common.time_interleaved(
+            {algorithm: calls[algorithm]}, args.repeats, 0)[algorithm].times_ms
         for name in ("cold", "warm"):
           print(f"Training {algorithm} with {model}, {name} cache.",
                 file=sys.stderr, flush=True)
@@ -344,20 +378,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             data_dir, args), cache_dir, output_dir)
           runs.append(records)
           walls.append(wall)
+          update_ms += common.time_interleaved(
+              {algorithm: calls[algorithm]}, args.repeats,
+              0)[algorithm].times_ms
           # Each run as it ends, so a benchmark cut short keeps what ran.
           first = start_up(records, wall)
           step_s = steady([records], "step_time")
           print(f"  {wall:.1f} s; compile {_rounded(first['compile_time'])} "
                 f"s, first step {_rounded(first['time_to_first_step'])} s; "
                 f"steady step {_rounded(step_s, 1e3)} ms, data wait "
-                f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms.",
+                f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms; "
+                f"update {statistics.mean(update_ms):.1f} ms so far.",
                 file=sys.stderr, flush=True)
-        loop[algorithm] = runs, walls
-      print(f"Timing the updates of {model}.", file=sys.stderr, flush=True)
-      updates = time_updates(case, args.algorithms, args)
-      for algorithm, ((cold, warm), walls) in loop.items():
-        results.append(summarize(case, algorithm, cold, warm, tuple(walls),
-                                 updates[algorithm]))
+        results.append(summarize(
+            case, algorithm, *runs, tuple(walls),
+            common.Timing(compiled[algorithm].compile_ms, update_ms)))
   return {
       "benchmark": "end_to_end",
       "environment": common.environment(),
@@ -414,4 +449,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+  # Read when JAX starts its backend, after this.
+  os.environ[PREALLOCATE_ENV] = "false"
   main(sys.argv[1:])

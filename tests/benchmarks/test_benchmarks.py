@@ -227,8 +227,12 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   # Every interval but a run's first, 5 steps each.
   step_s = (0.30 + 0.50 + 0.40) / 3
   assert row["loop_step_ms"] == pytest.approx(1e3 * step_s)
-  assert row["update_ms"] == 300.0
-  assert row["loop_over_update"] == pytest.approx(1e3 * step_s / 300.0)
+  # Means of both: the loop's holds its slow steps, as the update's its
+  # slow calls.
+  update_ms = (300.0 + 200.0 + 800.0) / 3
+  assert row["update_ms"] == pytest.approx(update_ms)
+  assert row["update_median_ms"] == 300.0
+  assert row["loop_over_update"] == pytest.approx(1e3 * step_s / update_ms)
   wait_s = (0.01 + 0.03 + 0.02) / 3
   assert row["data_wait_ms"] == pytest.approx(1e3 * wait_s)
   assert row["data_wait_share"] == pytest.approx(wait_s / step_s)
@@ -261,6 +265,18 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   assert erm_line.count("n/a") == 7
 
 
+def test_end_to_end_loop_allocates_as_the_user_says(monkeypatch, tmp_path):
+  from benchmarks import end_to_end
+  # As the command sets it for itself, so that its updates take little of a
+  # GPU's memory while the loop trains.
+  monkeypatch.setenv(end_to_end.PREALLOCATE_ENV, "false")
+  env = end_to_end.loop_environment(tmp_path)
+  assert end_to_end.PREALLOCATE_ENV not in env
+  assert env[end_to_end.CACHE_ENV] == str(tmp_path)
+  env = end_to_end.loop_environment(tmp_path, users_preallocate="true")
+  assert env[end_to_end.PREALLOCATE_ENV] == "true"
+
+
 def test_end_to_end_needs_a_steady_interval():
   from benchmarks import end_to_end
   with pytest.raises(SystemExit):
@@ -278,6 +294,8 @@ def test_end_to_end_trains_and_times_a_toy_run(tmp_path, capsys):
   assert (row["model"], row["algorithm"], row["steps"]) == (
       "mnist_cnn", "ERM", [1, 2])
   assert row["loop_step_ms"] > 0 and row["update_ms"] > 0
+  # Timed before, between and after the two runs, once each.
+  assert len(row["update_times_ms"]) == 3
   assert row["loop_over_update"] == pytest.approx(
       row["loop_step_ms"] / row["update_ms"])
   for name in ("cold", "warm"):
