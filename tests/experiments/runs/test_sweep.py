@@ -2,7 +2,6 @@
 
 import json
 import math
-import re
 import os
 import shlex
 import signal
@@ -10,7 +9,6 @@ import socket
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,16 +23,19 @@ from experiments.runs import sweep
 HOLD_STEP = 3
 
 # Stands in for experiments.train: records each launch (its flags, the GPUs
-# it sees, its process ids and when it started), fails for hparams_seed 3,
-# and otherwise trains --steps steps, resuming from the steps a previous
-# launch wrote to "progress". SIGTERM stops it after the current step, as a
-# preempted run. The first launch of the run whose output directory is
-# FAKE_HOLD waits after step HOLD_STEP until SIGTERM (or SIGKILL), so that
-# a test acts on a run mid-training whatever the machine's speed. SIGTERM is
-# blocked and read from the pending signals: the held run sleeps in
-# sigwait, and no signal can slip between a check and the wait.
+# it sees, its process ids, and whether another run held its GPU), fails
+# for hparams_seed 3, and otherwise trains --steps steps, resuming from the
+# steps a previous launch wrote to "progress". SIGTERM stops it after the
+# current step, as a preempted run. The first launch of the run whose output
+# directory is FAKE_HOLD waits after step HOLD_STEP until SIGTERM (or
+# SIGKILL), so that a test acts on a run mid-training whatever the machine's
+# speed, and says so with a datagram to FAKE_NOTIFY (`held_run_notices`).
+# SIGTERM is blocked and read from the pending signals: the held run sleeps
+# in sigwait, and no signal can slip between a check and the wait. A run on
+# a GPU holds a file of that GPU's, created exclusively, while it trains:
+# finding it there means two runs shared the GPU.
 FAKE_TRAIN = textwrap.dedent("""\
-    import argparse, json, os, pathlib, signal, sys, time
+    import argparse, json, os, pathlib, signal, socket, sys
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir")
     parser.add_argument("--hparams_seed", type=int)
@@ -43,32 +44,72 @@ FAKE_TRAIN = textwrap.dedent("""\
     out = pathlib.Path(args.output_dir)
     progress = out / "progress"
     start = int(progress.read_text()) if progress.exists() else 0
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu_mark = None if gpu is None else pathlib.Path(GPU_MARKS) / f"gpu-{gpu}"
+    gpu_shared = False
+    if gpu_mark is not None:
+      try:
+        os.close(os.open(gpu_mark, os.O_CREAT | os.O_EXCL))
+      except FileExistsError:
+        gpu_shared, gpu_mark = True, None
     with open(out / "launches", "a") as f:
       f.write(json.dumps({
           "argv": sys.argv[1:], "start": start, "pid": os.getpid(),
-          "ppid": os.getppid(), "started": time.time(),
-          "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
+          "ppid": os.getppid(), "gpu": gpu,
+          "gpu_shared": gpu_shared}) + "\\n")
+    def leave(status=None):
+      if gpu_mark is not None:
+        gpu_mark.unlink()
+      sys.exit(status)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if args.hparams_seed == 3:
-      sys.exit("failed on purpose")
+      leave("failed on purpose")
     hold = os.environ.get("FAKE_HOLD") == str(out) and start == 0
     for step in range(start, args.steps):
-      held = hold and step == {hold_step} and signal.sigwait({signal.SIGTERM})
+      if hold and step == {hold_step}:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notice:
+          notice.sendto(b"held", "\\0" + os.environ["FAKE_NOTIFY"])
+        held = signal.sigwait({signal.SIGTERM})
+      else:
+        held = False
       progress.write_text(str(step + 1))
       if held or signal.SIGTERM in signal.sigpending():
         (out / "stopped").write_text(str(step + 1))
-        sys.exit(143)
+        leave(143)
     (out / "results.jsonl").write_text('{"step": 7}\\n')
-    (out / "ended").write_text(str(time.time()))
     (out / "done").write_text("")
+    leave()
 """).replace("{hold_step}", str(HOLD_STEP))
 
 
 @pytest.fixture
 def train_command(tmp_path):
   script = tmp_path / "fake_train.py"
-  script.write_text(FAKE_TRAIN)
+  marks = tmp_path / "gpu_marks"
+  marks.mkdir()
+  script.write_text(f"GPU_MARKS = {str(marks)!r}\n{FAKE_TRAIN}")
   return f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}"
+
+
+@pytest.fixture(name="held_run_notices")
+def fixture_held_run_notices(monkeypatch):
+  """A socket that the held run (FAKE_HOLD) sends a datagram to once it is
+  held, FAKE_NOTIFY naming its abstract address."""
+  name = f"pgrad-sweep-test-{os.getpid()}-{os.urandom(8).hex()}"
+  with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notices:
+    notices.bind("\0" + name)
+    monkeypatch.setenv("FAKE_NOTIFY", name)
+    yield notices
+
+
+def wait_for_notice(notices, timeout_s=120):
+  """Blocks until the held run sends its datagram, and returns it; the
+  timeout only stops a hung test."""
+  notices.settimeout(timeout_s)
+  try:
+    return notices.recv(64)
+  except TimeoutError:
+    pytest.fail("the held run sent nothing")
 
 
 def sweep_flags(output_dir, n_hparams=3):
@@ -286,20 +327,16 @@ def test_make_runs_counts_domains_in_the_catalog_without_data(tmp_path):
 
 def check_one_run_per_gpu(runs, gpus):
   """Each run saw one of ``gpus`` alone, every GPU trained, and no two runs
-  were on one GPU at once."""
-  spans = {}
+  were on one GPU at once (none found its GPU's file held, FAKE_TRAIN)."""
+  used = set()
   for run in runs:
     (launch,) = launches(run)
     assert launch["gpu"] in gpus
     assert flag(launch["argv"], "--num_workers") == str(
         len(os.sched_getaffinity(0)) // len(gpus))
-    spans.setdefault(launch["gpu"], []).append(
-        (launch["started"], float((run.output_dir / "ended").read_text())))
-  assert set(spans) == set(gpus)
-  for on_one_gpu in spans.values():
-    on_one_gpu.sort()
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(
-        on_one_gpu, on_one_gpu[1:]))
+    assert not launch["gpu_shared"], launch
+    used.add(launch["gpu"])
+  assert used == set(gpus)
 
 
 def test_multi_gpu_runs_one_run_per_gpu_at_a_time(
@@ -414,17 +451,8 @@ def run_in_thread(function, *args):
   return thread, result
 
 
-def wait_for_progress(run, steps, timeout_s=60):
-  """Waits until ``run``'s training has done ``steps`` steps."""
-  progress = run.output_dir / "progress"
-  deadline = time.monotonic() + timeout_s
-  while not (progress.exists() and progress.read_text()
-             and int(progress.read_text()) >= steps):
-    assert time.monotonic() < deadline, "the run made no progress"
-    time.sleep(0.05)
-
-
-def start_held_slurm_sweep(tmp_path, train_command, monkeypatch, steps):
+def start_held_slurm_sweep(tmp_path, train_command, monkeypatch, notices,
+                           steps):
   """A 2-run slurm sweep of ``steps`` fake steps launched in a thread, once
   its first run is held after `HOLD_STEP` steps; its flags, runs, thread and
   result."""
@@ -433,15 +461,16 @@ def start_held_slurm_sweep(tmp_path, train_command, monkeypatch, steps):
   runs = sweep.runs_for(sweep.parse_args(flags))
   monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
   thread, result = run_in_thread(sweep.main, flags)
-  wait_for_progress(runs[0], HOLD_STEP)
+  assert wait_for_notice(notices) == b"held"
+  assert int((runs[0].output_dir / "progress").read_text()) == HOLD_STEP
   return flags, runs, thread, result
 
 
 @pytest.mark.slow
 def test_slurm_preempted_job_is_requeued_and_resumes(
-    tmp_path, train_command, monkeypatch):
+    tmp_path, train_command, monkeypatch, held_run_notices):
   _, runs, thread, result = start_held_slurm_sweep(
-      tmp_path, train_command, monkeypatch, steps=30)
+      tmp_path, train_command, monkeypatch, held_run_notices, steps=30)
   # SLURM's warning of preemption, to the job's process (the training's
   # parent); SLURM then requeues the job, as the local executor does.
   os.kill(launches(runs[0])[0]["ppid"], signal.SIGUSR2)
@@ -459,9 +488,9 @@ def test_slurm_preempted_job_is_requeued_and_resumes(
 
 @pytest.mark.slow
 def test_slurm_killed_job_resumes_when_submitted_again(
-    tmp_path, train_command, monkeypatch, capsys):
+    tmp_path, train_command, monkeypatch, held_run_notices, capsys):
   flags, runs, thread, result = start_held_slurm_sweep(
-      tmp_path, train_command, monkeypatch, steps=20)
+      tmp_path, train_command, monkeypatch, held_run_notices, steps=20)
   os.kill(launches(runs[0])[0]["pid"], signal.SIGKILL)
   thread.join(timeout=120)
   assert result == [1]
@@ -477,7 +506,7 @@ def test_slurm_killed_job_resumes_when_submitted_again(
 
 
 def test_a_run_training_on_this_host_is_not_launched_again(
-    tmp_path, train_command, monkeypatch, capsys):
+    tmp_path, train_command, monkeypatch, held_run_notices, capsys):
   flags = sweep_flags(tmp_path, n_hparams=1) + [
       "--train_command", train_command, "--steps", "30"]
   runs = sweep.runs_for(sweep.parse_args(flags))
@@ -486,7 +515,7 @@ def test_a_run_training_on_this_host_is_not_launched_again(
   runs[0].record_launch(launcher="local", host=socket.gethostname(),
                         pid=process.pid)
   try:
-    wait_for_progress(runs[0], HOLD_STEP)
+    assert wait_for_notice(held_run_notices) == b"held"
     assert sweep.main(flags + ["--steps", "30"]) == 0
     assert (f"Skipped {runs[0].output_dir}: its training process "
             f"{process.pid} runs on this host") in capsys.readouterr().err
@@ -523,26 +552,47 @@ def test_cost_counts_every_runs_steps(tmp_path, capsys):
 TRAIN_FLAGS = "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
 
 
+# experiments.train, whose run in FAKE_HOLD sends a datagram to FAKE_NOTIFY
+# as it takes its NOTIFY_STEP-th step (`training.MetricMeter.add` sums each
+# step's metrics), so that a test acts on it mid-training.
+TRAIN_NOTIFYING = textwrap.dedent("""\
+    import os, socket, sys
+    from experiments import train, training
+    NOTIFY_STEP = {notify_step}
+    add, steps = training.MetricMeter.add, []
+    def add_and_notify(self, metrics):
+      add(self, metrics)
+      steps.append(1)
+      output_dir = sys.argv[sys.argv.index("--output_dir") + 1]
+      if len(steps) == NOTIFY_STEP and output_dir == os.environ["FAKE_HOLD"]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notice:
+          try:
+            notice.sendto(b"step", "\\0" + os.environ["FAKE_NOTIFY"])
+          except OSError:  # A resumed run's: the test listens no more.
+            pass
+    training.MetricMeter.add = add_and_notify
+    sys.exit(train.main())
+""")
+
+
 @pytest.mark.slow
 def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
-    tmp_path):
+    tmp_path, monkeypatch, held_run_notices):
+  # Preempted after its checkpoint at step 20, as it takes step 25 (the
+  # steps after it are fast, their evaluations not).
+  script = tmp_path / "train_notifying.py"
+  script.write_text(TRAIN_NOTIFYING.format(notify_step=25))
   # The sweep passes the rest of each run's flags.
-  train_command = (f"{shlex.quote(sys.executable)} -m experiments.train "
-                   f"{TRAIN_FLAGS}")
+  train_command = (f"{shlex.quote(sys.executable)} "
+                   f"{shlex.quote(str(script))} {TRAIN_FLAGS}")
   flags = slurm_flags(tmp_path / "sweep", train_command, n_hparams=1) + [
       "--algorithms", "ERM", "--n_trials", "2", "--steps", "60",
       "--checkpoint_freq", "20", "--hparams", '{"batch_size": 6}']
   runs = sweep.runs_for(sweep.parse_args(flags))
   assert len(runs) == 2
+  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
   thread, result = run_in_thread(sweep.main, flags)
-  # Preempted after its checkpoint at step 20, once its progress bar in the
-  # log shows step 25 (the steps after it are fast, their evaluations not).
-  deadline = time.monotonic() + 300
-  while not (runs[0].log_file.exists() and any(
-      int(n) >= 25 for n in re.findall(
-          r"(\d+)/60", runs[0].log_file.read_text()))):
-    assert time.monotonic() < deadline and thread.is_alive()
-    time.sleep(0.02)
+  assert wait_for_notice(held_run_notices, timeout_s=300) == b"step"
   # The job's process is the training process's parent.
   training = runs[0].launch_record["pid"]
   job = int(open(f"/proc/{training}/stat").read().rsplit(")", 1)[1].split()[1])
