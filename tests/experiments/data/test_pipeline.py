@@ -284,21 +284,38 @@ def test_worker_processes_resume_from_a_state_on_any_number_of_workers(
 # A program that reads batches built by two worker processes, then does
 # THEN; its workers' process ids on the first line of its output.
 _READ_FROM_WORKERS = """
-import collections, multiprocessing, os, signal, time
+import collections, multiprocessing, os, signal, socket, threading
 import numpy as np
 from experiments.data import datasets, pipeline as input_pipeline
 
-BUILT = {built!r}  # A line per example a worker has transformed: its pid.
+# A Unix datagram socket's path; spawned workers have it with `shifted`.
+BUILT = {built!r}
 
 def shifted(example, rng):
-  with open(BUILT, "a") as f:
-    f.write(f"{{os.getpid()}}\\n")
+  # A datagram of its pid tells the program this worker has built an example.
+  with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    s.sendto(str(os.getpid()).encode(), BUILT)
   return {{**example, "image": example["image"] + np.float32(rng.random())}}
 
 dataset = datasets.MultiDomainDataset(
     name="Fake", domain_names=("a",), num_classes=2, input_shape=(4, 4, 1),
     domains=(datasets.ArraySource(np.zeros((10, 4, 4, 1), np.float32),
                                   np.arange(10) % 2),))
+# A thread counts the datagrams by pid as they come, from before the workers
+# start to the end: the socket queues few (net.unix.max_dgram_qlen, 10 by
+# default), and a worker waits to send while it is full.
+built = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+built.bind(BUILT)
+ahead = threading.Event()
+
+def count_built():
+  counts = collections.Counter()
+  while True:
+    counts[built.recv(64)] += 1
+    if len(counts) == 2 and min(counts.values()) >= 3 * 4:
+      ahead.set()
+
+threading.Thread(target=count_built, daemon=True).start()
 batches = input_pipeline.make_train_iterator(
     dataset, [0], input_pipeline.split_domains(dataset, seed=0),
     batch_size=4, seed=0, num_workers=2, transform=shifted)
@@ -306,12 +323,11 @@ for _ in range(3):
   next(batches)
 print(*(p.pid for p in multiprocessing.active_children()), flush=True)
 # Each worker has built a batch past the two (of 4 examples) that the three
-# taken could have come from: it holds batches of its own.
-while True:
-  built = collections.Counter(open(BUILT).read().split())
-  if len(built) == 2 and min(built.values()) >= 3 * 4:
-    break
-  time.sleep(0.01)
+# taken could have come from: it holds batches of its own. The wait ends
+# when the counts get there, with no sleeps; its 60 seconds only stop a run
+# that has hung.
+if not ahead.wait(60):
+  raise TimeoutError("the workers have not built a batch ahead")
 {then}
 """
 
