@@ -1,9 +1,10 @@
 """The training loop end to end, against the update it runs.
 
-For every model and algorithm, ``python -m experiments.train`` trains twice
-in a subprocess, as a user runs it: first with an empty persistent
-compilation cache ("cold"), then, in a fresh output directory, with the cache
-the first run filled ("warm"). The models train on their datasets:
+For every model and algorithm, ``python -m experiments.train`` trains in a
+subprocess, as a user runs it: first with an empty persistent compilation
+cache ("cold"), then ``--warm-runs`` times, each in a fresh output directory,
+with the cache the first run filled ("warm"). The models train on their
+datasets:
 
 * the digits CNN (``mnist_cnn``) on the embedded RotatedDigits, at its
   default width, 28 px;
@@ -18,8 +19,7 @@ evaluated every ``--checkpoint-freq`` steps; its records
 (`experiments.runs.records`) give
 
 * the steady step time: the mean ``step_time`` of every record but the
-  first (whose interval holds the start-up), weighted by its steps, over both
-  runs;
+  first (whose interval holds the start-up), weighted by its steps;
 * the data wait, ``data_wait_time`` of the same records, the part of the
   step spent waiting for the training batch;
 * ``compile_time``, ``first_batch_time`` and ``time_to_first_step``, where
@@ -31,14 +31,15 @@ evaluated every ``--checkpoint-freq`` steps; its records
 The update is `benchmarks.step_time`'s (``erm`` and ``pgrad-B``,
 `step_time.Methods`) on the same device, network, image size and
 ``domains x batch`` examples, compiled in this process before the runs and
-timed ``--repeats`` calls right before, between and right after the two
-runs of its algorithm: a shared machine's speed drifts over minutes by more
-than the loop's overhead, and so the update is timed when the loop trains.
-"loop / update" is the steady step time over the update's mean, both means
-(a median would leave out the slow calls that a mean over the loop's steps
-holds). The updates stay in memory while the loop trains; on a GPU this
-process allocates what they need, not JAX's default share of the memory,
-which the loop's process takes.
+timed ``--repeats`` calls right before the first run of its algorithm and
+right after every run. A shared machine's speed drifts over minutes by more
+than the loop's overhead, so every run is set against the update's calls
+just before and just after it: its "loop / update" is its steady step time
+over the mean of those calls (means, as a mean over the loop's steps holds
+its slow steps). The row's "loop / update" is the median of its runs'
+ratios, with their range beside it. The updates stay in memory while the
+loop trains; on a GPU this process allocates what they need, not JAX's
+default share of the memory, which the loop's process takes.
 
 Run ``python -m benchmarks.end_to_end --help`` for the flags; the results go
 to stdout as a table and, with ``--out``, to a JSON file.
@@ -106,11 +107,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="The loop's --num_workers. Default: its own.")
   parser.add_argument("--eval-examples", type=int, default=64,
                       help="The loop's --eval_examples and --loss_examples.")
+  parser.add_argument("--warm-runs", type=int, default=1,
+                      help="Runs of every algorithm after the cold one, "
+                      "each with the cache the runs before it filled.")
   parser.add_argument("--repeats", type=int, default=5,
-                      help="Timed calls of the update.")
+                      help="Timed calls of the update before the first run "
+                      "and after every run.")
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--out", default=None, help="Write the results as JSON.")
   args = parser.parse_args(argv)
+  if args.warm_runs < 1:
+    parser.error("--warm-runs must be at least 1: a warm run is what a "
+                 "compilation cache hit is measured on.")
+  if args.repeats < 1:
+    parser.error("--repeats must be at least 1: every run is set against "
+                 "the update's calls around it.")
   if args.steps < 2 * args.checkpoint_freq:
     parser.error("--steps must be at least twice --checkpoint-freq: the "
                  "first interval holds the start-up, the others the steady "
@@ -261,49 +272,78 @@ def start_up(run: Sequence[records_lib.Record],
           "wall_s": wall_s}
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+  """The median, or None if any value is None."""
+  return None if None in values else statistics.median(values)
+
+
 def summarize(case: Case, algorithm: str,
-              cold: Sequence[records_lib.Record],
-              warm: Sequence[records_lib.Record],
-              walls: tuple[float, float],
-              update: common.Timing) -> dict[str, Any]:
+              runs: Sequence[Sequence[records_lib.Record]],
+              walls: Sequence[float],
+              update: Sequence[Sequence[float]],
+              update_compile_ms: float) -> dict[str, Any]:
   """One row of the results: the loop's numbers against the update's.
 
   Args:
     case: the model and batch.
     algorithm: a name of `ALGORITHMS`.
-    cold: the records of the run with an empty compilation cache.
-    warm: those of the run after it, with its cache.
-    walls: the two runs' wall times, in seconds.
-    update: the update's timing.
+    runs: the records of every run in order, the first with an empty
+      compilation cache, the others with the cache the runs before filled.
+    walls: the runs' wall times, in seconds.
+    update: the update's times (ms), one list of calls before the first run
+      and one after every run.
+    update_compile_ms: the update's first call, compiling it.
 
   Returns:
     The row, with None for what the loop does not record.
   """
-  step_s = steady([cold, warm], "step_time")
-  wait_s = steady([cold, warm], "data_wait_time")
-  update_ms = update.mean_ms
-  runs = {"cold": start_up(cold, walls[0]), "warm": start_up(warm, walls[1])}
+  if len(update) != len(runs) + 1 or len(walls) != len(runs):
+    raise ValueError(f"{len(runs)} runs need {len(runs) + 1} sets of update "
+                     f"calls and {len(runs)} wall times, not {len(update)} "
+                     f"and {len(walls)}.")
+  per_run = []
+  for i, (run, wall) in enumerate(zip(runs, walls)):
+    step_s = steady([run], "step_time")
+    # The update's calls just before and just after the run.
+    around_ms = statistics.mean([*update[i], *update[i + 1]])
+    per_run.append({
+        "cache": "warm" if i else "cold", **start_up(run, wall),
+        "loop_step_ms": None if step_s is None else 1e3 * step_s,
+        "update_ms": around_ms,
+        "loop_over_update": (None if step_s is None
+                             else 1e3 * step_s / around_ms)})
+  cold, warm = per_run[0], per_run[1:]
   saved = {}
   for field in ("compile_time", "time_to_first_step"):
-    before, after = runs["cold"][field], runs["warm"][field]
-    saved[field] = None if before is None or after is None else before - after
+    after = _median([run[field] for run in warm])
+    saved[field] = (None if cold[field] is None or after is None
+                    else cold[field] - after)
+  ratios = [run["loop_over_update"] for run in per_run]
+  step_s = steady(runs, "step_time")
+  wait_s = steady(runs, "data_wait_time")
+  calls = [time for calls in update for time in calls]
   return {
       "model": case.model, "dataset": case.dataset,
       "image_size": case.image_size, "domains": case.domains,
       "batch": case.batch, "algorithm": algorithm,
       "hparams": dict(case.hparams[algorithm]),
       "loop_step_ms": None if step_s is None else 1e3 * step_s,
-      "update_ms": update_ms,
-      "update_median_ms": update.median_ms,
-      "update_compile_ms": update.compile_ms,
-      "update_times_ms": update.times_ms,
-      "loop_over_update": None if step_s is None else 1e3 * step_s / update_ms,
+      "update_ms": statistics.mean(calls),
+      "update_median_ms": statistics.median(calls),
+      "update_compile_ms": update_compile_ms,
+      "update_times_ms": [list(calls) for calls in update],
+      # Every run against the update's calls around it, so that the
+      # host's drift between runs cancels.
+      "loop_over_update": _median(ratios),
+      "loop_over_update_range": (None if None in ratios
+                                 else [min(ratios), max(ratios)]),
       "data_wait_ms": None if wait_s is None else 1e3 * wait_s,
       "data_wait_share": (None if wait_s is None or not step_s
                           else wait_s / step_s),
-      "runs": runs,
+      "runs": per_run,
+      # The cold run's against the warm runs' median.
       "warm_saves_s": saved,
-      "steps": [r["step"] for r in cold],
+      "steps": [r["step"] for r in runs[0]],
   }
 
 
@@ -374,29 +414,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       for algorithm in args.algorithms:
         cache_dir = scratch / f"cache_{model}_{algorithm}"
         runs, walls = [], []
-        update_ms = time_update(algorithm)
-        for name in ("cold", "warm"):
+        update_ms = [time_update(algorithm)]
+        for i in range(1 + args.warm_runs):
+          name = f"warm {i}" if i else "cold"
           print(f"Training {algorithm} with {model}, {name} cache.",
                 file=sys.stderr, flush=True)
-          output_dir = scratch / f"run_{model}_{algorithm}_{name}"
+          output_dir = scratch / f"run_{model}_{algorithm}_{i}"
           records, wall = train(
               train_command(case, algorithm, output_dir, cache_dir,
                             data_dir, args), cache_dir, output_dir)
           runs.append(records)
           walls.append(wall)
-          update_ms += time_update(algorithm)
+          update_ms.append(time_update(algorithm))
           # Each run as it ends, so a benchmark cut short keeps what ran.
           first = start_up(records, wall)
           step_s = steady([records], "step_time")
+          around = statistics.mean(update_ms[-2] + update_ms[-1])
           print(f"  {wall:.1f} s; compile {_rounded(first['compile_time'])} "
                 f"s, first step {_rounded(first['time_to_first_step'])} s; "
                 f"steady step {_rounded(step_s, 1e3)} ms, data wait "
                 f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms; "
-                f"update {statistics.mean(update_ms):.1f} ms so far.",
+                f"update {around:.1f} ms around the run.",
                 file=sys.stderr, flush=True)
-        results.append(summarize(
-            case, algorithm, *runs, tuple(walls),
-            common.Timing(compiled[algorithm].compile_ms, update_ms)))
+        results.append(summarize(case, algorithm, runs, walls, update_ms,
+                                 compiled[algorithm].compile_ms))
   return {
       "benchmark": "end_to_end",
       "environment": common.environment(),
@@ -417,31 +458,43 @@ def _cell(value: float | None, scale: float = 1.0) -> float | str:
   return "n/a" if value is None else scale * value
 
 
+def _warm(row: dict[str, Any], field: str) -> float | None:
+  """The median of ``field`` over a row's warm runs."""
+  return _median([run[field] for run in row["runs"] if run["cache"] == "warm"])
+
+
+def _range(bounds: Sequence[float] | None) -> str:
+  return "n/a" if bounds is None else f"{bounds[0]:.3f}-{bounds[1]:.3f}"
+
+
 def report(record: dict[str, Any]) -> str:
-  """The table a run prints: "n/a" where the loop records nothing."""
+  """The table a run prints: "n/a" where the loop records nothing; the warm
+  columns are the medians of the warm runs."""
   env = record["environment"]
-  rows = [[
-      f"{r['model']} {r['image_size']}px", r["algorithm"],
-      f"{r['domains']} x {r['batch']}", _cell(r["loop_step_ms"]),
-      r["update_ms"], _cell(r["loop_over_update"]), _cell(r["data_wait_ms"]),
-      _cell(r["runs"]["cold"]["time_to_first_step"]),
-      _cell(r["runs"]["warm"]["time_to_first_step"]),
-      _cell(r["runs"]["cold"]["compile_time"]),
-      _cell(r["runs"]["warm"]["compile_time"]),
-      _cell(r["runs"]["cold"]["first_batch_time"]),
-      _cell(r["runs"]["cold"]["start_up_ratio"]),
-      _cell(r["runs"]["warm"]["start_up_ratio"]),
-      r["runs"]["cold"]["wall_s"], r["runs"]["warm"]["wall_s"],
-  ] for r in record["results"]]
+  rows = []
+  for r in record["results"]:
+    cold = r["runs"][0]
+    rows.append([
+        f"{r['model']} {r['image_size']}px", r["algorithm"],
+        f"{r['domains']} x {r['batch']}", _cell(r["loop_step_ms"]),
+        r["update_ms"], _cell(r["loop_over_update"]),
+        _range(r["loop_over_update_range"]), _cell(r["data_wait_ms"]),
+        _cell(cold["time_to_first_step"]),
+        _cell(_warm(r, "time_to_first_step")), _cell(cold["compile_time"]),
+        _cell(_warm(r, "compile_time")), _cell(cold["first_batch_time"]),
+        _cell(cold["start_up_ratio"]), _cell(_warm(r, "start_up_ratio")),
+        cold["wall_s"], _warm(r, "wall_s")])
   return (f"{env['device_kind']} ({env['platform']}), jax {env['jax']}, "
           f"{record['config']['steps']} steps, evaluated every "
-          f"{record['config']['checkpoint_freq']}\n\n"
+          f"{record['config']['checkpoint_freq']}; 1 cold and "
+          f"{record['config']['warm_runs']} warm runs\n\n"
           + common.format_table(
               ["model", "algorithm", "batch", "loop step ms", "update ms",
-               "loop / update", "data wait ms", "first step s (cold)",
-               "first step s (warm)", "compile s (cold)", "compile s (warm)",
-               "first batch s (cold)", "start-up ratio (cold)",
-               "start-up ratio (warm)", "run s (cold)", "run s (warm)"],
+               "loop / update", "range over runs", "data wait ms",
+               "first step s (cold)", "first step s (warm)",
+               "compile s (cold)", "compile s (warm)", "first batch s (cold)",
+               "start-up ratio (cold)", "start-up ratio (warm)",
+               "run s (cold)", "run s (warm)"],
               rows))
 
 

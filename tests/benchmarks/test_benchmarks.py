@@ -218,49 +218,69 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   cold = _records([(9.0, 2.0), (0.30, 0.01), (0.50, 0.03)],
                   compile_time=6.0, first_batch_time=2.5,
                   time_to_first_step=8.5)
-  warm = _records([(4.0, 2.0), (0.40, 0.02)],
-                  compile_time=1.5, first_batch_time=0.5,
-                  time_to_first_step=3.0)
-  update = common.Timing(compile_ms=5000.0, times_ms=[300.0, 200.0, 800.0])
-  row = end_to_end.summarize(case, "PGrad-B", cold, warm, (20.0, 12.0),
-                             update)
+  warm = [_records([(4.0, 2.0), (0.40, 0.02)], compile_time=1.5,
+                   first_batch_time=0.5, time_to_first_step=3.0),
+          _records([(3.0, 2.0), (0.20, 0.02)], compile_time=1.0,
+                   first_batch_time=0.5, time_to_first_step=2.0)]
+  # Calls before the cold run, then after each run: the host slows down.
+  update = [[300.0, 200.0], [400.0], [800.0, 600.0], [200.0]]
+  row = end_to_end.summarize(case, "PGrad-B", [cold, *warm],
+                             [20.0, 12.0, 11.0], update, 5000.0)
   # Every interval but a run's first, 5 steps each.
-  step_s = (0.30 + 0.50 + 0.40) / 3
+  step_s = (0.30 + 0.50 + 0.40 + 0.20) / 4
   assert row["loop_step_ms"] == pytest.approx(1e3 * step_s)
   # Means of both: the loop's holds its slow steps, as the update's its
   # slow calls.
-  update_ms = (300.0 + 200.0 + 800.0) / 3
-  assert row["update_ms"] == pytest.approx(update_ms)
-  assert row["update_median_ms"] == 300.0
-  assert row["loop_over_update"] == pytest.approx(1e3 * step_s / update_ms)
-  wait_s = (0.01 + 0.03 + 0.02) / 3
+  assert row["update_ms"] == pytest.approx(2500.0 / 6)
+  assert row["update_median_ms"] == 350.0
+  assert row["update_times_ms"] == update
+  assert row["update_compile_ms"] == 5000.0
+  # Each run over the update's calls just before and after it.
+  ratios = [400.0 / (900.0 / 3), 400.0 / (1800.0 / 3), 200.0 / (1600.0 / 3)]
+  assert [run["loop_over_update"] for run in row["runs"]] == pytest.approx(
+      ratios)
+  assert [run["update_ms"] for run in row["runs"]] == pytest.approx(
+      [300.0, 600.0, 1600.0 / 3])
+  assert row["loop_over_update"] == pytest.approx(ratios[1])
+  assert row["loop_over_update_range"] == pytest.approx(
+      [ratios[2], ratios[0]])
+  wait_s = (0.01 + 0.03 + 0.02 + 0.02) / 4
   assert row["data_wait_ms"] == pytest.approx(1e3 * wait_s)
   assert row["data_wait_share"] == pytest.approx(wait_s / step_s)
-  assert row["runs"] == {
-      "cold": {"compile_time": 6.0, "first_batch_time": 2.5,
-               "time_to_first_step": 8.5, "start_up_ratio": 1.0,
-               "wall_s": 20.0},
-      "warm": {"compile_time": 1.5, "first_batch_time": 0.5,
-               "time_to_first_step": 3.0, "start_up_ratio": 1.5,
-               "wall_s": 12.0}}
+  assert [run["cache"] for run in row["runs"]] == ["cold", "warm", "warm"]
+  assert {k: row["runs"][0][k] for k in end_to_end.START_UP_FIELDS} == {
+      "compile_time": 6.0, "first_batch_time": 2.5,
+      "time_to_first_step": 8.5}
+  assert [run["start_up_ratio"] for run in row["runs"]] == pytest.approx(
+      [1.0, 1.5, 4 / 3])
+  assert [run["wall_s"] for run in row["runs"]] == [20.0, 12.0, 11.0]
+  # The cold run's against the warm runs' median.
   assert row["warm_saves_s"] == pytest.approx(
-      {"compile_time": 4.5, "time_to_first_step": 5.5})
+      {"compile_time": 4.75, "time_to_first_step": 6.0})
   assert row["hparams"] == {"batch_size": 63, "image_size": 28, "B": 3,
                             "k": 4}
+  with pytest.raises(ValueError, match="2 runs need 3 sets"):
+    end_to_end.summarize(case, "ERM", [cold, warm[0]], [1.0, 1.0],
+                         update[:2], 1.0)
 
   # Records of a loop that does not time its start-up: "n/a", no crash.
-  old = end_to_end.summarize(case, "ERM", _records([(9.0, 2.0), (0.3, 0.0)]),
-                             _records([(4.0, 2.0), (0.3, 0.0)]), (20.0, 12.0),
-                             update)
-  assert old["runs"]["cold"]["compile_time"] is None
-  assert old["runs"]["cold"]["start_up_ratio"] is None
+  old = end_to_end.summarize(
+      case, "ERM", [_records([(9.0, 2.0), (0.3, 0.0)]),
+                    _records([(4.0, 2.0), (0.3, 0.0)])],
+      [20.0, 12.0], update[:3], 5000.0)
+  assert old["runs"][0]["compile_time"] is None
+  assert old["runs"][0]["start_up_ratio"] is None
   assert old["warm_saves_s"] == {"compile_time": None,
                                  "time_to_first_step": None}
   record = {"environment": common.environment(),
-            "config": {"steps": 10, "checkpoint_freq": 5},
+            "config": {"steps": 10, "checkpoint_freq": 5, "warm_runs": 1},
             "results": [row, old]}
   json.dumps(record)
   table = end_to_end.report(record)
+  (pgrad_line,) = [line for line in table.splitlines() if "PGrad-B" in line]
+  # The warm columns are the warm runs' medians.
+  assert " 2.5 " in pgrad_line and " 1.25 " in pgrad_line
+  assert f"{ratios[2]:.3f}-{ratios[0]:.3f}" in pgrad_line
   (erm_line,) = [line for line in table.splitlines() if " ERM " in line]
   assert erm_line.count("n/a") == 7
 
@@ -277,10 +297,16 @@ def test_end_to_end_loop_allocates_as_the_user_says(monkeypatch, tmp_path):
   assert env[end_to_end.PREALLOCATE_ENV] == "true"
 
 
-def test_end_to_end_needs_a_steady_interval():
+@pytest.mark.parametrize("flags", [
+    ["--steps", "9", "--checkpoint-freq", "5"],
+    ["--warm-runs", "0"],
+    ["--repeats", "0"],
+])
+def test_end_to_end_refuses_what_it_cannot_measure(flags):
   from benchmarks import end_to_end
-  with pytest.raises(SystemExit):
-    end_to_end.parse_args(["--steps", "9", "--checkpoint-freq", "5"])
+  with pytest.raises(SystemExit) as raised:
+    end_to_end.parse_args(flags)
+  assert raised.value.code == 2
 
 
 @pytest.mark.slow
@@ -295,9 +321,11 @@ def test_end_to_end_trains_and_times_a_toy_run(tmp_path, capsys):
       "mnist_cnn", "ERM", [1, 2])
   assert row["loop_step_ms"] > 0 and row["update_ms"] > 0
   # Timed before, between and after the two runs, once each.
-  assert len(row["update_times_ms"]) == 3
-  assert row["loop_over_update"] == pytest.approx(
-      row["loop_step_ms"] / row["update_ms"])
-  for name in ("cold", "warm"):
-    assert row["runs"][name]["wall_s"] > 0
+  assert [len(calls) for calls in row["update_times_ms"]] == [1, 1, 1]
+  assert [run["cache"] for run in row["runs"]] == ["cold", "warm"]
+  for run, before, after in zip(row["runs"], row["update_times_ms"],
+                                row["update_times_ms"][1:]):
+    assert run["wall_s"] > 0
+    assert run["loop_over_update"] == pytest.approx(
+        run["loop_step_ms"] / ((before[0] + after[0]) / 2))
   assert "loop / update" in capsys.readouterr().out
