@@ -150,13 +150,23 @@ ocp.CheckpointManager.save = save_then_die
 """
 
 
+# Python leaves SIGINT ignored in a process started ignoring it, as a shell
+# starts a command sent to the background (`pytest &`): the runs here take
+# Ctrl-C as from a terminal, however the tests were started.
+_CTRL_C_FROM_A_TERMINAL = """\
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+
 def run_after(prelude, command, **kwargs):
   """Runs ``command`` (``python -m module ...`` or ``python -c script ...``)
   after the Python code ``prelude``, in the same process."""
   python, flag, target, *args = command
   main = (f"import runpy; runpy.run_module({target!r}, run_name='__main__', "
           "alter_sys=True)" if flag == "-m" else target)
-  return subprocess.run([python, "-c", prelude + main, *args], cwd=REPO,
+  return subprocess.run([python, "-c", _CTRL_C_FROM_A_TERMINAL + prelude + main,
+                         *args], cwd=REPO,
                         capture_output=True, text=True, check=False, **kwargs)
 
 
@@ -740,14 +750,20 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
 
 
 def test_a_signal_the_run_was_started_ignoring_stays_ignored():
-  previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  # SIGINT as from a terminal, whatever started the tests; SIGTERM ignored.
+  previous = {signal.SIGINT: signal.signal(signal.SIGINT,
+                                           signal.default_int_handler),
+              signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_IGN)}
   try:
     with training._StopRequests():
       assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-      assert signal.getsignal(signal.SIGINT) != signal.SIG_IGN
+      assert signal.getsignal(signal.SIGINT) not in (
+          signal.SIG_IGN, signal.default_int_handler)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
   finally:
-    signal.signal(signal.SIGTERM, previous)
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
 
 
 def test_the_step_normalises_uint8_photos_as_the_host_does():
