@@ -240,10 +240,6 @@ class Timing:
   def median_ms(self) -> float:
     return statistics.median(self.times_ms)
 
-  @property
-  def mean_ms(self) -> float:
-    return statistics.mean(self.times_ms)
-
   def as_dict(self) -> dict[str, Any]:
     return {"median_ms": self.median_ms, "compile_ms": self.compile_ms,
             "times_ms": self.times_ms}
