@@ -609,8 +609,9 @@ class _Screen:
     self.bar.set_description_str(name, refresh=True)
 
   def training(self, steps: int, seconds: float, data_wait: float) -> None:
-    """Says how fast the ``steps`` timed since the last evaluation went,
-    in ``seconds``, ``data_wait`` of which waiting for batches."""
+    """Says how fast the ``steps`` ended since the last evaluation went,
+    in ``seconds``, ``data_wait`` of which waiting for batches; nothing for
+    none."""
     if steps and seconds > 0:
       self.bar.set_postfix_str(
           f"images/s={self.images_per_step * steps / seconds:.0f}, data wait "
@@ -890,7 +891,9 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         jax.block_until_ready(state)
         _warn_if_long((config.steps - step) * (time.time() - estimate_start)
                       / ESTIMATE_STEPS, config)
-      screen.training(timed, time.time() - interval_start, data_wait)
+      # The steps known to have ended: the loop has just waited for the one
+      # before this, not for this one, which may have only been dispatched.
+      screen.training(timed - 1, time.time() - interval_start, data_wait)
       bar.update()
       if config.trajectory_freq and step % config.trajectory_freq == 0:
         save_trajectory_point(output_dir, step, state.params)

@@ -681,6 +681,64 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
                                                   environment.describe()]
 
 
+def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
+                                                      monkeypatch):
+  # The case seen: right after an evaluation, the bar showed tens of
+  # thousands of images a second, counting the step just dispatched as done.
+  # Each step here first waits on the device for a product of a while, so
+  # that the step the loop has just dispatched is still running when the bar
+  # is updated.
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def lag(step):
+    matrix = jnp.full((200, 200), 1 / 200, jnp.float32)
+    product = jax.lax.fori_loop(0, 100, lambda _, m: jnp.tanh(m @ m), matrix)
+    # tanh is at most 1: the step is unchanged, but waits for the product.
+    return jnp.where(product[0, 0] > 2, 0, step)
+
+  make_train_step = training.make_train_step
+
+  def make_lagging_step(algorithm, key):
+    train_step = make_train_step(algorithm, key)
+
+    def lagging_step(state, batches):
+      return train_step(state._replace(step=lag(state.step)), batches)
+
+    lagging_step.lower = train_step.lower  # The run compiles its step.
+    return lagging_step
+
+  interval = []  # The metrics of the steps since the last evaluation.
+  shown = []  # (steps counted, steps ended) as the bar was updated.
+  add, training_shown, results = (training.MetricMeter.add,
+                                  training._Screen.training,
+                                  training._Screen.results)
+
+  def add_and_keep(self, metrics):
+    interval.append(metrics)
+    add(self, metrics)
+
+  def show(self, steps, seconds, data_wait):
+    ended = sum(jax.tree.leaves(m)[0].is_ready() for m in interval)
+    shown.append((steps, ended))
+    training_shown(self, steps, seconds, data_wait)
+
+  def evaluated(self, record, test_envs):
+    interval.clear()
+    results(self, record, test_envs)
+
+  monkeypatch.setattr(training, "make_train_step", make_lagging_step)
+  monkeypatch.setattr(training.MetricMeter, "add", add_and_keep)
+  monkeypatch.setattr(training._Screen, "training", show)
+  monkeypatch.setattr(training._Screen, "results", evaluated)
+  finished = run_here(_flags(tmp_path / "run"), capsys)
+  assert finished.returncode == 0, finished.stderr
+  assert len(shown) == STEPS
+  assert all(steps <= ended for steps, ended in shown), shown
+  # Every update but each interval's first shows a rate.
+  assert sum(steps > 0 for steps, _ in shown) == STEPS - STEPS // FREQ
+
+
 # Prepended to a train command: the run sends itself SIG as it calls
 # MODULE.FUNCTION.
 _SIGNAL_ON_CALL = """\
