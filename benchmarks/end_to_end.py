@@ -21,7 +21,10 @@ evaluated every ``--checkpoint-freq`` steps; its records
 * the steady step time: the mean ``step_time`` of every record but the
   first (whose interval holds the start-up), weighted by its steps;
 * the data wait, ``data_wait_time`` of the same records, the part of the
-  step spent waiting for the training batch;
+  step spent waiting for the training batch, and the device wait,
+  ``device_wait_time``, the part spent waiting for the device to end steps;
+  the rest, the host time, is the loop's own work, which a device runs
+  ahead of only while it is the shorter;
 * ``compile_time``, ``first_batch_time`` and ``time_to_first_step``, where
   the loop records them (older loops do not: "n/a"), and the start-up
   ratio: the time to the first step over the compile and the first batch,
@@ -272,6 +275,15 @@ def start_up(run: Sequence[records_lib.Record],
           "wall_s": wall_s}
 
 
+def _host_ms(step_s: float | None, data_wait_s: float | None,
+             device_wait_s: float | None) -> float | None:
+  """The loop's own work a step (ms): its time but the waits; None where
+  its records lack one."""
+  if None in (step_s, data_wait_s, device_wait_s):
+    return None
+  return 1e3 * (step_s - data_wait_s - device_wait_s)
+
+
 def _median(values: Sequence[float | None]) -> float | None:
   """The median, or None if any value is None."""
   return None if None in values else statistics.median(values)
@@ -304,11 +316,16 @@ def summarize(case: Case, algorithm: str,
   per_run = []
   for i, (run, wall) in enumerate(zip(runs, walls)):
     step_s = steady([run], "step_time")
+    device_wait_s = steady([run], "device_wait_time")
     # The update's calls just before and just after the run.
     around_ms = statistics.mean([*update[i], *update[i + 1]])
     per_run.append({
         "cache": "warm" if i else "cold", **start_up(run, wall),
         "loop_step_ms": None if step_s is None else 1e3 * step_s,
+        "device_wait_ms": (None if device_wait_s is None
+                           else 1e3 * device_wait_s),
+        "host_ms": _host_ms(step_s, steady([run], "data_wait_time"),
+                            device_wait_s),
         "update_ms": around_ms,
         "loop_over_update": (None if step_s is None
                              else 1e3 * step_s / around_ms)})
@@ -321,6 +338,7 @@ def summarize(case: Case, algorithm: str,
   ratios = [run["loop_over_update"] for run in per_run]
   step_s = steady(runs, "step_time")
   wait_s = steady(runs, "data_wait_time")
+  device_wait_s = steady(runs, "device_wait_time")
   calls = [time for calls in update for time in calls]
   return {
       "model": case.model, "dataset": case.dataset,
@@ -340,6 +358,8 @@ def summarize(case: Case, algorithm: str,
       "data_wait_ms": None if wait_s is None else 1e3 * wait_s,
       "data_wait_share": (None if wait_s is None or not step_s
                           else wait_s / step_s),
+      "device_wait_ms": None if device_wait_s is None else 1e3 * device_wait_s,
+      "host_ms": _host_ms(step_s, wait_s, device_wait_s),
       "runs": per_run,
       # The cold run's against the warm runs' median.
       "warm_saves_s": saved,
@@ -430,10 +450,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           first = start_up(records, wall)
           step_s = steady([records], "step_time")
           around = statistics.mean(update_ms[-2] + update_ms[-1])
+          wait_s = steady([records], "data_wait_time")
+          host = _host_ms(step_s, wait_s,
+                          steady([records], "device_wait_time"))
           print(f"  {wall:.1f} s; compile {_rounded(first['compile_time'])} "
                 f"s, first step {_rounded(first['time_to_first_step'])} s; "
                 f"steady step {_rounded(step_s, 1e3)} ms, data wait "
-                f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms; "
+                f"{_rounded(wait_s, 1e3)} ms, host {_rounded(host)} ms; "
                 f"update {around:.1f} ms around the run.",
                 file=sys.stderr, flush=True)
         results.append(summarize(case, algorithm, runs, walls, update_ms,
@@ -479,6 +502,7 @@ def report(record: dict[str, Any]) -> str:
         f"{r['domains']} x {r['batch']}", _cell(r["loop_step_ms"]),
         r["update_ms"], _cell(r["loop_over_update"]),
         _range(r["loop_over_update_range"]), _cell(r["data_wait_ms"]),
+        _cell(r["host_ms"]),
         _cell(cold["time_to_first_step"]),
         _cell(_warm(r, "time_to_first_step")), _cell(cold["compile_time"]),
         _cell(_warm(r, "compile_time")), _cell(cold["first_batch_time"]),
@@ -491,6 +515,7 @@ def report(record: dict[str, Any]) -> str:
           + common.format_table(
               ["model", "algorithm", "batch", "loop step ms", "update ms",
                "loop / update", "range over runs", "data wait ms",
+               "host ms",
                "first step s (cold)", "first step s (warm)",
                "compile s (cold)", "compile s (warm)", "first batch s (cold)",
                "start-up ratio (cold)", "start-up ratio (warm)",

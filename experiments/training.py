@@ -699,6 +699,14 @@ def _compile_while_reading(
     return compiling.result(), first_batch_time, batch
 
 
+def _seconds_waiting(tree: Any) -> float:
+  """Waits until the device has computed ``tree``'s arrays; returns the
+  seconds waited."""
+  start = time.time()
+  jax.block_until_ready(tree)
+  return time.time() - start
+
+
 def train(spec: config_lib.RunSpec) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
 
@@ -855,6 +863,10 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     interval_start = time.time()
     timed = 0  # Training steps timed since interval_start.
     data_wait = 0.0  # Seconds spent waiting for batches since interval_start.
+    # Seconds spent waiting for the device to end steps since interval_start:
+    # the rest of a step, but the data wait, is the loop's own work on the
+    # host, which a device runs ahead of only while it is shorter.
+    device_wait = 0.0
     while step < config.steps and not stops_at(config, written, step):
       if stop.signum is not None and not unsaved:
         break
@@ -871,14 +883,14 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       # dispatches all the steps to the next checkpoint before the device
       # has run them, and a signal meanwhile stopped the run only there
       # (or let it finish), that many steps later.
-      jax.block_until_ready(in_flight)
+      device_wait += _seconds_waiting(in_flight)
       in_flight = metrics
       unsaved = True
       step += 1
       timed += 1
       steps_run += 1
       if steps_run == 1:
-        jax.block_until_ready(state)
+        device_wait += _seconds_waiting(state)
         time_to_first_step = time.time() - started
         screen.phase("training")
         tqdm.tqdm.write(
@@ -888,7 +900,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
             file=sys.stderr)
         estimate_start = time.time()
       elif steps_run == 1 + ESTIMATE_STEPS and on_cpu_photos:
-        jax.block_until_ready(state)
+        device_wait += _seconds_waiting(state)
         _warn_if_long((config.steps - step) * (time.time() - estimate_start)
                       / ESTIMATE_STEPS, config)
       # The steps known to have ended: the loop has just waited for the one
@@ -906,7 +918,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         batch = sharder.batch(next(train_iter), 1)
         data_wait += time.time() - wait_start
         continue
-      jax.block_until_ready(state)
+      device_wait += _seconds_waiting(state)
       step_time = (time.time() - interval_start) / timed
       manager = _started_run_directory(manager, spec, hparams)
       screen.phase("evaluating")
@@ -916,6 +928,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
           "epoch": step / steps_per_epoch,
           **meter.result(), "step_time": step_time,
           "data_wait_time": data_wait / timed,
+          "device_wait_time": device_wait / timed,
           "compile_time": compile_time,
           "first_batch_time": first_batch_time,
           "time_to_first_step": time_to_first_step,
@@ -938,7 +951,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       screen.results(record, config.test_envs)
       screen.phase("training")
       meter = MetricMeter()
-      interval_start, timed, data_wait = time.time(), 0, 0.0
+      interval_start, timed, data_wait, device_wait = time.time(), 0, 0.0, 0.0
   train_iter.close()  # Stops its workers, freeing the batches read ahead.
   if manager is not None:  # None: a fresh run stopped before writing.
     manager.wait_until_finished()

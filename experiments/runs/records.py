@@ -29,6 +29,8 @@ A *record* is one evaluation::
    "step_time": float,    # mean seconds per step since the previous record,
                           # compiling excepted
    "data_wait_time": float,  # of which reading the next training batch
+   "device_wait_time": float,  # of which waiting for the device to end
+                          # steps; the rest is the loop's work on the host
    "compile_time": float,    # seconds compiling the step (a cache hit: less)
    "first_batch_time": float,  # seconds reading the first training batch,
                           # which the step's compiling overlaps
@@ -97,9 +99,9 @@ RESULTS_FILE = "results.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 TRAJECTORY_DIR = "trajectory"
 # The fields of a record that time its training, which no rerun reproduces
-# (records written before the loop timed its start-up lack the last three).
-TIMING_FIELDS = ("step_time", "data_wait_time", "compile_time",
-                 "first_batch_time", "time_to_first_step")
+# (an older loop's records may lack any of them but the first two).
+TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
+                 "compile_time", "first_batch_time", "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
 DONE_FILE = "done"
 # A sweep's packed runs (`pack_runs`), beside their directories.

@@ -204,10 +204,13 @@ def test_input_pipeline_times_every_configuration_and_feeds_the_h100(
 
 def _records(step_times, **start_up):
   """A run's records, evaluated every 5 steps: (step_time, data_wait_time)
-  of each interval, and the start-up fields on the first record."""
-  return [{"step": 5 * (i + 1), "step_time": step, "data_wait_time": wait,
+  or (step_time, data_wait_time, device_wait_time) of each interval, and the
+  start-up fields on the first record."""
+  return [{"step": 5 * (i + 1), "step_time": times[0],
+           "data_wait_time": times[1],
+           **({"device_wait_time": times[2]} if len(times) > 2 else {}),
            **(start_up if i == 0 else {})}
-          for i, (step, wait) in enumerate(step_times)]
+          for i, times in enumerate(step_times)]
 
 
 def test_end_to_end_ratios_come_from_the_measured_times(capsys):
@@ -215,12 +218,12 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   case = end_to_end.make_case("mnist_cnn", end_to_end.parse_args([]))
   # PGrad-B's default batch on RotatedDigits, 5 training domains.
   assert (case.dataset, case.domains, case.batch) == ("RotatedDigits", 5, 63)
-  cold = _records([(9.0, 2.0), (0.30, 0.01), (0.50, 0.03)],
+  cold = _records([(9.0, 2.0, 6.0), (0.30, 0.01, 0.25), (0.50, 0.03, 0.40)],
                   compile_time=6.0, first_batch_time=2.5,
                   time_to_first_step=8.5)
-  warm = [_records([(4.0, 2.0), (0.40, 0.02)], compile_time=1.5,
+  warm = [_records([(4.0, 2.0, 1.0), (0.40, 0.02, 0.30)], compile_time=1.5,
                    first_batch_time=0.5, time_to_first_step=3.0),
-          _records([(3.0, 2.0), (0.20, 0.02)], compile_time=1.0,
+          _records([(3.0, 2.0, 0.5), (0.20, 0.02, 0.10)], compile_time=1.0,
                    first_batch_time=0.5, time_to_first_step=2.0)]
   # Calls before the cold run, then after each run: the host slows down.
   update = [[300.0, 200.0], [400.0], [800.0, 600.0], [200.0]]
@@ -247,6 +250,13 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   wait_s = (0.01 + 0.03 + 0.02 + 0.02) / 4
   assert row["data_wait_ms"] == pytest.approx(1e3 * wait_s)
   assert row["data_wait_share"] == pytest.approx(wait_s / step_s)
+  device_s = (0.25 + 0.40 + 0.30 + 0.10) / 4
+  assert row["device_wait_ms"] == pytest.approx(1e3 * device_s)
+  # The loop's own work: the step but its waits.
+  assert row["host_ms"] == pytest.approx(1e3 * (step_s - wait_s - device_s))
+  assert [run["host_ms"] for run in row["runs"]] == pytest.approx(
+      [1e3 * (0.40 - 0.02 - 0.325), 1e3 * (0.40 - 0.02 - 0.30),
+       1e3 * (0.20 - 0.02 - 0.10)])
   assert [run["cache"] for run in row["runs"]] == ["cold", "warm", "warm"]
   assert {k: row["runs"][0][k] for k in end_to_end.START_UP_FIELDS} == {
       "compile_time": 6.0, "first_batch_time": 2.5,
@@ -270,6 +280,7 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
       [20.0, 12.0], update[:3], 5000.0)
   assert old["runs"][0]["compile_time"] is None
   assert old["runs"][0]["start_up_ratio"] is None
+  assert old["host_ms"] is None and old["runs"][0]["host_ms"] is None
   assert old["warm_saves_s"] == {"compile_time": None,
                                  "time_to_first_step": None}
   record = {"environment": common.environment(),
@@ -282,7 +293,7 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   assert " 2.5 " in pgrad_line and " 1.25 " in pgrad_line
   assert f"{ratios[2]:.3f}-{ratios[0]:.3f}" in pgrad_line
   (erm_line,) = [line for line in table.splitlines() if " ERM " in line]
-  assert erm_line.count("n/a") == 7
+  assert erm_line.count("n/a") == 8
 
 
 def test_end_to_end_loop_allocates_as_the_user_says(monkeypatch, tmp_path):
@@ -320,6 +331,8 @@ def test_end_to_end_trains_and_times_a_toy_run(tmp_path, capsys):
   assert (row["model"], row["algorithm"], row["steps"]) == (
       "mnist_cnn", "ERM", [1, 2])
   assert row["loop_step_ms"] > 0 and row["update_ms"] > 0
+  # The loop records its waits, and they are parts of its steps.
+  assert row["device_wait_ms"] >= 0 and row["host_ms"] >= 0
   # Timed before, between and after the two runs, once each.
   assert [len(calls) for calls in row["update_times_ms"]] == [1, 1, 1]
   assert [run["cache"] for run in row["runs"]] == ["cold", "warm"]

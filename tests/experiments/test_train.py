@@ -110,6 +110,11 @@ def test_run_writes_domainbed_results_and_done(reference):
     assert record["hparams"]["B"] == B and record["hparams"]["batch_size"] == 6
     for key in ("epoch", "loss", *TIMING, "ref_norm"):
       assert np.isfinite(record[key]), key
+    # Waiting for data and for the device are parts of a step's time.
+    assert 0 <= record["data_wait_time"]
+    assert 0 <= record["device_wait_time"]
+    assert (record["data_wait_time"] + record["device_wait_time"]
+            <= record["step_time"])
     assert record["num_skipped"] == 0
     for i in range(NUM_DOMAINS):
       assert 0 <= record[f"env{i}_in_acc"] <= 1
@@ -737,6 +742,9 @@ def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
   assert all(steps <= ended for steps, ended in shown), shown
   # Every update but each interval's first shows a rate.
   assert sum(steps > 0 for steps, _ in shown) == STEPS - STEPS // FREQ
+  # The loop waited for the device, which ran behind it.
+  for record in read_records(tmp_path / "run"):
+    assert record["device_wait_time"] > 0
 
 
 # Prepended to a train command: the run sends itself SIG as it calls
