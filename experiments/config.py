@@ -158,7 +158,9 @@ class Config:
       "to load instead of compiling (JAX's persistent compilation cache); "
       "none: off. Default: $JAX_COMPILATION_CACHE_DIR, else "
       "$XDG_CACHE_HOME/pgrad_jax/jax_cache, else "
-      "~/.cache/pgrad_jax/jax_cache.")
+      "~/.cache/pgrad_jax/jax_cache. A directory named here or by the "
+      "variable must be writable; a default one that is not leaves the run "
+      "without a cache, with a warning.")
 
   def resolve(self) -> Config:
     """A copy with the per-dataset defaults filled in, checked.
@@ -355,6 +357,44 @@ def compile_cache_path(flag: str | None) -> Path | None:
     return Path(os.environ[COMPILE_CACHE_ENV])
   cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
   return Path(cache_home) / COMPILE_CACHE_SUBDIR
+
+
+def checked_compile_cache(flag: str | None) -> Path | None:
+  """`compile_cache_path`, created and written to once, so that a run that
+  cannot keep its programs there is told before it trains, not by JAX's
+  warnings on every program.
+
+  Returns:
+    The directory; None for no cache: asked for (``none``), or the default
+    directory cannot be written, which is warned about on stderr.
+
+  Raises:
+    UsageError: the directory that ``flag`` or `COMPILE_CACHE_ENV` names
+      cannot be written.
+  """
+  path = compile_cache_path(flag)
+  if path is None:
+    return None
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    # A real write, which access checks miss (root, read-only mounts).
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    reason = e.strerror or str(e)
+    if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
+      named = ("--compile_cache_dir" if flag is not None
+               else f"${COMPILE_CACHE_ENV}")
+      raise UsageError(
+          f"{named} {path}: cannot write the compilation cache there "
+          f"({reason}); pass a writable --compile_cache_dir, or "
+          "--compile_cache_dir none to compile every run afresh.") from None
+    print(f"Warning: cannot write the compilation cache {path} ({reason}): "
+          "this run compiles its programs afresh and keeps none. "
+          "--compile_cache_dir DIR keeps them in DIR; --compile_cache_dir "
+          "none says no cache without this warning.", file=sys.stderr)
+    return None
+  return path
 
 
 def _flag_type(annotation: Any) -> Any:

@@ -724,8 +724,9 @@ def train(spec: config_lib.RunSpec) -> records.Record:
   Raises:
     config_lib.UsageError: the run cannot run here: its devices are not
       there, or its records are damaged (`records.read_run`), or its
-      weights cannot be read or do not fit, or the data have problems;
-      nothing was written.
+      weights cannot be read or do not fit, or the data have problems, or
+      the compilation cache it names cannot be written
+      (`config.checked_compile_cache`); nothing was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete; `Interrupted` on a signal of `STOP_SIGNALS`, from its
       arrival on, once the step in progress (if any) is checkpointed.
@@ -743,11 +744,11 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
   config = spec.protocol
   hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
-  use_compile_cache(config_lib.compile_cache_path(config.compile_cache_dir))
   if spec.resume:
     record = config_lib.report_finished_run(output_dir)
     if record is not None:
       return record
+  use_compile_cache(config_lib.checked_compile_cache(config.compile_cache_dir))
   # A fresh run creates its directory when it first writes there
   # (`_started_run_directory`), so a run that fails before leaves nothing.
   manager = _checkpoint_manager(output_dir) if spec.resume else None

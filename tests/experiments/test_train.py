@@ -868,6 +868,56 @@ def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
   assert "compile_cache_dir" not in config.record_args()
 
 
+def test_a_compile_cache_the_user_names_must_be_writable(monkeypatch,
+                                                        tmp_path):
+  monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
+  # A directory under a file: no one can create it, root included.
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")
+  assert config_lib.checked_compile_cache(str(tmp_path / "cache")) == (
+      tmp_path / "cache")
+  assert (tmp_path / "cache").is_dir()
+  assert config_lib.checked_compile_cache("none") is None
+  with pytest.raises(config_lib.UsageError,
+                     match=r"--compile_cache_dir .*a_file/cache: cannot write "
+                     r"the compilation cache there \(Not a directory\); pass "
+                     "a writable --compile_cache_dir, or --compile_cache_dir "
+                     "none"):
+    config_lib.checked_compile_cache(str(blocked / "cache"))
+  monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(blocked / "env"))
+  with pytest.raises(config_lib.UsageError,
+                     match=r"\$JAX_COMPILATION_CACHE_DIR .*a_file/env: cannot"):
+    config_lib.checked_compile_cache(None)
+
+
+def test_a_run_without_a_writable_default_cache_says_so_once(tmp_path):
+  # The default cache (no flag, no variable) in a home that cannot hold it,
+  # as on a cluster's read-only home: the run trains, without a cache, and
+  # says so once, rather than JAX warning of every program it cannot keep.
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")
+  env = {k: v for k, v in os.environ.items()
+         if k != config_lib.COMPILE_CACHE_ENV}
+  output_dir = tmp_path / "run"
+  finished = subprocess.run(
+      _command(output_dir), cwd=REPO, capture_output=True, text=True,
+      check=False, env={**env, "XDG_CACHE_HOME": str(blocked)})
+  assert finished.returncode == 0, finished.stderr
+  assert finished.stderr.count(
+      f"Warning: cannot write the compilation cache {blocked}") == 1
+  assert "compilation cache entry" not in finished.stderr
+  assert (output_dir / "done").exists()
+  # A cache the user names is refused before the run writes anything.
+  refused = subprocess.run(
+      [*_command(tmp_path / "refused"), "--compile_cache_dir",
+       str(blocked / "cache")], cwd=REPO, capture_output=True, text=True,
+      check=False, env=env)
+  assert refused.returncode == 2, refused.stderr
+  assert "cannot write the compilation cache there" in refused.stderr
+  assert "Traceback" not in refused.stderr
+  assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize("user_threshold", [None, "2.5"])
 def test_the_compile_cache_keeps_every_program_unless_the_user_says(
     monkeypatch, tmp_path, user_threshold):
