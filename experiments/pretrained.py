@@ -451,15 +451,25 @@ def fetch_imagenet(model: str) -> Path:
 
   Raises:
     ValueError: there are no ImageNet weights of ``model``.
-    WeightsUnavailableError: the download failed or did not check; nothing
-      was cached. The message names the URL, where to place the file by
-      hand, and ``--pretrained none``.
+    WeightsUnavailableError: the cache cannot be written, or the download
+      failed or did not check; nothing was cached. The message names the
+      fix: the URL and where to place the file by hand, or the variable
+      that moves the cache, and ``--pretrained none``.
   """
   filename = imagenet_file(model)
   cache = weights_dir()
   path = cache / filename
   if path.is_file():
     return path
+  try:
+    cache.mkdir(parents=True, exist_ok=True)
+    # Where the download goes first: a failed one leaves nothing behind.
+    download_dir = tempfile.TemporaryDirectory(prefix=".download-", dir=cache)
+  except OSError as e:
+    raise WeightsUnavailableError(
+        f"Cannot write the weights cache {cache} ({e.strerror or e}): set "
+        f"${DIR_VARIABLE} to a writable directory, or pass --pretrained none "
+        "to train from scratch.") from None
   url = f"{os.environ.get(URL_VARIABLE) or TORCHVISION_URL}/{filename}"
   fix = (f"Download {url} (e.g. on a machine with network access) and place "
          f"it at {path}, or pass --pretrained none to train from scratch.")
@@ -470,8 +480,7 @@ def fetch_imagenet(model: str) -> Path:
   # pooch's own lines would suggest a full hash; torch.hub checks a prefix.
   logger.setLevel("WARNING")
   try:
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache) as tmp:
+    with download_dir as tmp:
       downloaded = pooch.retrieve(
           url, known_hash=None, fname=filename, path=tmp, progressbar=True,
           downloader=_downloader(url))

@@ -281,6 +281,20 @@ def test_fetch_offline_names_the_url_the_cache_path_and_none(
   assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_fetch_into_a_cache_that_cannot_be_written_names_the_variable(
+    monkeypatch, tmp_path, capsys):
+  # A directory under a file, as no one can create (root included): a
+  # read-only home on a cluster fails the same way, before any download.
+  (tmp_path / "a_file").write_text("")
+  monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "a_file" / "w"))
+  with pytest.raises(pretrained.WeightsUnavailableError,
+                     match=r"Cannot write the weights cache .*a_file/w \(Not "
+                     r"a directory\): set \$PGRAD_JAX_WEIGHTS_DIR to a "
+                     "writable directory, or pass --pretrained none"):
+    pretrained.fetch_imagenet("resnet50")
+  assert "Downloading" not in capsys.readouterr().err
+
+
 @pytest.fixture(name="data_dir", scope="module")
 def fixture_data_dir(tmp_path_factory):
   """PACS's four domains, two classes, two 40x40 photos each."""
