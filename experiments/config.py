@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -561,6 +562,62 @@ def _check_writable(output_dir: Path) -> None:
                      f"({e.strerror}); pass a writable --output_dir.") from None
 
 
+class RunDirectoryLock:
+  """Keeps two processes from training one run directory at once (a sweep
+  launched again while its jobs still run, one command run twice), which
+  would interleave their checkpoints and records.
+
+  `acquire` takes an exclusive ``flock`` on the directory's
+  `records.LOCK_FILE`; the kernel (or the network file system's lock
+  service) ends it with the process, however the process ends, so a killed
+  or preempted run leaves no stale lock. As a context manager, the lock, if
+  taken, is released on exit.
+  """
+
+  def __init__(self, output_dir: str | Path):
+    self.output_dir = Path(output_dir)
+    self._file = None
+
+  @property
+  def held(self) -> bool:
+    return self._file is not None
+
+  def acquire(self) -> None:
+    """Takes the lock; the directory must exist.
+
+    Raises:
+      UsageError: another process holds it. A file system without locks
+        gets a warning instead, and no lock.
+    """
+    file = open(self.output_dir / records.LOCK_FILE, "a")
+    try:
+      fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      file.close()
+      raise UsageError(
+          f"{self.output_dir}: another process is training this run now. "
+          "Wait for it to end, or stop it, then run the same command to go "
+          "on from its last checkpoint.") from None
+    except OSError as e:  # No locks on this file system.
+      file.close()
+      print(f"Warning: cannot lock {self.output_dir} ({e.strerror or e}): "
+            "another process training this run at the same time would not "
+            "be stopped.", file=sys.stderr)
+      return
+    self._file = file
+
+  def release(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+  def __enter__(self) -> RunDirectoryLock:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
+
+
 def read_checked_run(output_dir: str | Path, **checkpoint: int | None
                      ) -> records.RunRecords:
   """`records.read_run`, with damaged records a usage error naming the fix.
@@ -623,6 +680,10 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
   output_dir = Path(config.output_dir)
   _check_writable(output_dir)
   if config.overwrite:
+    if (output_dir / records.LOCK_FILE).exists():
+      # Not from under a process that trains there.
+      with RunDirectoryLock(output_dir) as lock:
+        lock.acquire()
     for name in (records.CONFIG_FILE, *records.RUN_FILES):
       path = output_dir / name
       if path.is_dir():

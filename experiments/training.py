@@ -452,13 +452,20 @@ def load_params(
 
 def _start_run_directory(
     config: config_lib.Config, hparams: dict[str, Any],
-    fingerprint: dict[str, Any]
+    fingerprint: dict[str, Any], lock: config_lib.RunDirectoryLock
 ) -> None:
-  """Creates the run directory and records the configuration it belongs to,
-  then the fingerprint of its data (`datasets.fingerprint`) and the machine
-  it trains on (`environment.describe`)."""
+  """Creates the run directory and takes its ``lock``, then records the
+  configuration it belongs to, the fingerprint of its data
+  (`datasets.fingerprint`) and the machine it trains on
+  (`environment.describe`).
+
+  Raises:
+    config_lib.UsageError: another process has started the directory and
+      trains there (`config.RunDirectoryLock`); nothing was written.
+  """
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
+  lock.acquire()
   records.write_config(output_dir, config_lib.run_record(config, hparams))
   records.write_fingerprint(output_dir, fingerprint)
   records.append_environment(output_dir, environment.describe(config.devices))
@@ -466,7 +473,7 @@ def _start_run_directory(
 
 def _started_run_directory(
     manager: ocp.CheckpointManager | None, spec: config_lib.RunSpec,
-    hparams: dict[str, Any]
+    hparams: dict[str, Any], lock: config_lib.RunDirectoryLock
 ) -> ocp.CheckpointManager:
   """The run's checkpoint manager, ``manager``; a fresh run, which has none
   yet, first starts its run directory (`_start_run_directory`).
@@ -478,7 +485,7 @@ def _started_run_directory(
   same command resumes rather than refuses (`config.claim_run_directory`).
   """
   if manager is None:
-    _start_run_directory(spec.config, hparams, spec.fingerprint)
+    _start_run_directory(spec.config, hparams, spec.fingerprint, lock)
     manager = _checkpoint_manager(Path(spec.config.output_dir))
   return manager
 
@@ -726,21 +733,25 @@ def train(spec: config_lib.RunSpec) -> records.Record:
       there, or its records are damaged (`records.read_run`), or its
       weights cannot be read or do not fit, or the data have problems, or
       the compilation cache it names cannot be written
-      (`config.checked_compile_cache`); nothing was written.
+      (`config.checked_compile_cache`), or another process trains the run
+      (`config.RunDirectoryLock`); nothing was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete; `Interrupted` on a signal of `STOP_SIGNALS`, from its
       arrival on, once the step in progress (if any) is checkpointed.
   """
   started = time.time()
   # From the start: a signal before the first step stops the run there.
-  with _StopRequests() as stop:
-    return _train(spec, stop, started)
+  with _StopRequests() as stop, config_lib.RunDirectoryLock(
+      spec.config.output_dir) as lock:
+    return _train(spec, stop, started, lock)
 
 
 def _train(spec: config_lib.RunSpec, stop: _StopRequests,
-           started: float) -> records.Record:
+           started: float, lock: config_lib.RunDirectoryLock
+           ) -> records.Record:
   """`train`'s work, stopped as ``stop`` asks; ``started`` is its start
-  time."""
+  time. It holds the run directory's ``lock`` from when it resumes there,
+  or a fresh run starts it (`_start_run_directory`)."""
   config = spec.protocol
   hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
@@ -748,6 +759,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     record = config_lib.report_finished_run(output_dir)
     if record is not None:
       return record
+    lock.acquire()
   use_compile_cache(config_lib.checked_compile_cache(config.compile_cache_dir))
   # A fresh run creates its directory when it first writes there
   # (`_started_run_directory`), so a run that fails before leaves nothing.
@@ -832,7 +844,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
   step = int(state.step)
   if config.trajectory_freq and step == 0:
     # A fresh run's first file: the later snapshots follow it.
-    manager = _started_run_directory(manager, spec, hparams)
+    manager = _started_run_directory(manager, spec, hparams, lock)
     save_trajectory_point(output_dir, 0, state.params)
   with tqdm.tqdm(total=config.steps, initial=step, unit="step",
                  dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
@@ -921,7 +933,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         continue
       device_wait += _seconds_waiting(state)
       step_time = (time.time() - interval_start) / timed
-      manager = _started_run_directory(manager, spec, hparams)
+      manager = _started_run_directory(manager, spec, hparams, lock)
       screen.phase("evaluating")
       record = {
           "args": config.record_args(), "hparams": hparams,

@@ -103,6 +103,9 @@ TRAJECTORY_DIR = "trajectory"
 TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
                  "compile_time", "first_batch_time", "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
+# Held (flock) by the process that trains the run, while it does
+# (`config.RunDirectoryLock`); empty.
+LOCK_FILE = "training.lock"
 DONE_FILE = "done"
 # A sweep's packed runs (`pack_runs`), beside their directories.
 PACK_FILE = "runs.jsonl.gz"

@@ -868,6 +868,40 @@ def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
   assert "compile_cache_dir" not in config.record_args()
 
 
+def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
+  # As if another process trained there: this test holds the lock.
+  output_dir = tmp_path / "run"
+  output_dir.mkdir()
+  flags = [*_flags(output_dir), "--num_workers", "0"]
+  with config_lib.RunDirectoryLock(output_dir) as other:
+    other.acquire()
+    # A fresh run finds out when it would start the directory.
+    fresh = run_here(flags, capsys)
+    assert fresh.returncode == 2, fresh.stderr
+    assert (f"{output_dir}: another process is training this run now"
+            in fresh.stderr)
+    assert "Traceback" not in fresh.stderr
+    assert sorted(p.name for p in output_dir.iterdir()) == [
+        records.LOCK_FILE]
+  # Released, as when the other process ends: the run trains.
+  assert run_here(flags, capsys).returncode == 0
+  assert _params(output_dir).keys() == _params(reference).keys()
+  shutil.rmtree(output_dir / records.CHECKPOINT_DIR / str(STEPS))
+  (output_dir / "done").unlink()
+  files = sorted(p.name for p in output_dir.iterdir())
+  with config_lib.RunDirectoryLock(output_dir) as other:
+    other.acquire()
+    # A run to resume, at once; and --overwrite deletes nothing from under
+    # the other process.
+    for extra in ([], ["--overwrite"]):
+      refused = run_here([*flags, *extra], capsys)
+      assert refused.returncode == 2, (extra, refused.stderr)
+      assert "another process is training this run now" in refused.stderr
+      assert sorted(p.name for p in output_dir.iterdir()) == files
+  assert run_here(flags, capsys).returncode == 0
+  assert (output_dir / "done").exists()
+
+
 def test_a_compile_cache_the_user_names_must_be_writable(monkeypatch,
                                                         tmp_path):
   monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
