@@ -611,22 +611,20 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
           == [comparable(r) for r in read_records(reference)])
 
 
-# Prepended to a train command: from step CALLS on, each step waits on the
-# device for a computation of a while (its results unchanged bit for bit),
-# and SIG comes DELAY seconds after the loop has dispatched step CALLS. JAX
-# lets the loop run ahead of the device, so without a bound the loop has
-# dispatched every step to the next checkpoint by then. The wait is a program
-# of its own, which the step's state goes through: the step's program is the
-# run's, which the compilation cache holds (compiling the two as one took
-# this test about 6 CPU-seconds).
-_SIGNAL_WHILE_THE_DEVICE_LAGS = """\
-import os, threading
+# Defines make_lagging_step, a make_train_step whose steps, from step CALLS
+# on, first wait on the device for a product of SIZE x SIZE matrices, ROUNDS
+# times (their results unchanged bit for bit). The wait is a program of its
+# own, which the step's state goes through: the step's program is the run's,
+# which the compilation cache holds (compiling the two as one took a test
+# about 6 CPU-seconds).
+_LAGGING_STEPS = """\
 import jax, jax.numpy as jnp
 from experiments import training
 make_train_step = training.make_train_step
 def busy(_):
-  matrix = jnp.full((400, 400), 1 / 400, jnp.float32)
-  return jax.lax.fori_loop(0, 300, lambda _, m: jnp.tanh(m @ m), matrix)[0, 0]
+  matrix = jnp.full(({size}, {size}), 1 / {size}, jnp.float32)
+  return jax.lax.fori_loop(0, {rounds}, lambda _, m: jnp.tanh(m @ m),
+                           matrix)[0, 0]
 @jax.jit
 def lag(step):
   # tanh is at most 1: the step is unchanged, but waits for the product.
@@ -639,6 +637,16 @@ def make_lagging_step(algorithm, key):
     return train_step(state._replace(step=lag(state.step)), batches)
   lagging_step.lower = train_step.lower  # The run compiles its step.
   return lagging_step
+"""
+
+
+# Prepended to a train command: from step CALLS on, each step lags on the
+# device (`_LAGGING_STEPS`), and SIG comes DELAY seconds after the loop has
+# dispatched step CALLS. JAX lets the loop run ahead of the device, so
+# without a bound the loop has dispatched every step to the next checkpoint
+# by then.
+_SIGNAL_WHILE_THE_DEVICE_LAGS = _LAGGING_STEPS + """\
+import os, threading
 training.make_train_step = make_lagging_step
 add = training.MetricMeter.add
 calls = []
@@ -660,8 +668,11 @@ def test_a_signal_while_the_device_lags_stops_at_once_and_resumes_exactly(
   freq, stop = 5, 6
   output_dir = tmp_path / "run"
   flags = [*_flags(output_dir), "--checkpoint_freq", str(freq)]
-  stopped = run_after(_SIGNAL_WHILE_THE_DEVICE_LAGS.format(
-      calls=stop, delay=0.5, sig=int(signal.SIGTERM)), _train_command(flags))
+  stopped = run_after(
+      _SIGNAL_WHILE_THE_DEVICE_LAGS.format(
+          calls=stop, size=400, rounds=300, delay=0.5,
+          sig=int(signal.SIGTERM)),
+      _train_command(flags))
   assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
   assert "Traceback" not in stopped.stderr
   run = records.read_run(output_dir)
@@ -692,26 +703,10 @@ def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
   # thousands of images a second, counting the step just dispatched as done.
   # Each step here first waits on the device for a product of a while, so
   # that the step the loop has just dispatched is still running when the bar
-  # is updated.
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  @jax.jit
-  def lag(step):
-    matrix = jnp.full((200, 200), 1 / 200, jnp.float32)
-    product = jax.lax.fori_loop(0, 100, lambda _, m: jnp.tanh(m @ m), matrix)
-    # tanh is at most 1: the step is unchanged, but waits for the product.
-    return jnp.where(product[0, 0] > 2, 0, step)
-
-  make_train_step = training.make_train_step
-
-  def make_lagging_step(algorithm, key):
-    train_step = make_train_step(algorithm, key)
-
-    def lagging_step(state, batches):
-      return train_step(state._replace(step=lag(state.step)), batches)
-
-    lagging_step.lower = train_step.lower  # The run compiles its step.
-    return lagging_step
+  # is updated: `_LAGGING_STEPS`, defined in this process.
+  lagging = {}
+  exec(  # pylint: disable=exec-used
+      _LAGGING_STEPS.format(calls=0, size=200, rounds=100), lagging)
 
   interval = []  # The metrics of the steps since the last evaluation.
   shown = []  # (steps counted, steps ended) as the bar was updated.
@@ -732,7 +727,8 @@ def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
     interval.clear()
     results(self, record, test_envs)
 
-  monkeypatch.setattr(training, "make_train_step", make_lagging_step)
+  monkeypatch.setattr(training, "make_train_step",
+                      lagging["make_lagging_step"])
   monkeypatch.setattr(training.MetricMeter, "add", add_and_keep)
   monkeypatch.setattr(training._Screen, "training", show)
   monkeypatch.setattr(training._Screen, "results", evaluated)
