@@ -578,10 +578,6 @@ class RunDirectoryLock:
     self.output_dir = Path(output_dir)
     self._file = None
 
-  @property
-  def held(self) -> bool:
-    return self._file is not None
-
   def acquire(self) -> None:
     """Takes the lock; the directory must exist.
 
