@@ -360,6 +360,17 @@ def compile_cache_path(flag: str | None) -> Path | None:
   return Path(cache_home) / COMPILE_CACHE_SUBDIR
 
 
+def _write_in(directory: Path) -> None:
+  """Writes a file in ``directory`` and deletes it: a real write, which
+  access checks miss (root, read-only mounts).
+
+  Raises:
+    OSError: the directory does not take a new file.
+  """
+  with tempfile.TemporaryFile(dir=directory):
+    pass
+
+
 def checked_compile_cache(flag: str | None) -> Path | None:
   """`compile_cache_path`, created and written to once, so that a run that
   cannot keep its programs there is told before it trains, not by JAX's
@@ -378,9 +389,7 @@ def checked_compile_cache(flag: str | None) -> Path | None:
     return None
   try:
     path.mkdir(parents=True, exist_ok=True)
-    # A real write, which access checks miss (root, read-only mounts).
-    with tempfile.TemporaryFile(dir=path):
-      pass
+    _write_in(path)
   except OSError as e:
     reason = e.strerror or str(e)
     if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
@@ -554,9 +563,7 @@ def _check_writable(output_dir: Path) -> None:
     raise UsageError(f"--output_dir {output_dir}: {existing} is a file; pass "
                      "a directory.")
   try:
-    # A real write, which access checks miss (root, read-only mounts).
-    with tempfile.TemporaryFile(dir=existing):
-      pass
+    _write_in(existing)
   except OSError as e:
     raise UsageError(f"--output_dir {output_dir}: cannot write in {existing} "
                      f"({e.strerror}); pass a writable --output_dir.") from None
