@@ -776,6 +776,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       dataset, holdout_fraction=config.holdout_fraction,
       seed=config.trial_seed)
 
+  initialising = time.time()
   network, params, stats = algorithms.Network.split(
       build_model(config, dataset, hparams))
   if config.init_params:
@@ -794,6 +795,11 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         + ".", file=sys.stderr)
   state = sharder.replicate(TrainState(
       jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
+  # Timed to when its values are computed. The model initialises eagerly,
+  # compiling one program per initializer and shape (or loading it from the
+  # cache): on a cold cache that can take longer than the step's compile.
+  jax.block_until_ready(state)
+  init_time = time.time() - initialising
   augment = augmentation.training_augmentation(dataset, hparams)
   print(start_line(config, dataset, augment is not None), file=sys.stderr)
   on_cpu_photos = (jax.default_backend() == "cpu"
@@ -907,8 +913,9 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
         time_to_first_step = time.time() - started
         screen.phase("training")
         tqdm.tqdm.write(
-            f"Compiled the step in {compile_time:.1f} s while reading the "
-            f"first batch in {first_batch_time:.1f} s; the first step ended "
+            f"Initialised the model in {init_time:.1f} s; compiled the step "
+            f"in {compile_time:.1f} s while reading the first batch in "
+            f"{first_batch_time:.1f} s; the first step ended "
             f"{time_to_first_step:.1f} s after the run started.",
             file=sys.stderr)
         estimate_start = time.time()
@@ -942,7 +949,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
           **meter.result(), "step_time": step_time,
           "data_wait_time": data_wait / timed,
           "device_wait_time": device_wait / timed,
-          "compile_time": compile_time,
+          "init_time": init_time, "compile_time": compile_time,
           "first_batch_time": first_batch_time,
           "time_to_first_step": time_to_first_step,
           **evaluate(eval_step, state, dataset, sets, config, sharder,

@@ -31,6 +31,8 @@ A *record* is one evaluation::
    "data_wait_time": float,  # of which reading the next training batch
    "device_wait_time": float,  # of which waiting for the device to end
                           # steps; the rest is the loop's work on the host
+   "init_time": float,    # seconds initialising the model and the
+                          # optimizer state (loading weights, if any)
    "compile_time": float,    # seconds compiling the step (a cache hit: less)
    "first_batch_time": float,  # seconds reading the first training batch,
                           # which the step's compiling overlaps
@@ -101,7 +103,8 @@ TRAJECTORY_DIR = "trajectory"
 # The fields of a record that time its training, which no rerun reproduces
 # (an older loop's records may lack any of them but the first two).
 TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
-                 "compile_time", "first_batch_time", "time_to_first_step")
+                 "init_time", "compile_time", "first_batch_time",
+                 "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
 # Held (flock) by the process that trains the run, while it does
 # (`config.RunDirectoryLock`); empty.

@@ -219,12 +219,14 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   # PGrad-B's default batch on RotatedDigits, 5 training domains.
   assert (case.dataset, case.domains, case.batch) == ("RotatedDigits", 5, 63)
   cold = _records([(9.0, 2.0, 6.0), (0.30, 0.01, 0.25), (0.50, 0.03, 0.40)],
-                  compile_time=6.0, first_batch_time=2.5,
+                  init_time=2.0, compile_time=6.0, first_batch_time=2.5,
                   time_to_first_step=8.5)
-  warm = [_records([(4.0, 2.0, 1.0), (0.40, 0.02, 0.30)], compile_time=1.5,
-                   first_batch_time=0.5, time_to_first_step=3.0),
-          _records([(3.0, 2.0, 0.5), (0.20, 0.02, 0.10)], compile_time=1.0,
-                   first_batch_time=0.5, time_to_first_step=2.0)]
+  warm = [_records([(4.0, 2.0, 1.0), (0.40, 0.02, 0.30)], init_time=0.5,
+                   compile_time=1.5, first_batch_time=0.5,
+                   time_to_first_step=3.0),
+          _records([(3.0, 2.0, 0.5), (0.20, 0.02, 0.10)], init_time=0.25,
+                   compile_time=1.0, first_batch_time=0.5,
+                   time_to_first_step=2.0)]
   # Calls before the cold run, then after each run: the host slows down.
   update = [[300.0, 200.0], [400.0], [800.0, 600.0], [200.0]]
   row = end_to_end.summarize(case, "PGrad-B", [cold, *warm],
@@ -259,14 +261,14 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
        1e3 * (0.20 - 0.02 - 0.10)])
   assert [run["cache"] for run in row["runs"]] == ["cold", "warm", "warm"]
   assert {k: row["runs"][0][k] for k in end_to_end.START_UP_FIELDS} == {
-      "compile_time": 6.0, "first_batch_time": 2.5,
+      "init_time": 2.0, "compile_time": 6.0, "first_batch_time": 2.5,
       "time_to_first_step": 8.5}
   assert [run["start_up_ratio"] for run in row["runs"]] == pytest.approx(
       [1.0, 1.5, 4 / 3])
   assert [run["wall_s"] for run in row["runs"]] == [20.0, 12.0, 11.0]
   # The cold run's against the warm runs' median.
   assert row["warm_saves_s"] == pytest.approx(
-      {"compile_time": 4.75, "time_to_first_step": 6.0})
+      {"init_time": 1.625, "compile_time": 4.75, "time_to_first_step": 6.0})
   assert row["hparams"] == {"batch_size": 63, "image_size": 28, "B": 3,
                             "k": 4}
   with pytest.raises(ValueError, match="2 runs need 3 sets"):
@@ -281,7 +283,7 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   assert old["runs"][0]["compile_time"] is None
   assert old["runs"][0]["start_up_ratio"] is None
   assert old["host_ms"] is None and old["runs"][0]["host_ms"] is None
-  assert old["warm_saves_s"] == {"compile_time": None,
+  assert old["warm_saves_s"] == {"init_time": None, "compile_time": None,
                                  "time_to_first_step": None}
   record = {"environment": common.environment(),
             "config": {"steps": 10, "checkpoint_freq": 5, "warm_runs": 1},
@@ -291,9 +293,10 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   (pgrad_line,) = [line for line in table.splitlines() if "PGrad-B" in line]
   # The warm columns are the warm runs' medians.
   assert " 2.5 " in pgrad_line and " 1.25 " in pgrad_line
+  assert " 0.375 " in pgrad_line
   assert f"{ratios[2]:.3f}-{ratios[0]:.3f}" in pgrad_line
   (erm_line,) = [line for line in table.splitlines() if " ERM " in line]
-  assert erm_line.count("n/a") == 8
+  assert erm_line.count("n/a") == 10
 
 
 def test_end_to_end_loop_allocates_as_the_user_says(monkeypatch, tmp_path):

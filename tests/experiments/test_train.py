@@ -115,6 +115,8 @@ def test_run_writes_domainbed_results_and_done(reference):
     assert 0 <= record["device_wait_time"]
     assert (record["data_wait_time"] + record["device_wait_time"]
             <= record["step_time"])
+    # The model initialises before the first step.
+    assert 0 < record["init_time"] < record["time_to_first_step"]
     assert record["num_skipped"] == 0
     for i in range(NUM_DOMAINS):
       assert 0 <= record[f"env{i}_in_acc"] <= 1
