@@ -527,6 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       "default hparams alone (a sweep whose random draws are unfinished); "
       "default: every run.")
   args = parser.parse_args(argv)
+  # A mistyped path would otherwise read as a sweep with no runs yet.
+  if not Path(args.input_dir).is_dir():
+    parser.error(f"--input_dir {args.input_dir}: no such directory.")
 
   found = records_lib.load_runs(args.input_dir)
   for run_dir, why in found.skipped.items():

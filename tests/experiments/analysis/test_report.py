@@ -235,9 +235,18 @@ def test_plots_name_domains_as_the_records_do():
   assert plots.domain_name(1, None) == "env1"  # Records before names.
 
 
-def test_missing_input_fails(tmp_path):
+def test_missing_input_fails(tmp_path, capsys):
+  # A directory without runs: nothing to report yet.
   assert report.main(["--input_dir", str(tmp_path),
                       "--output_dir", str(tmp_path / "out")]) == 1
+  # No directory at all: the user's mistake, named before anything is read.
+  with pytest.raises(SystemExit) as raised:
+    report.main(["--input_dir", str(tmp_path / "sweeep"),
+                 "--output_dir", str(tmp_path / "out")])
+  assert raised.value.code == 2
+  assert f"--input_dir {tmp_path / 'sweeep'}: no such directory" in (
+      capsys.readouterr().err)
+  assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("plot", [plots.plot_loss_curves,
