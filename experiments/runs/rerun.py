@@ -276,6 +276,10 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     The exit status.
   """
   if args.command == "reproduce":
+    # A mistyped path would otherwise read as a sweep with no finished runs.
+    if not Path(output_dir).is_dir():
+      parser.error(f"--output_dir {output_dir}: no such directory; it is the "
+                   "one the runs were launched into.")
     return _reproduce_command(runs, args, output_dir)
   return _longer_command(parser, runs, args, output_dir)
 

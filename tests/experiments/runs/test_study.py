@@ -66,6 +66,13 @@ def test_reproduce_without_finished_runs_says_so(tmp_path, capsys):
                      "--hparams_seeds", "0", "--algorithms", "ERM"]) == 1
   assert ("no finished runs with hparams_seed in [0] to reproduce"
           in capsys.readouterr().err)
+  # No directory at all: the user's mistake (exit 2), not a study without
+  # finished runs.
+  with pytest.raises(SystemExit) as raised:
+    study.main(["reproduce", "--output_dir", str(tmp_path / "stduy")])
+  assert raised.value.code == 2
+  assert f"--output_dir {tmp_path / 'stduy'}: no such directory" in (
+      capsys.readouterr().err)
 
 
 LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
