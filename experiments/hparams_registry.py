@@ -108,6 +108,8 @@ class Allowed:
     high_open: whether ``high`` itself is excluded.
     choices: the accepted strings: all of them for ``str``, or named values
       beside a number's range (``k="all"``).
+    multiple_of: for ``int``, what the value must be a multiple of, or
+      ``None``.
   """
 
   kind: type
@@ -116,6 +118,7 @@ class Allowed:
   low_open: bool = False
   high_open: bool = False
   choices: tuple[str, ...] = ()
+  multiple_of: int | None = None
 
   def __str__(self) -> str:
     choices = "one of " + ", ".join(repr(c) for c in self.choices)
@@ -124,6 +127,8 @@ class Allowed:
     if self.kind is bool:
       return "true or false"
     kind = "an integer" if self.kind is int else "a number"
+    if self.multiple_of is not None:
+      kind = f"a multiple of {self.multiple_of}"
     if self.low is not None and self.high is not None:
       kind += (f" in {'(' if self.low_open else '['}{self.low}, "
                f"{self.high}{')' if self.high_open else ']'}")
@@ -141,6 +146,8 @@ class Allowed:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       return False
     if self.kind is int and not isinstance(value, int):
+      return False
+    if self.multiple_of is not None and value % self.multiple_of:
       return False
     if not math.isfinite(value):
       return False
@@ -280,7 +287,9 @@ def dataset_hparams(space: SearchSpace) -> None:
     # The MNIST CNN's first width (the rest are twice it). DomainBed's is 64;
     # the embedded digits are 8x8 scans upsampled, so a quarter of that width
     # learns them as well and trains in minutes on a CPU.
-    space.add("cnn_width", 16 if data.upsampled else 64, POSITIVE_INT)
+    # Each width is a multiple of its GroupNorm's 8 groups.
+    space.add("cnn_width", 16 if data.upsampled else 64,
+              Allowed(int, low=8, multiple_of=8))
     # The image side the network sees; DomainBed's 28 (see
     # datasets.resized for why the embedded digits can take 14).
     space.add("image_size", 28, POSITIVE_INT)

@@ -223,6 +223,9 @@ def test_commands_in_one_directory_never_print_an_old_result(
     ('{"k": 0}', "'k' must be an integer >= 1 or one of 'all', got 0"),
     ('{"k": 2.5}', "'k' must be an integer >= 1 or one of 'all', got 2.5"),
     ('{"batch_size": 64}', "'batch_size' must be a multiple of B = 3"),
+    # The CNN's GroupNorm splits every width into 8 groups.
+    ('{"cnn_width": 12}', "'cnn_width' must be a multiple of 8 >= 8, got 12"),
+    ('{"cnn_width": 0}', "'cnn_width' must be a multiple of 8 >= 8, got 0"),
     ('{"lr": 1e-3', "--hparams is not valid JSON"),
     ('[1e-3]', "--hparams must be a JSON object"),
     ('{"meta_lr": 0.5}', "Unknown hparams ['meta_lr']"),
