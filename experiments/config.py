@@ -656,6 +656,8 @@ def report_finished_run(output_dir: str | Path) -> records.Record | None:
   record = read_checked_run(output_dir).records[-1]
   print("Already finished.", file=sys.stderr)
   print(records.final_line(record, output_dir))
+  if (warning := records.divergence_warning(record)) is not None:
+    print(warning, file=sys.stderr)
   return record
 
 

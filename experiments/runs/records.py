@@ -88,6 +88,7 @@ import functools
 import gzip
 import io
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -178,6 +179,37 @@ def final_line(record: Record, output_dir: str | Path) -> str:
   return (f"Held-out {metric} after {steps} (the last step's, "
           f"on the held-out domains' in splits; no model selection): "
           f"{held_out}. Run directory: {output_dir}")
+
+
+def divergence_warning(record: Record) -> str | None:
+  """What a run's last record says of losses that are not finite, or None
+  where they all are.
+
+  A model whose evaluated losses (``env{i}_in_loss``) are NaN or infinite
+  has diverged: its params are no longer finite, and its accuracies are
+  those of a broken model. A training loss that is not finite while the
+  evaluated ones are means steps that were not finite; PGrad skips them
+  (``num_skipped``), keeping its params.
+  """
+  evaluated = [key for key, value in record.items()
+               if (parsed := parse_env_key(key)) is not None
+               and parsed[1:] == ("in", "loss") and not _finite(value)]
+  if evaluated:
+    return (f"Warning: the model diverged: after {record['step']} steps its "
+            f"loss is not finite on {len(evaluated)} of its "
+            f"{num_envs(record)} domains, so the numbers above are those of "
+            "a model with non-finite params. Try a lower lr (--hparams).")
+  if "loss" in record and not _finite(record["loss"]):
+    skipped = (f"; {record['num_skipped']} updates were skipped so far, "
+               "the params kept" if record.get("num_skipped") else "")
+    return (f"Warning: the training loss was not finite in some steps up "
+            f"to step {record['step']}{skipped}. Try a lower lr (--hparams).")
+  return None
+
+
+def _finite(value: Any) -> bool:
+  """Whether a record's number is finite (JSON writes NaN and Infinity)."""
+  return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def is_done(run_dir: str | Path) -> bool:

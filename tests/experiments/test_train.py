@@ -1025,3 +1025,21 @@ def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
       f"error: --data_dir {a_file} is a file; pass the directory that holds "
       "the datasets.\n")
   assert "Traceback" not in refused.stderr
+
+
+def test_a_diverged_run_says_so(tmp_path, capsys):
+  # No float32 model survives this lr: ERM's first Adam step moves every
+  # param by about 1e30, and the next activations overflow.
+  flags = _with_steps(FREQ)
+  flags[flags.index("--hparams") + 1] = '{"batch_size": 6, "lr": 1e30}'
+  flags += ["--algorithm", "ERM", "--output_dir", str(tmp_path)]
+  finished = run_here(flags, capsys)
+  assert finished.returncode == 0  # A result of the protocol, as DomainBed's.
+  assert "Held-out accuracy" in finished.stdout
+  assert (f"Warning: the model diverged: after {FREQ} steps its loss is not "
+          f"finite on {NUM_DOMAINS} of its {NUM_DOMAINS} domains"
+          in finished.stderr)
+  # And again where the finished run is only reported.
+  again = run_here(flags, capsys)
+  assert "Already finished." in again.stderr
+  assert "Warning: the model diverged" in again.stderr

@@ -425,3 +425,26 @@ def test_an_environment_is_written_whole_or_not_at_all(tmp_path,
   records.append_environment(tmp_path, OTHER_MACHINE)
   assert records.read_environment(tmp_path) == [MACHINE, OTHER_MACHINE]
   assert not (tmp_path / f"{records.ENVIRONMENT_FILE}.partial").exists()
+
+
+def test_a_divergence_is_told_by_the_losses_that_are_not_finite():
+  record = make_record("RotatedDigits", "PGrad-B", 0, 0, 0, 1,
+                       in_accs=[0.5] * 6, out_accs=[0.5] * 6)
+  record.update({"step": 300, "loss": 0.5, "num_skipped": 0,
+                 **{records.env_key(i, "in", "loss"): 0.5 for i in range(6)}})
+  assert records.divergence_warning(record) is None
+  # Updates that were not finite, skipped: the model is whole.
+  record.update(loss=float("nan"), num_skipped=4)
+  assert records.divergence_warning(record) == (
+      "Warning: the training loss was not finite in some steps up to step "
+      "300; 4 updates were skipped so far, the params kept. Try a lower lr "
+      "(--hparams).")
+  # The model's own losses: its params are gone.
+  record[records.env_key(2, "in", "loss")] = float("inf")
+  record[records.env_key(4, "in", "loss")] = float("nan")
+  assert records.divergence_warning(record).startswith(
+      "Warning: the model diverged: after 300 steps its loss is not finite "
+      "on 2 of its 6 domains")
+  # As JSON writes and reads them back.
+  assert records.divergence_warning(json.loads(json.dumps(record))) == (
+      records.divergence_warning(record))
