@@ -292,6 +292,27 @@ def _median(values: Sequence[float | None]) -> float | None:
   return None if None in values else statistics.median(values)
 
 
+def run_summary(run: Sequence[records_lib.Record], wall_s: float,
+                before_ms: Sequence[float], after_ms: Sequence[float]
+                ) -> dict[str, Any]:
+  """One run's start-up (`start_up`) and steady step, set against the
+  update's calls just before and just after it (ms); None for what its
+  records lack."""
+  step_s = steady([run], "step_time")
+  device_wait_s = steady([run], "device_wait_time")
+  around_ms = statistics.mean([*before_ms, *after_ms])
+  return {
+      **start_up(run, wall_s),
+      "loop_step_ms": None if step_s is None else 1e3 * step_s,
+      "device_wait_ms": (None if device_wait_s is None
+                         else 1e3 * device_wait_s),
+      "host_ms": _host_ms(step_s, steady([run], "data_wait_time"),
+                          device_wait_s),
+      "update_ms": around_ms,
+      "loop_over_update": (None if step_s is None
+                           else 1e3 * step_s / around_ms)}
+
+
 def summarize(case: Case, algorithm: str,
               runs: Sequence[Sequence[records_lib.Record]],
               walls: Sequence[float],
@@ -316,22 +337,9 @@ def summarize(case: Case, algorithm: str,
     raise ValueError(f"{len(runs)} runs need {len(runs) + 1} sets of update "
                      f"calls and {len(runs)} wall times, not {len(update)} "
                      f"and {len(walls)}.")
-  per_run = []
-  for i, (run, wall) in enumerate(zip(runs, walls)):
-    step_s = steady([run], "step_time")
-    device_wait_s = steady([run], "device_wait_time")
-    # The update's calls just before and just after the run.
-    around_ms = statistics.mean([*update[i], *update[i + 1]])
-    per_run.append({
-        "cache": "warm" if i else "cold", **start_up(run, wall),
-        "loop_step_ms": None if step_s is None else 1e3 * step_s,
-        "device_wait_ms": (None if device_wait_s is None
-                           else 1e3 * device_wait_s),
-        "host_ms": _host_ms(step_s, steady([run], "data_wait_time"),
-                            device_wait_s),
-        "update_ms": around_ms,
-        "loop_over_update": (None if step_s is None
-                             else 1e3 * step_s / around_ms)})
+  per_run = [{"cache": "warm" if i else "cold",
+              **run_summary(run, wall, update[i], update[i + 1])}
+             for i, (run, wall) in enumerate(zip(runs, walls))]
   cold, warm = per_run[0], per_run[1:]
   saved = {}
   for field in ("init_time", "compile_time", "time_to_first_step"):
@@ -450,18 +458,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           walls.append(wall)
           update_ms.append(time_update(algorithm))
           # Each run as it ends, so a benchmark cut short keeps what ran.
-          first = start_up(records, wall)
-          step_s = steady([records], "step_time")
-          around = statistics.mean(update_ms[-2] + update_ms[-1])
-          wait_s = steady([records], "data_wait_time")
-          host = _host_ms(step_s, wait_s,
-                          steady([records], "device_wait_time"))
-          print(f"  {wall:.1f} s; init {_rounded(first['init_time'])} s, "
-                f"compile {_rounded(first['compile_time'])} s, first step "
-                f"{_rounded(first['time_to_first_step'])} s; "
-                f"steady step {_rounded(step_s, 1e3)} ms, data wait "
-                f"{_rounded(wait_s, 1e3)} ms, host {_rounded(host)} ms; "
-                f"update {around:.1f} ms around the run.",
+          ran = run_summary(records, wall, update_ms[-2], update_ms[-1])
+          print(f"  {wall:.1f} s; init {_rounded(ran['init_time'])} s, "
+                f"compile {_rounded(ran['compile_time'])} s, first step "
+                f"{_rounded(ran['time_to_first_step'])} s; steady step "
+                f"{_rounded(ran['loop_step_ms'])} ms, data wait "
+                f"{_rounded(steady([records], 'data_wait_time'), 1e3)} ms, "
+                f"host {_rounded(ran['host_ms'])} ms; update "
+                f"{ran['update_ms']:.1f} ms around the run.",
                 file=sys.stderr, flush=True)
         results.append(summarize(case, algorithm, runs, walls, update_ms,
                                  compiled[algorithm].compile_ms))
