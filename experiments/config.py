@@ -655,10 +655,17 @@ def report_finished_run(output_dir: str | Path) -> records.Record | None:
     return None
   record = read_checked_run(output_dir).records[-1]
   print("Already finished.", file=sys.stderr)
+  print_result(record, output_dir)
+  return record
+
+
+def print_result(record: records.Record, output_dir: str | Path) -> None:
+  """Prints a run's result, its last ``record``: the final line on stdout,
+  then on stderr a warning where its losses are not finite
+  (`records.divergence_warning`)."""
   print(records.final_line(record, output_dir))
   if (warning := records.divergence_warning(record)) is not None:
     print(warning, file=sys.stderr)
-  return record
 
 
 def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:

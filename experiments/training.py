@@ -986,7 +986,5 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
   if step < config.steps:
     print(f"Stopped at step {step} of at most {config.steps}: plateaued "
           "(--plateau_check_freq).", file=sys.stderr)
-  print(records.final_line(record, output_dir))
-  if (warning := records.divergence_warning(record)) is not None:
-    print(warning, file=sys.stderr)
+  config_lib.print_result(record, output_dir)
   return record
