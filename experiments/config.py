@@ -523,6 +523,10 @@ class RunSpec:
       protocol and the held-out domains follow from them.
     fingerprint: the data's (``datasets.fingerprint``), which the run
       records.
+    weights: the featurizer weights it starts from, checked
+      (``pretrained.Weights.record``: the file's name and SHA-256), which
+      its config file records; None for none, and for a finished run,
+      which needs none.
   """
 
   config: Config
@@ -532,6 +536,7 @@ class RunSpec:
   resume: bool
   dataset: Any
   fingerprint: Mapping[str, Any]
+  weights: Mapping[str, str] | None = None
 
   def __post_init__(self):
     # Frozen through: no reader can change the hyperparameters it was given.
@@ -548,10 +553,14 @@ def _differences(
           if ours.get(key) != theirs.get(key)]
 
 
-def run_record(config: Config, hparams: Mapping[str, Any]) -> dict[str, Any]:
-  """What ``config.json`` holds: the identity of the run, as JSON values."""
-  return json.loads(json.dumps(
-      {"args": config.identity(), "hparams": dict(hparams)}))
+def run_record(config: Config, hparams: Mapping[str, Any],
+               weights: Mapping[str, str] | None = None) -> dict[str, Any]:
+  """What ``config.json`` holds: the identity of the run, as JSON values,
+  and the ``weights`` it starts from (`RunSpec.weights`), if any."""
+  record = {"args": config.identity(), "hparams": dict(hparams)}
+  if weights is not None:
+    record["weights"] = dict(weights)
+  return json.loads(json.dumps(record))
 
 
 def _check_writable(output_dir: Path) -> None:

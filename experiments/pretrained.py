@@ -41,15 +41,18 @@ the few that a state dict names: `_ALLOWED_GLOBALS`.
 
 import argparse
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
 import pickle
 import re
+import shutil
 import sys
 import tempfile
 import urllib.parse
+import urllib.request
 from typing import Any, BinaryIO
 import zipfile
 
@@ -72,6 +75,9 @@ _BN_NAMES = {
     "running_mean": "mean",
     "running_var": "var",
 }
+# What files are read as torch.save's whatever their first bytes, so that a
+# damaged one is said to be a damaged PyTorch file.
+_TORCH_SUFFIXES = (".pth", ".pt")
 _HOW_TO_GET_WEIGHTS = (
     "Pass --pretrained imagenet for torchvision's IMAGENET1K_V1 weights "
     "(downloaded once), a .pth file of a torchvision state_dict, a .npz "
@@ -196,7 +202,9 @@ class _StateDictUnpickler(pickle.Unpickler):
   """
 
   def __init__(self, file: BinaryIO, source: str, legacy: bool):
-    # A file written by Python 2 holds its strings as bytes.
+    # A file written by Python 2 holds its strings as byte strings, which
+    # torch.load decodes as UTF-8 unless told otherwise
+    # (torch/serialization.py, load: pickle_load_args["encoding"]).
     super().__init__(file, encoding="utf-8")
     self.source = source
     self.legacy = legacy
@@ -370,6 +378,7 @@ def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
       return _read_zip_state_dict(path)
     return _read_legacy_state_dict(path)
   except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile,
+          UnicodeDecodeError,  # A Python 2 byte string that is not UTF-8.
           TypeError) as e:  # TypeError: a rebuild's arguments were wrong.
     raise ValueError(f"{path!r} is damaged or not a PyTorch file ({e})"
                      ) from None
@@ -394,7 +403,8 @@ _DOWNLOAD_CHUNK = 256 * 1024
 
 
 class WeightsUnavailableError(OSError):
-  """ImageNet weights are neither cached nor downloadable; says how to fix."""
+  """ImageNet weights are neither cached nor downloadable, or the cached
+  file is damaged; says how to fix."""
 
 
 def _downloader(url: str) -> pooch.HTTPDownloader | None:
@@ -403,6 +413,15 @@ def _downloader(url: str) -> pooch.HTTPDownloader | None:
   if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
     return None
   return pooch.HTTPDownloader(progressbar=True, chunk_size=_DOWNLOAD_CHUNK)
+
+
+def _local_source(url: str) -> str | None:
+  """The path that ``url`` names on this machine: a ``file://`` URL's, or
+  ``url`` itself if it has no scheme; None for a URL to download."""
+  parts = urllib.parse.urlsplit(url)
+  if parts.scheme == "file":
+    return urllib.request.url2pathname(parts.path)
+  return url if not parts.scheme else None
 
 
 def weights_dir() -> Path:
@@ -417,6 +436,19 @@ def weights_dir() -> Path:
 def _hash_prefix(filename: str) -> str:
   """torch.hub's check: the hex digits after the last ``-`` of the name."""
   return filename.rsplit(".", 1)[0].rsplit("-", 1)[-1]
+
+
+def sha256(path: str | os.PathLike) -> str:
+  """The hexadecimal SHA-256 of a file; of a directory (an Orbax
+  checkpoint), that of its files' ``sha256sum`` lines, sorted by path
+  (``find . -type f | sort | xargs sha256sum | sha256sum`` in it)."""
+  path = Path(path)
+  if path.is_dir():
+    lines = "".join(f"{sha256(file)}  ./{file.relative_to(path)}\n"
+                    for file in sorted(path.rglob("*")) if file.is_file())
+    return hashlib.sha256(lines.encode()).hexdigest()
+  with open(path, "rb") as file:
+    return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def imagenet_file(model: str) -> str:
@@ -434,33 +466,63 @@ def imagenet_file(model: str) -> str:
   return filename
 
 
-def fetch_imagenet(model: str) -> Path:
-  """torchvision's ImageNet weights of ``model``, downloaded once.
+def _hash_problem(path: Path, filename: str) -> str | None:
+  """What is wrong with ``path`` as torchvision's ``filename``, whose name
+  starts its SHA-256; None if nothing."""
+  digest = sha256(path)
+  if digest.startswith(_hash_prefix(filename)):
+    return None
+  return (f"its SHA-256 {digest} does not start with "
+          f"{_hash_prefix(filename)}, as torchvision's {filename} does: it is "
+          "damaged, truncated or another file")
 
-  A file in `weights_dir` is used as it is. Otherwise it is downloaded (with
-  a progress bar) into a temporary folder there, checked, and only then
-  renamed into place, so that a failed or interrupted download leaves
-  nothing behind and runs that download at once do not see each other's
-  partial files.
+
+def fetch_imagenet(model: str, *, replace_damaged: bool = False) -> Path:
+  """torchvision's ImageNet weights of ``model``, downloaded once, checked
+  on every use.
+
+  The file is checked as ``torch.hub`` checks a download: the hexadecimal
+  digits after the ``-`` in its name start its SHA-256 (hashing ResNet-50's
+  98 MB takes about 0.1 s). A file in `weights_dir`, downloaded or placed
+  there by hand, is checked so too. A missing one is downloaded (with a
+  progress bar) from ``$PGRAD_JAX_WEIGHTS_URL`` (default `TORCHVISION_URL`)
+  into a temporary folder there, checked, and only then renamed into place,
+  so that a failed or interrupted download leaves nothing behind and runs
+  that download at once do not see each other's partial files. The
+  variable may also name a folder on this machine (a ``file://`` URL or a
+  path), such as a cluster's shared disk: its file is copied and checked as
+  a download is.
 
   Args:
     model: a name of ``catalog.MODELS`` with ImageNet weights.
+    replace_damaged: download a cached file that does not check again,
+      instead of refusing it (what ``python -m experiments.pretrained
+      fetch`` does).
 
   Returns:
     The path of the cached file.
 
   Raises:
     ValueError: there are no ImageNet weights of ``model``.
-    WeightsUnavailableError: the cache cannot be written, or the download
-      failed or did not check; nothing was cached. The message names the
-      fix: the URL and where to place the file by hand, or the variable
-      that moves the cache, and ``--pretrained none``.
+    WeightsUnavailableError: the cached file does not check, or the cache
+      cannot be written, or the download failed or did not check; nothing
+      was cached. The message names the fix: the command that downloads the
+      file again, or the URL and where to place the file by hand, or the
+      variable that moves the cache, and ``--pretrained none``.
   """
   filename = imagenet_file(model)
   cache = weights_dir()
   path = cache / filename
   if path.is_file():
-    return path
+    problem = _hash_problem(path, filename)
+    if problem is None:
+      return path
+    if not replace_damaged:
+      raise WeightsUnavailableError(
+          f"The cached ImageNet weights {path} cannot be used: {problem}. "
+          f"Delete it, or run `python -m experiments.pretrained fetch "
+          f"{model}` to download it again.")
+    print(f"{path}: {problem}; replacing it.", file=sys.stderr)
   try:
     cache.mkdir(parents=True, exist_ok=True)
     # Where the download goes first: a failed one leaves nothing behind.
@@ -470,26 +532,30 @@ def fetch_imagenet(model: str) -> Path:
         f"Cannot write the weights cache {cache} ({e.strerror or e}): set "
         f"${DIR_VARIABLE} to a writable directory, or pass --pretrained none "
         "to train from scratch.") from None
-  url = f"{os.environ.get(URL_VARIABLE) or TORCHVISION_URL}/{filename}"
+  source = os.environ.get(URL_VARIABLE) or TORCHVISION_URL
+  url = f"{source.rstrip('/')}/{filename}"
+  local = _local_source(url)
   fix = (f"Download {url} (e.g. on a machine with network access) and place "
          f"it at {path}, or pass --pretrained none to train from scratch.")
-  print(f"Downloading torchvision's ImageNet weights of {model} from {url} "
-        f"to {path}.", file=sys.stderr)
+  print(f"{'Copying' if local else 'Downloading'} torchvision's ImageNet "
+        f"weights of {model} from {url} to {path}.", file=sys.stderr)
   logger = pooch.get_logger()
   level = logger.level
   # pooch's own lines would suggest a full hash; torch.hub checks a prefix.
   logger.setLevel("WARNING")
   try:
     with download_dir as tmp:
-      downloaded = pooch.retrieve(
-          url, known_hash=None, fname=filename, path=tmp, progressbar=True,
-          downloader=_downloader(url))
-      digest = pooch.file_hash(downloaded, alg="sha256")
-      if not digest.startswith(_hash_prefix(filename)):
+      if local:
+        downloaded = shutil.copyfile(local, os.path.join(tmp, filename))
+      else:
+        downloaded = pooch.retrieve(
+            url, known_hash=None, fname=filename, path=tmp, progressbar=True,
+            downloader=_downloader(url))
+      problem = _hash_problem(Path(downloaded), filename)
+      if problem is not None:
         raise WeightsUnavailableError(
-            f"The file downloaded from {url} is damaged or not torchvision's: "
-            f"its SHA-256 {digest} does not start with "
-            f"{_hash_prefix(filename)}, so it was not kept. {fix}")
+            f"The file {'copied' if local else 'downloaded'} from {url} "
+            f"cannot be used: {problem}; it was not kept. {fix}")
       os.replace(downloaded, path)
   except WeightsUnavailableError:
     raise
@@ -498,8 +564,8 @@ def fetch_imagenet(model: str) -> Path:
     # retries; the reason says it.
     reason = getattr(e.args[0] if e.args else None, "reason", None) or e
     raise WeightsUnavailableError(
-        f"Cannot download ImageNet weights of {model}: {reason}. {fix}"
-    ) from None
+        f"Cannot {'copy' if local else 'download'} ImageNet weights of "
+        f"{model}: {reason}. {fix}") from None
   finally:
     logger.setLevel(level)
   return path
@@ -749,6 +815,12 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise ValueError(f"{os.fspath(path)!r} holds a single array (.npy), not "
                      "a .npz file of named arrays")
   with loaded:
+    # numpy gives the bytes of a member that is not a .npy array.
+    others = [name for name in loaded.zip.namelist()
+              if not name.endswith(".npy")]
+    if others:
+      raise ValueError(f"{os.fspath(path)!r} is a zip archive of "
+                       f"{', '.join(others[:3])}, not a .npz file of arrays")
     return {key: loaded[key] for key in loaded.files}
 
 
@@ -764,7 +836,7 @@ def _read(path: str) -> dict[str, np.ndarray]:
     flat = _flatten(tree)
     # A saved nnx.State (rather than a pure dict) wraps each leaf in "value".
     return {k.removesuffix("/value"): np.asarray(v) for k, v in flat.items()}
-  if is_torch_file(path):
+  if is_torch_file(path) or Path(path).suffix in _TORCH_SUFFIXES:
     _, converted = convert_torchvision(read_torch_state_dict(path))
     return {key: np.asarray(v) for key, v in _flatten(converted).items()}
   try:
@@ -815,15 +887,16 @@ def load_pretrained(model: models.Classifier, path: str | os.PathLike) -> None:
   nnx.update(model.featurizer, state)
 
 
-def _infer_depth(state_dict: Mapping[str, Any]) -> int:
-  """Finds the ResNet depth from the block counts of a torchvision state dict."""
+def _infer_depth(state_dict: Mapping[str, Any], sep: str = ".") -> int:
+  """Finds the ResNet depth from the block counts of a torchvision state
+  dict, or of converted weights (``sep="/"``)."""
 
   def num_blocks(stage: str) -> int:
-    names = [k for k in state_dict if k.startswith(f"{stage}.")]
-    return 1 + max((int(k.split(".")[1]) for k in names), default=-1)
+    names = [k for k in state_dict if k.startswith(f"{stage}{sep}")]
+    return 1 + max((int(k.split(sep)[1]) for k in names), default=-1)
 
   stage_sizes = tuple(num_blocks(s) for s in models.RESNET_STAGES)
-  bottleneck = any(k.endswith(".conv3.weight") for k in state_dict)
+  bottleneck = any(f"{sep}conv3{sep}" in k for k in state_dict)
   for depth, (block, sizes) in models.RESNET_SPECS.items():
     if sizes == stage_sizes and (block is models.Bottleneck) == bottleneck:
       return depth
@@ -831,6 +904,81 @@ def _infer_depth(state_dict: Mapping[str, Any]) -> int:
       f"Not a supported ResNet (stages {stage_sizes}); supported depths: "
       f"{sorted(models.RESNET_SPECS)}."
   )
+
+
+# How the papers name the networks whose weights `_architecture` finds.
+_FAMILY_NAMES = {"resnet": "ResNet", "densenet": "DenseNet"}
+
+
+def _architecture(names: Collection[str]) -> str | None:
+  """The model of ``catalog.MODELS`` that converted weights' ``names``
+  (``layer1/0/conv1/kernel``) are of; None if none that they name."""
+  if any(name.split("/", 1)[0].startswith("denseblock") for name in names):
+    return "densenet121"
+  if not any(name.startswith(f"{models.RESNET_STAGES[0]}/")
+             for name in names):
+    return None
+  try:
+    return f"resnet{_infer_depth(dict.fromkeys(names), sep='/')}"
+  except ValueError:  # Not a ResNet of ours: the full check says more.
+    return None
+
+
+def _described(model: str) -> str:
+  """``ResNet-50`` for ``resnet50``, ``DenseNet-121`` for ``densenet121``."""
+  family, depth = re.fullmatch(r"([a-z]+?)(\d+)", model).groups()
+  return f"{_FAMILY_NAMES[family]}-{depth}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+  """Featurizer weights that a run starts from, checked.
+
+  Attributes:
+    path: the file (or Orbax directory).
+    sha256: its `sha256`, which tells any two files apart.
+  """
+
+  path: Path
+  sha256: str
+
+  def record(self) -> dict[str, str]:
+    """What a run's config file says of them: the file's name and SHA-256."""
+    return {"file": self.path.name, "sha256": self.sha256}
+
+
+def checked_weights(pretrained: str | None, model: str) -> Weights | None:
+  """The weights that ``--pretrained`` names for ``model``, read and checked
+  before the model is built.
+
+  Args:
+    pretrained: the resolved flag (``config.Config.pretrained``): None or
+      ``"none"`` for none, ``"imagenet"`` (fetched first: `fetch_imagenet`),
+      or a path.
+    model: the ``--model`` they are for.
+
+  Returns:
+    The weights' file and SHA-256; None for none.
+
+  Raises:
+    WeightsUnavailableError: ImageNet weights cannot be fetched, or the
+      cached file does not check.
+    FileNotFoundError: there is no such file.
+    ValueError: the file is not weights (a damaged or truncated file, or
+      not a state dict), or they are another architecture's: the message
+      says which.
+  """
+  if pretrained in (None, "none"):
+    return None
+  path = (fetch_imagenet(model) if pretrained == "imagenet"
+          else Path(pretrained))
+  names = _read(os.fspath(path))
+  found = _architecture(names)
+  if found is not None and found != model:
+    raise ValueError(
+        f"{path} holds {_described(found)} weights, and --model is {model}: "
+        f"pass --model {found}, or weights of {model}.")
+  return Weights(path, sha256(path))
 
 
 def _convert_command(args: argparse.Namespace) -> int:
@@ -846,7 +994,7 @@ def _convert_command(args: argparse.Namespace) -> int:
 
 def _fetch_command(args: argparse.Namespace) -> int:
   try:
-    path = fetch_imagenet(args.model)
+    path = fetch_imagenet(args.model, replace_damaged=True)
   except (OSError, ValueError) as e:
     print(e, file=sys.stderr)
     return 2

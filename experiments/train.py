@@ -79,6 +79,7 @@ is refused at once, and a finished run's result is printed then
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -117,6 +118,9 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   """
   config, hparams = config_lib.parse_flags(argv)
   resume = config_lib.claim_run_directory(config, hparams)
+  # A finished run reports its result, which needs no weights.
+  weights = (None if resume and records.is_done(config.output_dir)
+             else _checked_weights(config, resume))
   try:
     dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                    seed=config.trial_seed)
@@ -152,7 +156,45 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   return config_lib.RunSpec(
       config=config, hparams=hparams, protocol=protocol,
       train_domains=train_domains, resume=resume, dataset=dataset,
-      fingerprint=fingerprint)
+      fingerprint=fingerprint, weights=weights)
+
+
+def _checked_weights(config: config_lib.Config,
+                     resume: bool) -> dict[str, str] | None:
+  """The record (file name and SHA-256) of the featurizer weights that the
+  run starts from, checked before the model is built: fetched if they are
+  ImageNet's, read whole, and of ``--model``'s architecture
+  (``pretrained.checked_weights``). None for none.
+
+  Raises:
+    config_lib.UsageError: they cannot be fetched, or are damaged, or are
+      not weights of ``--model``; or the run to resume started from other
+      weights.
+  """
+  if config.pretrained in (None, "none"):
+    return None
+  # Imported for weights only: it imports JAX, which resolving a run that
+  # has none does not need.
+  from experiments import pretrained  # pylint: disable=import-outside-toplevel
+  try:
+    weights = pretrained.checked_weights(config.pretrained, config.model)
+  except pretrained.WeightsUnavailableError as e:
+    raise config_lib.UsageError(str(e)) from None
+  except (OSError, ValueError) as e:
+    raise config_lib.UsageError(f"--pretrained {config.pretrained}: {e}"
+                                ) from None
+  record = weights.record()
+  config_file = Path(config.output_dir) / records.CONFIG_FILE
+  started = (json.loads(config_file.read_text()).get("weights")
+             if resume else None)
+  if started is not None and started != record:
+    raise config_lib.UsageError(
+        f"{config.output_dir} started from weights {started['file']} "
+        f"(SHA-256 {started['sha256']}), but --pretrained "
+        f"{config.pretrained} now gives {record['file']} (SHA-256 "
+        f"{record['sha256']}). Pass the weights it started from, or "
+        "--overwrite to train it again from these.")
+  return record
 
 
 class _Stopped(KeyboardInterrupt):

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -452,10 +452,12 @@ def load_params(
 
 def _start_run_directory(
     config: config_lib.Config, hparams: dict[str, Any],
-    fingerprint: dict[str, Any], lock: config_lib.RunDirectoryLock
+    fingerprint: dict[str, Any], weights: Mapping[str, str] | None,
+    lock: config_lib.RunDirectoryLock
 ) -> None:
   """Creates the run directory and takes its ``lock``, then records the
-  configuration it belongs to, the fingerprint of its data
+  configuration it belongs to with the ``weights`` it starts from
+  (`config.RunSpec.weights`), the fingerprint of its data
   (`datasets.fingerprint`) and the machine it trains on
   (`environment.describe`).
 
@@ -466,7 +468,8 @@ def _start_run_directory(
   output_dir = Path(config.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   lock.acquire()
-  records.write_config(output_dir, config_lib.run_record(config, hparams))
+  records.write_config(output_dir,
+                       config_lib.run_record(config, hparams, weights))
   records.write_fingerprint(output_dir, fingerprint)
   records.append_environment(output_dir, environment.describe(config.devices))
 
@@ -485,7 +488,8 @@ def _started_run_directory(
   same command resumes rather than refuses (`config.claim_run_directory`).
   """
   if manager is None:
-    _start_run_directory(spec.config, hparams, spec.fingerprint, lock)
+    _start_run_directory(spec.config, hparams, spec.fingerprint,
+                         spec.weights, lock)
     manager = _checkpoint_manager(Path(spec.config.output_dir))
   return manager
 

@@ -1,5 +1,4 @@
-"""Writes the PyTorch fixtures of tests/experiments/test_pretrained.py; needs
-PyTorch.
+"""Writes the PyTorch fixtures of tests/experiments/test_pretrained.py.
 
 The project never imports PyTorch: these files were written once, with
 torch 2.14.1 and torchvision 0.29.1 (CPU), by
@@ -22,18 +21,31 @@ saved in both of ``torch.save``'s formats:
 and ``basic_block_expected.npz`` holds what ``torch.load`` returns for them:
 each tensor's values under its name, and its strides (in elements) under
 ``strides/<name>``.
+
+No PyTorch of today writes what torchvision's files of 2017 (such as
+``densenet121-a639ec97.pth``) may hold, so one more fixture is written by
+hand, without PyTorch, by
+
+    python tests/data/make_torch_state_dicts.py --2017 tests/data
+
+* ``basic_block_2017.pth``: the same tensors (views as contiguous copies),
+  in the legacy format as Python 2 pickled it, with storages saved from a
+  GPU (``torch.cuda.FloatStorage`` at ``cuda:0``) and tensors pickled by
+  ``torch._utils._rebuild_tensor`` (PyTorch < 0.4); see
+  tests/experiments/torch_writer.py, which writes it from
+  ``basic_block_expected.npz``.
 """
 
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-from torchvision.models import resnet
 
 
-def state_dict() -> dict[str, torch.Tensor]:
+def state_dict():
   """A trained-mode BasicBlock's state dict, with three views added."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torchvision.models import resnet  # pylint: disable=import-outside-toplevel
   torch.manual_seed(0)
   block = resnet.BasicBlock(4, 4)
   block.train()
@@ -45,8 +57,9 @@ def state_dict() -> dict[str, torch.Tensor]:
   return tensors
 
 
-def main(out_dir: str) -> None:
-  out = Path(out_dir)
+def write_torch_fixtures(out: Path) -> None:
+  """Writes the files that PyTorch writes, and what torch.load reads."""
+  import torch  # pylint: disable=import-outside-toplevel
   tensors = state_dict()
   assert not tensors["views.transposed"].is_contiguous()
   assert not tensors["views.strided"].is_contiguous()
@@ -65,5 +78,19 @@ def main(out_dir: str) -> None:
   np.savez(out / "basic_block_expected.npz", **expected)
 
 
+def write_2017_fixture(out: Path) -> None:
+  """Writes ``basic_block_2017.pth`` by hand from the expected tensors."""
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import torch_writer  # pylint: disable=import-outside-toplevel
+  with np.load(out / "basic_block_expected.npz") as npz:
+    tensors = {k: npz[k] for k in npz.files if not k.startswith("strides/")}
+  torch_writer.write_state_dict(
+      out / "basic_block_2017.pth", tensors, legacy=True, python2=True,
+      location="cuda:0", rebuild="_rebuild_tensor")
+
+
 if __name__ == "__main__":
-  main(sys.argv[1])
+  if sys.argv[1] == "--2017":
+    write_2017_fixture(Path(sys.argv[2]))
+  else:
+    write_torch_fixtures(Path(sys.argv[1]))

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import http.server
 import io
+import json
 import os
 import pickle
 import socket
@@ -127,6 +128,49 @@ def test_reader_refuses_what_is_not_a_state_dict(tmp_path):
   with zipfile.ZipFile(path, "w") as archive:
     archive.writestr("archive/data.pkl", pickle.dumps([1, 2], protocol=2))
   with pytest.raises(ValueError, match="not a state dict"):
+    pretrained.read_torch_state_dict(path)
+
+
+def test_reader_reads_what_torchvisions_2017_files_may_hold():
+  # densenet121-a639ec97.pth was saved in 2017: by Python 2, maybe from a
+  # GPU, with torch < 0.4's _rebuild_tensor; the fixture is all of these at
+  # once, holding the tensors of the fixtures that PyTorch wrote.
+  expected, _ = _expected()
+  path = DATA / "basic_block_2017.pth"
+  head = path.read_bytes()[:2000]
+  assert b"torch.cuda\nFloatStorage" in head and b"cuda:0" in head
+  assert b"torch._utils\n_rebuild_tensor\n" in head
+  assert pickle.SHORT_BINSTRING + bytes([12]) + b"conv1.weight" in head
+  loaded = pretrained.read_torch_state_dict(path)
+  assert list(loaded) == list(expected)
+  for name, array in loaded.items():
+    np.testing.assert_array_equal(array, expected[name], strict=True,
+                                  err_msg=name)
+
+
+@pytest.mark.parametrize("options", [
+    dict(legacy=True, python2=True), dict(location="cuda:0"),
+    dict(legacy=True, location="cuda:0"),
+    dict(rebuild="_rebuild_tensor"),
+    dict(legacy=True, rebuild="_rebuild_tensor")], ids=str)
+def test_reader_reads_each_old_feature_alone(options, tmp_path):
+  expected, _ = _expected()
+  torch_writer.write_state_dict(tmp_path / "old.pth", expected, **options)
+  loaded = pretrained.read_torch_state_dict(tmp_path / "old.pth")
+  assert list(loaded) == list(expected)
+  for name, array in loaded.items():
+    np.testing.assert_array_equal(array, expected[name], strict=True,
+                                  err_msg=name)
+
+
+def test_reader_names_a_file_whose_python2_strings_are_not_utf8(tmp_path):
+  # torch.load decodes Python 2's byte strings as UTF-8, and fails where
+  # they are not; so does the reader, naming the file.
+  path = tmp_path / "latin1.pth"
+  torch_writer.write_state_dict(path, {"caf\xe9.weight": np.zeros(2, np.float32)},
+                                legacy=True, python2=True)
+  with pytest.raises(ValueError, match=r"latin1\.pth' is damaged or not a "
+                     "PyTorch file .*utf-8"):
     pretrained.read_torch_state_dict(path)
 
 
@@ -260,6 +304,82 @@ def test_fetch_command_fills_the_cache_ahead_of_runs(server, monkeypatch,
   assert len(server.requests) == 1
 
 
+def _place_in_cache(tmp_path, filename, data):
+  path = tmp_path / "cache" / filename
+  path.parent.mkdir(exist_ok=True)
+  path.write_bytes(data)
+  return path
+
+
+@pytest.mark.parametrize("damage", ["another file", "truncated"])
+def test_fetch_checks_a_cached_file_as_a_download(damage, server, monkeypatch,
+                                                  tmp_path):
+  # A file placed at the cache path by hand (as the offline message says),
+  # or cut short there, is checked against its name's hash before use.
+  data = FIXTURES["zip"].read_bytes()
+  filename = serve_weights(server, monkeypatch, "resnet18", data)
+  placed = (FIXTURES["legacy"].read_bytes() if damage == "another file"
+            else data[:len(data) // 2])
+  path = _place_in_cache(tmp_path, filename, placed)
+  with pytest.raises(pretrained.WeightsUnavailableError) as error:
+    pretrained.fetch_imagenet("resnet18")
+  message = str(error.value)
+  assert str(path) in message
+  assert hashlib.sha256(placed).hexdigest() in message
+  assert f"does not start with {filename[9:17]}" in message
+  assert ("Delete it, or run `python -m experiments.pretrained fetch "
+          "resnet18`") in message
+  assert path.read_bytes() == placed and server.requests == []
+  # The command that the message names replaces it with a good download.
+  assert pretrained.main(["fetch", "resnet18"]) == 0
+  assert path.read_bytes() == data
+  assert pretrained.fetch_imagenet("resnet18") == path
+
+
+@pytest.mark.parametrize("form", ["file_url", "path"])
+def test_fetch_copies_and_checks_from_a_shared_folder(form, monkeypatch,
+                                                      tmp_path, capsys):
+  mirror = tmp_path / "mirror"
+  mirror.mkdir()
+  data = FIXTURES["zip"].read_bytes()
+  filename = f"resnet18-{hashlib.sha256(data).hexdigest()[:8]}.pth"
+  monkeypatch.setitem(catalog.MODELS, "resnet18", dataclasses.replace(
+      catalog.MODELS["resnet18"], imagenet_weights=filename))
+  monkeypatch.setenv(pretrained.URL_VARIABLE,
+                     mirror.as_uri() if form == "file_url" else str(mirror))
+  monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "cache"))
+  # Missing there: said so, nothing cached.
+  with pytest.raises(pretrained.WeightsUnavailableError,
+                     match=f"Cannot copy .*{filename}.*--pretrained none"):
+    pretrained.fetch_imagenet("resnet18")
+  # Damaged there: refused, nothing cached.
+  (mirror / filename).write_bytes(data[:-1])
+  with pytest.raises(pretrained.WeightsUnavailableError,
+                     match="copied from .* does not start with"):
+    pretrained.fetch_imagenet("resnet18")
+  assert os.listdir(tmp_path / "cache") == []
+  (mirror / filename).write_bytes(data)
+  path = pretrained.fetch_imagenet("resnet18")
+  assert path == tmp_path / "cache" / filename
+  assert path.read_bytes() == data
+  assert "Copying torchvision's ImageNet weights" in capsys.readouterr().err
+
+
+def test_sha256_tells_directories_apart_by_content_and_names(tmp_path):
+  def folder(name, files):
+    for relative, data in files.items():
+      (tmp_path / name / relative).parent.mkdir(parents=True, exist_ok=True)
+      (tmp_path / name / relative).write_bytes(data)
+    return pretrained.sha256(tmp_path / name)
+
+  files = {"a": b"1", "d/b": b"2"}
+  assert folder("x", files) == folder("copy", files)
+  assert folder("x", files) != folder("byte", {**files, "d/b": b"3"})
+  assert folder("x", files) != folder("name", {"a": b"1", "d/c": b"2"})
+  assert pretrained.sha256(tmp_path / "x" / "a") == (
+      hashlib.sha256(b"1").hexdigest())
+
+
 def _free_port():
   """A port where nothing listens (bound, then released)."""
   with contextlib.closing(socket.socket()) as sock:
@@ -329,6 +449,104 @@ PACS_FLAGS = ["--dataset", "PACS", "--model", "resnet18", "--algorithm",
               "--loss_examples", "2", "--num_workers", "0"]
 
 
+def _exits_2_at_resolution(argv, capsys):
+  """The train command's stderr for ``argv``, which must be refused while
+  the run is resolved (`train.resolve_run`, which builds no model): exit 2
+  with one error line and no traceback, nothing written."""
+  with pytest.raises(config_lib.UsageError):
+    train.resolve_run(argv)
+  capsys.readouterr()
+  assert train.main(argv) == 2
+  stderr = capsys.readouterr().err
+  assert "Traceback" not in stderr
+  errors = [line for line in stderr.splitlines() if "error" in line]
+  assert len(errors) == 1, stderr
+  return errors[0]
+
+
+@pytest.mark.parametrize("damage", ["another file", "truncated"])
+def test_a_damaged_cached_file_exits_2_before_the_model_is_built(
+    damage, data_dir, server, monkeypatch, tmp_path, capsys):
+  state_dict = random_state_dict(18, seed=3)
+  torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
+  data = (tmp_path / "resnet18.pth").read_bytes()
+  filename = serve_weights(server, monkeypatch, "resnet18", data)
+  placed = data[:len(data) // 3]
+  if damage == "another file":  # Valid, but of other values.
+    torch_writer.write_state_dict(tmp_path / "other.pth",
+                                  random_state_dict(18, seed=4))
+    placed = (tmp_path / "other.pth").read_bytes()
+  path = _place_in_cache(tmp_path, filename, placed)
+  error = _exits_2_at_resolution(
+      [*PACS_FLAGS, "--data_dir", str(data_dir),
+       "--output_dir", str(tmp_path / "run")], capsys)
+  assert str(path) in error
+  assert "does not start with" in error
+  assert "python -m experiments.pretrained fetch resnet18" in error
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["other.pth", "other.npz"])
+def test_pretrained_zip_of_a_text_file_exits_2_saying_what_it_is(
+    name, data_dir, tmp_path, capsys):
+  path = tmp_path / name
+  with zipfile.ZipFile(path, "w") as archive:
+    archive.writestr("notes.txt", "not weights")
+  error = _exits_2_at_resolution(
+      [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
+       str(tmp_path / "run"), "--pretrained", str(path)], capsys)
+  assert f"--pretrained {path}" in error
+  assert ("not a PyTorch file" if name.endswith(".pth") else
+          "zip archive of notes.txt, not a .npz file of arrays") in error
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["pth", "npz"])
+def test_weights_of_another_architecture_say_which_they_are(
+    converted, data_dir, tmp_path, capsys):
+  state_dict = random_state_dict(18)
+  path = tmp_path / "weights.pth"
+  torch_writer.write_state_dict(path, state_dict)
+  if converted:
+    path = tmp_path / "weights.npz"
+    pretrained.save_npz(
+        pretrained.convert_torchvision_state_dict(state_dict, 18), path)
+  argv = [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
+          str(tmp_path / "run"), "--pretrained", str(path)]
+  argv[argv.index("resnet18")] = "resnet50"
+  error = _exits_2_at_resolution(argv, capsys)
+  assert (f"{path} holds ResNet-18 weights, and --model is resnet50: pass "
+          "--model resnet18, or weights of resnet50.") in error
+
+
+def test_a_run_records_the_name_and_sha256_of_its_weights(
+    data_dir, server, monkeypatch, tmp_path):
+  torch_writer.write_state_dict(tmp_path / "a.pth",
+                                random_state_dict(18, seed=1))
+  torch_writer.write_state_dict(tmp_path / "b.pth",
+                                random_state_dict(18, seed=2))
+  served = (tmp_path / "a.pth").read_bytes()
+  filename = serve_weights(server, monkeypatch, "resnet18", served)
+  flags = [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
+           str(tmp_path / "run")]
+  runs = {
+      "imagenet": train.resolve_run(flags),
+      "file": train.resolve_run([*flags, "--pretrained",
+                                 str(tmp_path / "b.pth")]),
+      "none": train.resolve_run([*flags, "--pretrained", "none"])}
+  assert runs["imagenet"].weights == {
+      "file": filename, "sha256": hashlib.sha256(served).hexdigest()}
+  assert runs["file"].weights == {
+      "file": "b.pth",
+      "sha256": hashlib.sha256((tmp_path / "b.pth").read_bytes()).hexdigest()}
+  assert runs["none"].weights is None
+  # What the config file holds; without weights, what it held before.
+  for spec in runs.values():
+    record = config_lib.run_record(spec.config, spec.hparams, spec.weights)
+    assert record.get("weights") == spec.weights
+    assert set(record) == {"args", "hparams"} | (
+        {"weights"} if spec.weights else set())
+
+
 @pytest.mark.slow
 def test_pacs_starts_from_imagenet_weights_by_default(
     data_dir, server, monkeypatch, tmp_path, capsys):
@@ -338,13 +556,28 @@ def test_pacs_starts_from_imagenet_weights_by_default(
   # under a name of its own hash.
   state_dict = random_state_dict(18, seed=3)
   torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
-  serve_weights(server, monkeypatch, "resnet18",
-         (tmp_path / "resnet18.pth").read_bytes())
+  filename = serve_weights(server, monkeypatch, "resnet18",
+                           (tmp_path / "resnet18.pth").read_bytes())
   output_dir = tmp_path / "run"
   assert train.main([*PACS_FLAGS, "--data_dir", str(data_dir),
                      "--output_dir", str(output_dir)]) == 0
   assert len(server.requests) == 1
   assert "Featurizer weights from" in capsys.readouterr().err
+  digest = hashlib.sha256((tmp_path / "resnet18.pth").read_bytes())
+  assert json.loads((output_dir / "config.json").read_text())["weights"] == {
+      "file": filename, "sha256": digest.hexdigest()}
+  # Resumed, it must start from the same weights: here the served ones
+  # change (and their name with them, as torchvision's would).
+  (output_dir / "done").unlink()
+  torch_writer.write_state_dict(tmp_path / "other.pth",
+                                random_state_dict(18, seed=4))
+  other = serve_weights(server, monkeypatch, "resnet18",
+                        (tmp_path / "other.pth").read_bytes())
+  with pytest.raises(config_lib.UsageError, match=(
+      f"started from weights {filename} .*, but --pretrained imagenet now "
+      f"gives {other} ")):
+    train.resolve_run([*PACS_FLAGS, "--data_dir", str(data_dir),
+                       "--output_dir", str(output_dir)])
   with np.load(output_dir / "final_params.npz") as params:
     # Frozen BatchNorm keeps the loaded statistics through training.
     np.testing.assert_array_equal(
