@@ -101,8 +101,10 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
 
   In turn: the flags and hyperparameters (`config.parse_flags`, which exits
   with status 2 and a usage message on a mistake), the run directory
-  (`config.claim_run_directory`), then the data, from which WILDS's protocol
-  (`wilds.protocol`) and the held-out domains follow.
+  (`config.claim_run_directory`), the data, from which WILDS's protocol
+  (`wilds.protocol`) and the held-out domains follow, then the featurizer
+  weights the run starts from (`_checked_weights`), before any model is
+  built.
 
   Args:
     argv: the flags; ``None`` reads ``sys.argv[1:]``.
@@ -113,14 +115,12 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   Raises:
     config_lib.UsageError: the run directory holds another run or cannot be
       written, or the data are missing or are not the run's, or the
-      held-out domains or the plateau checks do not fit them; nothing was
-      written (only what ``--overwrite`` deletes is gone).
+      held-out domains or the plateau checks do not fit them, or the
+      weights are damaged or not ``--model``'s; nothing was written (only
+      what ``--overwrite`` deletes, and weights fetched into their cache).
   """
   config, hparams = config_lib.parse_flags(argv)
   resume = config_lib.claim_run_directory(config, hparams)
-  # A finished run reports its result, which needs no weights.
-  weights = (None if resume and records.is_done(config.output_dir)
-             else _checked_weights(config, resume))
   try:
     dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                    seed=config.trial_seed)
@@ -153,6 +153,10 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
         f"--plateau_check_freq: {protocol.dataset} is a regression, and the "
         "convergence criterion is on validation accuracy; train a fixed "
         "--steps instead.")
+  # Last, once the data are there: fetching them can download 100 MB. A
+  # finished run reports its result, which needs no weights.
+  weights = (None if resume and records.is_done(config.output_dir)
+             else _checked_weights(config, resume))
   return config_lib.RunSpec(
       config=config, hparams=hparams, protocol=protocol,
       train_domains=train_domains, resume=resume, dataset=dataset,
@@ -181,8 +185,7 @@ def _checked_weights(config: config_lib.Config,
   except pretrained.WeightsUnavailableError as e:
     raise config_lib.UsageError(str(e)) from None
   except (OSError, ValueError) as e:
-    raise config_lib.UsageError(f"--pretrained {config.pretrained}: {e}"
-                                ) from None
+    raise config_lib.UsageError(f"--pretrained: {e}") from None
   record = weights.record()
   config_file = Path(config.output_dir) / records.CONFIG_FILE
   started = (json.loads(config_file.read_text()).get("weights")

@@ -495,7 +495,7 @@ def test_pretrained_zip_of_a_text_file_exits_2_saying_what_it_is(
   error = _exits_2_at_resolution(
       [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
        str(tmp_path / "run"), "--pretrained", str(path)], capsys)
-  assert f"--pretrained {path}" in error
+  assert f"--pretrained: {str(path)!r} is " in error
   assert ("not a PyTorch file" if name.endswith(".pth") else
           "zip archive of notes.txt, not a .npz file of arrays") in error
 

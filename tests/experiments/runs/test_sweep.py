@@ -1,5 +1,7 @@
 """The sweep's runs, launching and resuming, with a stand-in training script."""
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -668,7 +670,15 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   # Once the file is cached the runs train, and nothing is downloaded again.
   cached = tmp_path / "cache" / "resnet50-0676ba61.pth"
   assert not list(cached.parent.glob("*"))  # The failed download left none.
+  # A file placed there is checked against its name's hash: one that does
+  # not check stops the sweep; one of a name of its own hash is used.
   cached.write_bytes(b"cached")
+  assert sweep.main(["launch", *flags]) == 2
+  assert "experiments.pretrained fetch resnet50" in capsys.readouterr().err
+  cached = cached.rename(cached.with_name(
+      f"resnet50-{hashlib.sha256(b'cached').hexdigest()[:8]}.pth"))
+  monkeypatch.setitem(catalog.MODELS, "resnet50", dataclasses.replace(
+      catalog.MODELS["resnet50"], imagenet_weights=cached.name))
   assert sweep.main(["launch", *flags]) == 0
   assert cached.read_bytes() == b"cached"
   runs = sweep.runs_for(sweep.parse_args(["list", *flags]))
