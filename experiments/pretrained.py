@@ -824,6 +824,13 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return {key: loaded[key] for key in loaded.files}
 
 
+def _read_as_torch(path: str | os.PathLike) -> bool:
+  """Whether to read ``path`` as a ``torch.save``'d file: it is one, or is
+  named as one (a damaged one is then said to be a damaged PyTorch file)."""
+  return os.path.isfile(path) and (is_torch_file(path) or
+                                   Path(path).suffix in _TORCH_SUFFIXES)
+
+
 def _read(path: str) -> dict[str, np.ndarray]:
   """Reads a ``.npz`` file or an Orbax directory into ``"a/b"``-keyed arrays."""
   if os.path.isdir(path):
@@ -836,7 +843,7 @@ def _read(path: str) -> dict[str, np.ndarray]:
     flat = _flatten(tree)
     # A saved nnx.State (rather than a pure dict) wraps each leaf in "value".
     return {k.removesuffix("/value"): np.asarray(v) for k, v in flat.items()}
-  if is_torch_file(path) or Path(path).suffix in _TORCH_SUFFIXES:
+  if _read_as_torch(path):
     _, converted = convert_torchvision(read_torch_state_dict(path))
     return {key: np.asarray(v) for key, v in _flatten(converted).items()}
   try:
@@ -911,9 +918,12 @@ _FAMILY_NAMES = {"resnet": "ResNet", "densenet": "DenseNet"}
 
 
 def _architecture(names: Collection[str]) -> str | None:
-  """The model of ``catalog.MODELS`` that converted weights' ``names``
-  (``layer1/0/conv1/kernel``) are of; None if none that they name."""
-  if any(name.split("/", 1)[0].startswith("denseblock") for name in names):
+  """The model of ``catalog.MODELS`` that weights' ``names`` are of: a
+  torchvision state dict's (``features/denseblock1/...``) or converted
+  weights' (``layer1/0/conv1/kernel``), joined by ``/``; None if none that
+  they name."""
+  if any(part.startswith("denseblock") for name in names
+         for part in name.split("/")[:2]):
     return "densenet121"
   if not any(name.startswith(f"{models.RESNET_STAGES[0]}/")
              for name in names):
@@ -972,7 +982,12 @@ def checked_weights(pretrained: str | None, model: str) -> Weights | None:
     return None
   path = (fetch_imagenet(model) if pretrained == "imagenet"
           else Path(pretrained))
-  names = _read(os.fspath(path))
+  if _read_as_torch(path):
+    # Read, not converted: converting ResNet-50's weights takes a second
+    # (their model's shapes are traced), which loading them spends again.
+    names = [name.replace(".", "/") for name in read_torch_state_dict(path)]
+  else:
+    names = list(_read(os.fspath(path)))
   found = _architecture(names)
   if found is not None and found != model:
     raise ValueError(

@@ -29,6 +29,7 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments import pretrained
 from experiments import train
+from test_densenet import torchvision_densenet121_state
 from test_models import random_state_dict
 import torch_writer
 
@@ -516,6 +517,18 @@ def test_weights_of_another_architecture_say_which_they_are(
   error = _exits_2_at_resolution(argv, capsys)
   assert (f"{path} holds ResNet-18 weights, and --model is resnet50: pass "
           "--model resnet18, or weights of resnet50.") in error
+
+
+def test_densenet_weights_say_which_they_are(tmp_path):
+  path = tmp_path / "densenet.pth"
+  torch_writer.write_state_dict(
+      path, torchvision_densenet121_state(num_classes=1000))
+  with pytest.raises(ValueError, match=(
+      "holds DenseNet-121 weights, and --model is resnet18: pass --model "
+      "densenet121, or weights of resnet18")):
+    pretrained.checked_weights(str(path), "resnet18")
+  assert pretrained.checked_weights(str(path), "densenet121").sha256 == (
+      hashlib.sha256(path.read_bytes()).hexdigest())
 
 
 def test_a_run_records_the_name_and_sha256_of_its_weights(
