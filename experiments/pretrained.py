@@ -7,11 +7,12 @@
   ``resnet50-0676ba61.pth``, ``densenet121-a639ec97.pth``), the files that
   ``torchvision.models.resnet50(weights="IMAGENET1K_V1")`` downloads.
   `fetch_imagenet` downloads a file once from torchvision's URL into the
-  cache directory `weights_dir`, and checks it as ``torch.hub`` does: the
-  hexadecimal digits after the ``-`` in the file name start the SHA-256 of
-  the file. Two environment variables change where they come from and go:
-  ``PGRAD_JAX_WEIGHTS_URL`` (default `TORCHVISION_URL`) and
-  ``PGRAD_JAX_WEIGHTS_DIR``.
+  cache directory `weights_dir`, and checks it as ``torch.hub`` does, on
+  download and on every use: the hexadecimal digits after the ``-`` in the
+  file name start the SHA-256 of the file. Two environment variables change
+  where they come from and go: ``PGRAD_JAX_WEIGHTS_URL`` (default
+  `TORCHVISION_URL`; a ``file://`` URL or a path names a folder on a shared
+  disk) and ``PGRAD_JAX_WEIGHTS_DIR``.
 * a PyTorch ``.pth`` file of a torchvision ``state_dict``, read by
   `read_torch_state_dict` without PyTorch;
 * a ``.npz`` converted from one (``python -m experiments.pretrained convert
@@ -22,6 +23,11 @@
 
 The last two hold a flat mapping from paths such as ``layer1/0/conv1/kernel``
 (the featurizer's NNX state path, joined by ``/``) to arrays.
+
+A run checks its weights before it builds its model (`checked_weights`):
+ImageNet's are fetched and checked, any file is read whole, and weights of
+another architecture than ``--model``'s are named as such. Its config file
+records their file name and SHA-256 (`sha256`), which tells any two apart.
 
 A ResNet with ``C != 3`` input channels gets an RGB stem adapted by
 :func:`adapt_input_channels`, following DomainBed: input channel ``i`` takes

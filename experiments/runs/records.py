@@ -3,7 +3,9 @@
 A run directory holds::
 
   config.json           the run's identity: its resolved arguments and
-                        hyperparameters (`experiments.config.run_record`)
+                        hyperparameters (`experiments.config.run_record`),
+                        and the file name and SHA-256 of the weights it
+                        started from, if any
   dataset.json          the fingerprint of the data it trains on
                         (`experiments.data.datasets.fingerprint`); runs from
                         before fingerprints have none

@@ -44,8 +44,9 @@ import numpy as np
 
 def state_dict():
   """A trained-mode BasicBlock's state dict, with three views added."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from torchvision.models import resnet  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  import torch
+  from torchvision.models import resnet
   torch.manual_seed(0)
   block = resnet.BasicBlock(4, 4)
   block.train()

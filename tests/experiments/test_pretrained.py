@@ -168,8 +168,9 @@ def test_reader_names_a_file_whose_python2_strings_are_not_utf8(tmp_path):
   # torch.load decodes Python 2's byte strings as UTF-8, and fails where
   # they are not; so does the reader, naming the file.
   path = tmp_path / "latin1.pth"
-  torch_writer.write_state_dict(path, {"caf\xe9.weight": np.zeros(2, np.float32)},
-                                legacy=True, python2=True)
+  torch_writer.write_state_dict(
+      path, {"caf\xe9.weight": np.zeros(2, np.float32)}, legacy=True,
+      python2=True)
   with pytest.raises(ValueError, match=r"latin1\.pth' is damaged or not a "
                      "PyTorch file .*utf-8"):
     pretrained.read_torch_state_dict(path)
