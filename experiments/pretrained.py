@@ -209,8 +209,9 @@ class _StateDictUnpickler(pickle.Unpickler):
 
   def __init__(self, file: BinaryIO, source: str, legacy: bool):
     # A file written by Python 2 holds its strings as byte strings, which
-    # torch.load decodes as UTF-8 unless told otherwise
-    # (torch/serialization.py, load: pickle_load_args["encoding"]).
+    # torch.load decodes as UTF-8 unless told otherwise (pytorch/pytorch at
+    # 000a1a54, torch/serialization.py, load: pickle_load_args["encoding"]
+    # = "utf-8"); so does this.
     super().__init__(file, encoding="utf-8")
     self.source = source
     self.legacy = legacy
