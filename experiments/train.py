@@ -153,8 +153,8 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
         f"--plateau_check_freq: {protocol.dataset} is a regression, and the "
         "convergence criterion is on validation accuracy; train a fixed "
         "--steps instead.")
-  # Last, once the data are there: fetching them can download 100 MB. A
-  # finished run reports its result, which needs no weights.
+  # Last, once the data are there: fetching the weights can download
+  # 100 MB. A finished run reports its result, which needs no weights.
   weights = (None if resume and records.is_done(config.output_dir)
              else _checked_weights(config, resume))
   return config_lib.RunSpec(
