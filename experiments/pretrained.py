@@ -103,6 +103,9 @@ _LEGACY_PROTOCOL_VERSION = 1001
 # How a pickle (of protocol 2 or more) writes the magic number: LONG1, 10
 # bytes, little-endian.
 _LEGACY_HEAD = b"\x8a\x0a" + _LEGACY_MAGIC_NUMBER.to_bytes(10, "little")
+# How a zip archive starts: its first local file header's signature. (Its
+# end, which a truncated file lacks, is what zipfile reads first.)
+_ZIP_HEAD = b"PK\x03\x04"
 # torch's storage classes (torch.FloatStorage ...; torch.cuda.FloatStorage in
 # files saved from a GPU) and the NumPy dtypes of their elements.
 _STORAGE_DTYPES = {
@@ -383,6 +386,11 @@ def read_torch_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
   try:
     if zipfile.is_zipfile(path):
       return _read_zip_state_dict(path)
+    with open(path, "rb") as file:
+      if file.read(len(_ZIP_HEAD)) == _ZIP_HEAD:
+        raise ValueError(
+            f"{path!r} is truncated or damaged: it starts as a zip archive "
+            "(torch.save's format) but has no end of one")
     return _read_legacy_state_dict(path)
   except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile,
           UnicodeDecodeError,  # A Python 2 byte string that is not UTF-8.
@@ -544,6 +552,10 @@ def fetch_imagenet(model: str, *, replace_damaged: bool = False) -> Path:
   local = _local_source(url)
   fix = (f"Download {url} (e.g. on a machine with network access) and place "
          f"it at {path}, or pass --pretrained none to train from scratch.")
+  if local:
+    fix = (f"Place torchvision's {TORCHVISION_URL}/{filename} at {local} "
+           f"(or at {path}), or pass --pretrained none to train from "
+           "scratch.")
   print(f"{'Copying' if local else 'Downloading'} torchvision's ImageNet "
         f"weights of {model} from {url} to {path}.", file=sys.stderr)
   logger = pooch.get_logger()

@@ -352,7 +352,9 @@ def test_fetch_copies_and_checks_from_a_shared_folder(form, monkeypatch,
   monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "cache"))
   # Missing there: said so, nothing cached.
   with pytest.raises(pretrained.WeightsUnavailableError,
-                     match=f"Cannot copy .*{filename}.*--pretrained none"):
+                     match=f"Cannot copy .*{filename}.*Place torchvision's "
+                     f".*{filename} at {mirror / filename} .*--pretrained "
+                     "none"):
     pretrained.fetch_imagenet("resnet18")
   # Damaged there: refused, nothing cached.
   (mirror / filename).write_bytes(data[:-1])
@@ -488,18 +490,23 @@ def test_a_damaged_cached_file_exits_2_before_the_model_is_built(
   assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("name", ["other.pth", "other.npz"])
-def test_pretrained_zip_of_a_text_file_exits_2_saying_what_it_is(
-    name, data_dir, tmp_path, capsys):
+@pytest.mark.parametrize("name, said", [
+    ("text.pth", "is a zip archive but not a PyTorch file"),
+    ("text.npz", "is a zip archive of notes.txt, not a .npz file of arrays"),
+    ("cut.pth", "is truncated or damaged: it starts as a zip archive"),
+])
+def test_pretrained_file_that_is_no_weights_exits_2_saying_what_it_is(
+    name, said, data_dir, tmp_path, capsys):
   path = tmp_path / name
-  with zipfile.ZipFile(path, "w") as archive:
-    archive.writestr("notes.txt", "not weights")
+  if name == "cut.pth":
+    path.write_bytes(FIXTURES["zip"].read_bytes()[:-100])
+  else:  # A zip of a text file.
+    with zipfile.ZipFile(path, "w") as archive:
+      archive.writestr("notes.txt", "not weights")
   error = _exits_2_at_resolution(
       [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
        str(tmp_path / "run"), "--pretrained", str(path)], capsys)
-  assert f"--pretrained: {str(path)!r} is " in error
-  assert ("not a PyTorch file" if name.endswith(".pth") else
-          "zip archive of notes.txt, not a .npz file of arrays") in error
+  assert f"--pretrained: {str(path)!r} {said}" in error
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["pth", "npz"])
