@@ -263,11 +263,12 @@ def fingerprint(dataset: MultiDomainDataset) -> dict[str, Any]:
   """What a run records of its data, to tell other data apart cheaply.
 
   ``{"dataset": name, "domains": {domain: the source's fingerprint}}``. A
-  source's is its ``fingerprint()`` where it has one: a folder's file names
-  and sizes per class (``photo_datasets.FolderSource``), in-memory images'
-  labels (`ArraySource`), a TFDS dataset's version; otherwise (WILDS's
-  rows) its number of examples. Nothing in it depends on where the data
-  are, so moved data are the same data.
+  source's is its ``fingerprint()`` where it has one: a folder's file names,
+  sizes and contents per class (``photo_datasets.FolderSource``), in-memory
+  images' labels (`ArraySource`), a TFDS dataset's version; otherwise
+  (WILDS's rows) its number of examples. Nothing in it depends on where the
+  data are or when they were written, so moved or copied data are the same
+  data.
   """
   return {"dataset": dataset.name, "domains": {
       name: (source.fingerprint() if hasattr(source, "fingerprint")

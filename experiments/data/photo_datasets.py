@@ -270,7 +270,7 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
   Returns:
     The listing; its ``problems`` say what is missing or unexpected.
   """
-  problems, others = [], []
+  problems, others, beside = [], [], []
   entries = {p.name: p for p in root.iterdir() if not _ignored(p.name)}
   missing = [d for d in domains if d not in entries or not entries[d].is_dir()]
   if missing:
@@ -298,7 +298,7 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
       elif (problem := _stat_problem(entry)[1]) is not None:
         problems.append(problem)
       else:
-        others.append(entry)
+        beside.append(entry)
     images[domain] = by_class
   # The classes are the class folders with images, in any domain.
   classes = tuple(sorted({name for by_class in images.values()
@@ -312,6 +312,8 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
                     if name not in images[domain])
   if present and not classes:
     problems.append(f"the domain folders of {root} hold no class folders")
+  problems.extend(f"a file beside the class folders, which ImageFolder does "
+                  f"not read: {path}" for path in beside)
   problems.extend(f"not an image (by its extension): {path}"
                   for path in others)
   return FolderListing(root, present, classes, images, problems)
@@ -498,7 +500,7 @@ class FolderCheck:
     clipped: the images of more than 8 bits a channel (`CLIPPED_MODES`),
       to their modes, which training reads clipped to 255, as DomainBed
       does.
-    seconds: how long each pass took: ``"listing and headers"`` (what
+    seconds: how long each pass took: ``"listing and reading"`` (what
       every training run does first: `read_files`) and ``"decoding"``.
   """
 
@@ -550,7 +552,7 @@ class FolderCheck:
     lines += [f"  - {problem}" for problem in problems]
     lines.append(
         f"Listing, headers and digests (what training does first): "
-        f"{self.seconds['listing and headers']:.2f} s; decoding: "
+        f"{self.seconds['listing and reading']:.2f} s; decoding: "
         f"{self.seconds['decoding']:.2f} s; for {total} images.")
     return "\n".join(lines)
 
@@ -599,7 +601,7 @@ def check_images(root: Path, domains: Sequence[str],
     else:
       unreadable.append(f"unreadable: {problem}")
   return FolderCheck(listing, unreadable, truncated, clipped, {
-      "listing and headers": listed - start,
+      "listing and reading": listed - start,
       "decoding": time.perf_counter() - listed})
 
 

@@ -343,6 +343,17 @@ def test_windows_system_files_are_ignored_as_hidden_ones(tmp_path):
   assert [len(source) for source in ds.domains] == [6, 6, 6, 6]
 
 
+def test_a_file_beside_the_class_folders_is_a_problem_saying_so(tmp_path):
+  # ImageFolder reads the class folders only: the image would be dropped.
+  _write_folder_dataset(tmp_path)
+  stray = tmp_path / "PACS" / "photo" / "stray.jpg"
+  Image.new("RGB", (8, 8)).save(stray)
+  with pytest.raises(datasets.DatasetProblemsError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert ("  - a file beside the class folders, which ImageFolder does not "
+          f"read: {stray}\n") in str(e.value)
+
+
 def test_16_bit_grayscale_pngs_load_clipped_as_domainbed_and_check_warns(
     tmp_path, capsys):
   _write_folder_dataset(tmp_path)
