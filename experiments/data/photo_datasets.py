@@ -17,15 +17,16 @@ too long, and a broken symlink are problems. Names starting with ``.``,
 ``__MACOSX`` (what macOS adds to folders and zip files), ``Thumbs.db`` and
 ``desktop.ini`` (what Windows adds) are ignored, and so are files beside the
 domain folders (OfficeHome's ``ImageInfo.csv``); any other folder beside
-them, or any file that is not an image by its extension, is a problem. All
-the problems found are raised together, as one
-`datasets.DatasetProblemsError`, a usage error.
+them, file beside the class folders (which ``ImageFolder`` would drop) or
+file that is not an image by its extension is a problem. All the problems
+found are raised together, as one `datasets.DatasetProblemsError`, a usage
+error.
 
 That check stays cheap on a big folder: it lists the folders and reads every
-file once, in a thread pool, hashing its bytes (the run's fingerprint holds
-each class's digest of them, so that an image changed in place is told
-apart: `FolderSource.fingerprint`) and opening it with Pillow's lazy
-``Image.open``, which reads its header only; it does not decode. Since
+file once, in a thread pool (`read_files`), hashing its bytes (the run's
+fingerprint holds each class's digest of them, so that an image changed in
+place is told apart: `FolderSource.fingerprint`) and parsing its header
+from them with Pillow's lazy ``Image.open``; it does not decode. Since
 truncated images load (below), a file whose header reads is one training
 reads. ``python -m
 experiments.data.datasets check`` decodes every image as well (`check_images`),

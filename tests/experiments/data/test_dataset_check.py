@@ -171,9 +171,10 @@ def test_a_run_recorded_before_contents_is_checked_on_names_and_sizes(
   run.mkdir()
   records.write_fingerprint(run, old)
   datasets.check_run_data(run, current)  # Accepted.
-  (data_dir / "PACS" / "photo" / "dog" / "0.jpg").unlink()
+  for name in ("0.jpg", "1.jpg"):
+    (data_dir / "PACS" / "photo" / "dog" / name).unlink()
   changed = datasets.fingerprint(datasets.get_dataset("PACS",
                                                       data_dir=data_dir))
   with pytest.raises(datasets.config_lib.UsageError,
-                     match="photo/dog: 1 files removed"):
+                     match=r"photo/dog: 2 files removed \(5 -> 3\)"):
     datasets.check_run_data(run, changed)
