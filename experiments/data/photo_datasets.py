@@ -221,10 +221,10 @@ def _walk_class(folder: Path, class_name: str, others: list[Path],
   ``others``; a symlink loop, a broken symlink or a folder that cannot be
   listed, to ``problems``."""
   found = []
-  # The real folders from the class folder down to each folder walked, to
-  # the paths they were walked as: one met again below itself is a loop,
-  # which ImageFolder would walk until the path were too long.
-  above = {str(folder): {os.path.realpath(folder): str(folder)}}
+  # The real folders from the class folder down to each folder walked: a
+  # link to one of them or to a folder above them is a loop, which
+  # ImageFolder would walk until the path were too long.
+  above = {str(folder): (os.path.realpath(folder),)}
 
   def unlisted(error: OSError) -> None:
     problems.append(f"cannot list folder {error.filename} ({error.strerror})")
@@ -236,11 +236,11 @@ def _walk_class(folder: Path, class_name: str, others: list[Path],
     for name in sorted(d for d in dirs if not _ignored(d)):
       path = os.path.join(parent, name)
       real = os.path.realpath(path)
-      if real in chain:
-        problems.append(f"symlink loop: {path} is {chain[real]} again, "
-                        "which holds it")
+      if any(os.path.commonpath([real, r]) == real for r in chain):
+        problems.append(f"symlink loop: {path} leads back to {real}, a "
+                        "folder above it")
       else:
-        above[path] = {**chain, real: path}
+        above[path] = (*chain, real)
         kept.append(name)
     dirs[:] = kept
     relative = Path(parent).relative_to(folder).as_posix()

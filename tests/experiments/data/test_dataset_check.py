@@ -12,6 +12,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from benchmarks import input_pipeline as input_benchmark
+from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import photo_datasets
 from experiments.runs import records
@@ -175,6 +176,6 @@ def test_a_run_recorded_before_contents_is_checked_on_names_and_sizes(
     (data_dir / "PACS" / "photo" / "dog" / name).unlink()
   changed = datasets.fingerprint(datasets.get_dataset("PACS",
                                                       data_dir=data_dir))
-  with pytest.raises(datasets.config_lib.UsageError,
+  with pytest.raises(config_lib.UsageError,
                      match=r"photo/dog: 2 files removed \(5 -> 3\)"):
     datasets.check_run_data(run, changed)

@@ -304,14 +304,20 @@ def test_symlinked_folders_in_a_class_are_read_as_imagefolder_reads_them(
 
 def test_a_symlink_loop_is_refused_naming_it(tmp_path):
   _write_folder_dataset(tmp_path)
+  # To the class folder itself, and to the domain folder above it.
   dog = tmp_path / "PACS" / "sketch" / "dog"
   (dog / "sub").mkdir()
   (dog / "sub" / "back").symlink_to(dog)
+  horse = tmp_path / "PACS" / "photo" / "horse"
+  (horse / "up").symlink_to("..")
   with pytest.raises(datasets.DatasetProblemsError) as e:
     datasets.get_dataset("PACS", data_dir=tmp_path)
-  assert str(e.value).startswith(f"PACS in {tmp_path / 'PACS'} has 1 problem")
-  assert (f"  - symlink loop: {dog / 'sub' / 'back'} is {dog} again, which "
-          "holds it") in str(e.value)
+  assert str(e.value).startswith(
+      f"PACS in {tmp_path / 'PACS'} has 2 problems")
+  for link, target in ((dog / "sub" / "back", dog),
+                       (horse / "up", horse.parent)):
+    assert (f"  - symlink loop: {link} leads back to "
+            f"{os.path.realpath(target)}, a folder above it\n") in str(e.value)
 
 
 def test_a_dangling_symlink_is_a_problem_not_a_traceback(tmp_path, capsys):
