@@ -29,8 +29,9 @@ A run records its dataset's `fingerprint` and refuses other data on
 resuming (`check_run_data`). ``python -m experiments.data.datasets check
 --dataset PACS --data_dir ~/data`` checks a folder dataset the way training
 does and decodes every image too (``photo_datasets.check_images``), printing
-images per domain and class and the damaged files; its exit status is 2
-when training would refuse the folder, 0 otherwise.
+images per domain and class, the damaged files and those whose values
+training clips (16-bit grayscale PNGs); its exit status is 2 when training
+would refuse the folder, 0 otherwise.
 """
 
 from __future__ import annotations
