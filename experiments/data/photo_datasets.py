@@ -580,7 +580,7 @@ def check_images(root: Path, domains: Sequence[str],
   listing = list_folder(root, domains)
   paths = listing.paths()
   headers = [problem for problem, _ in _in_threads(
-      _read_file, paths, "headers" if progress else None)]
+      _read_file, paths, "reading" if progress else None)]
   listed = time.perf_counter()
   unreadable = [problem for problem in headers if problem is not None]
   readable = [p for p, problem in zip(paths, headers) if problem is None]
