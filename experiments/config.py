@@ -578,6 +578,26 @@ def _check_writable(output_dir: Path) -> None:
                      f"({e.strerror}); pass a writable --output_dir.") from None
 
 
+def _check_outside_data(config: Config) -> None:
+  """Refuses an output directory inside a folder dataset's folder, before
+  anything is written: the run's files would be read as the dataset's (an
+  unexpected folder), and every later run on the data would stop on them."""
+  if config.dataset not in catalog.FOLDER_DATASETS:
+    return
+  # datasets imports this module.
+  # pylint: disable-next=import-outside-toplevel
+  from experiments.data import datasets
+  folder, _ = catalog.FOLDER_DATASETS[config.dataset]
+  data = Path(datasets.DEFAULT_FOLDER_DATA_DIR if config.data_dir is None
+              else config.data_dir) / folder
+  output = Path(config.output_dir).resolve()
+  if data.resolve() in (output, *output.parents):
+    raise UsageError(
+        f"--output_dir {config.output_dir} is inside {config.dataset}'s "
+        f"folder {data}, where its files would be read as the dataset's; "
+        "pass an --output_dir outside it.")
+
+
 class RunDirectoryLock:
   """Keeps two processes from training one run directory at once (a sweep
   launched again while its jobs still run, one command run twice), which
@@ -694,11 +714,12 @@ def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
     ``overwrite``).
 
   Raises:
-    UsageError: the directory cannot be written, or holds a run of another
-      configuration, or run files without a config file, and ``overwrite``
-      is off.
+    UsageError: the directory is inside the dataset's folder, or cannot be
+      written, or holds a run of another configuration, or run files
+      without a config file, and ``overwrite`` is off.
   """
   output_dir = Path(config.output_dir)
+  _check_outside_data(config)
   _check_writable(output_dir)
   if config.overwrite:
     if (output_dir / records.LOCK_FILE).exists():

@@ -594,10 +594,13 @@ def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
   """What a run says of itself before it trains: its schedule, its input
   and where it writes."""
   height, width, channels = dataset.input_shape
+  workers = config.num_workers
+  reading = (f"{workers} input worker{'' if workers == 1 else 's'}"
+             if input_pipeline.uses_workers(dataset, augmented)
+             else "no input workers (arrays in memory)")
   return (f"{config.steps} steps, a checkpoint every {config.checkpoint_freq}; "
           f"{height}x{width}x{channels} images, augmentation "
-          f"{'on' if augmented else 'off'}, {config.num_workers} input "
-          f"worker{'' if config.num_workers == 1 else 's'}; run directory "
+          f"{'on' if augmented else 'off'}, {reading}; run directory "
           f"{config.output_dir}.")
 
 

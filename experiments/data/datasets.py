@@ -29,8 +29,9 @@ A run records its dataset's `fingerprint` and refuses other data on
 resuming (`check_run_data`). ``python -m experiments.data.datasets check
 --dataset PACS --data_dir ~/data`` checks a folder dataset the way training
 does and decodes every image too (``photo_datasets.check_images``), printing
-images per domain and class and the damaged files; its exit status is 2
-when training would refuse the folder, 0 otherwise.
+images per domain and class, the damaged files and those whose values
+training clips (16-bit grayscale PNGs); its exit status is 2 when training
+would refuse the folder, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -263,11 +264,12 @@ def fingerprint(dataset: MultiDomainDataset) -> dict[str, Any]:
   """What a run records of its data, to tell other data apart cheaply.
 
   ``{"dataset": name, "domains": {domain: the source's fingerprint}}``. A
-  source's is its ``fingerprint()`` where it has one: a folder's file names
-  and sizes per class (``photo_datasets.FolderSource``), in-memory images'
-  labels (`ArraySource`), a TFDS dataset's version; otherwise (WILDS's
-  rows) its number of examples. Nothing in it depends on where the data
-  are, so moved data are the same data.
+  source's is its ``fingerprint()`` where it has one: a folder's file names,
+  sizes and contents per class (``photo_datasets.FolderSource``), in-memory
+  images' labels (`ArraySource`), a TFDS dataset's version; otherwise
+  (WILDS's rows) its number of examples. Nothing in it depends on where the
+  data are or when they were written, so moved or copied data are the same
+  data.
   """
   return {"dataset": dataset.name, "domains": {
       name: (source.fingerprint() if hasattr(source, "fingerprint")

@@ -10,18 +10,29 @@ image folders DomainBed's download script writes (`image_folder_dataset`;
 A folder is checked whenever it is built, so before any training step
 (`list_folder`): every domain the catalog names is there; every domain has
 the same class folders, each with at least one image; and every image's
-header reads. Names starting with ``.`` and ``__MACOSX`` (what macOS adds to
-folders and zip files) are ignored, and so are files beside the domain
-folders (OfficeHome's ``ImageInfo.csv``); any other folder, or any file
-that is not an image by its extension, is a problem. All the problems found
-are raised together, as one `datasets.DatasetProblemsError`, a usage error.
+header reads. A class folder's images are read at any depth, symlinked
+folders followed, as torchvision's ``ImageFolder`` (DomainBed's reader) reads
+them; a symlink loop, which ``ImageFolder`` would walk until the path grew
+too long, and a broken symlink are problems. Names starting with ``.``,
+``__MACOSX`` (what macOS adds to folders and zip files), ``Thumbs.db`` and
+``desktop.ini`` (what Windows adds) are ignored, and so are files beside the
+domain folders (OfficeHome's ``ImageInfo.csv``); any other folder beside
+them, file beside the class folders (which ``ImageFolder`` would drop) or
+file that is not an image by its extension is a problem. All the problems
+found are raised together, as one `datasets.DatasetProblemsError`, a usage
+error.
 
-That check stays cheap on a big folder: it lists the folders and opens every
-file with Pillow's lazy ``Image.open``, which reads its header only, in a
-thread pool; it does not decode. Since truncated images load (below), a
-file whose header reads is one training reads. ``python -m
+That check stays cheap on a big folder: it lists the folders and reads every
+file once, in a thread pool (`read_files`), hashing its bytes (the run's
+fingerprint holds each class's digest of them, so that an image changed in
+place is told apart: `FolderSource.fingerprint`) and parsing its header
+from them with Pillow's lazy ``Image.open``; it does not decode. Since
+truncated images load (below), a file whose header reads is one training
+reads. ``python -m
 experiments.data.datasets check`` decodes every image as well (`check_images`),
-which also finds the truncated ones; it prints how long each pass took.
+which also finds the truncated ones, and names the images of more than 8
+bits a channel that ``convert("RGB")`` clips (16-bit grayscale PNGs); it
+prints how long each pass took.
 
 Damaged images are read as DomainBed reads them: truncated images load, with
 what their file holds (Pillow's ``ImageFile.LOAD_TRUNCATED_IMAGES``, which
@@ -39,8 +50,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import io
 import os
 import time
+import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,8 +74,13 @@ ImageFile.LOAD_TRUNCATED_IMAGES = True
 # DomainBed's ImageFolder reads.
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm",
                               ".tif", ".tiff", ".webp"})
-# Folders macOS adds when it copies or zips a folder.
-SYSTEM_FOLDERS = frozenset({"__MACOSX"})
+# What macOS (in copies and zip files) and Windows (thumbnails, folder
+# settings) add to folders, lower-cased: Windows's names are of any case.
+SYSTEM_NAMES = frozenset({"__macosx", "thumbs.db", "desktop.ini"})
+# Image modes of more than 8 bits a channel, which Pillow's convert("RGB")
+# clips to 255 (16-bit grayscale PNGs open as I;16); 16-bit RGB PNGs open
+# as RGB, scaled.
+CLIPPED_MODES = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
 
 DOMAINNET_DOMAINS = (
     "clipart", "infograph", "painting", "quickdraw", "real", "sketch"
@@ -72,7 +91,8 @@ class FolderSource(datasets.PhotoSource):
   """A `datasets.PhotoSource` that reads photos from files when indexed."""
 
   def __init__(self, root: str | Path, files: Sequence[str],
-               labels: Sequence[int], sizes: Sequence[int]):
+               labels: Sequence[int], sizes: Sequence[int],
+               contents: Sequence[str]):
     """Lists the files of one domain.
 
     Args:
@@ -81,14 +101,23 @@ class FolderSource(datasets.PhotoSource):
         ``<class>/.../<image>`` with ``/`` separators.
       labels: the class index of each file.
       sizes: the size of each file in bytes, for `fingerprint`.
+      contents: a digest of each file's bytes, for `fingerprint`.
     """
-    if not len(files) == len(labels) == len(sizes):
-      raise ValueError(f"{len(files)} files for {len(labels)} labels and "
-                       f"{len(sizes)} sizes.")
+    if not len(files) == len(labels) == len(sizes) == len(contents):
+      raise ValueError(f"{len(files)} files for {len(labels)} labels, "
+                       f"{len(sizes)} sizes and {len(contents)} contents.")
     self.root = Path(root)
     self.files = tuple(files)
     self.labels = np.asarray(labels, np.int32)
     self.sizes = np.asarray(sizes, np.int64)
+    # Per class, kept rather than the files' digests, which the worker
+    # processes would each be sent.
+    by_class = {}
+    for name, content in zip(self.files, contents):
+      by_class.setdefault(name.split("/", 1)[0], []).append(
+          f"{name}\t{content}")
+    self._contents = {name: datasets.digest(lines)
+                      for name, lines in by_class.items()}
 
   @property
   def paths(self) -> tuple[Path, ...]:
@@ -119,20 +148,27 @@ class FolderSource(datasets.PhotoSource):
 
   def fingerprint(self) -> dict[str, dict[str, int | str]]:
     """Per class folder: its files' number and bytes, and digests of their
-    relative paths and of those with their sizes
-    (`datasets.fingerprint`)."""
+    relative paths, of those with their sizes, and of those with their
+    bytes' digests (`datasets.fingerprint`).
+
+    The contents tell an image changed in place apart, sizes and names
+    unchanged; copied to another disk (other times, the same bytes), the
+    data are the same data. Runs recorded before contents were have none,
+    and are checked on names and sizes only (`records.fingerprint_changes`).
+    """
     by_class = {}
     for name, size in zip(self.files, self.sizes.tolist()):
       by_class.setdefault(name.split("/", 1)[0], []).append((name, size))
     return {
         name: {"files": len(files), "bytes": sum(s for _, s in files),
                "names": datasets.digest(n for n, _ in files),
-               "sizes": datasets.digest(f"{n}\t{s}" for n, s in files)}
+               "sizes": datasets.digest(f"{n}\t{s}" for n, s in files),
+               "contents": self._contents[name]}
         for name, files in sorted(by_class.items())}
 
 
 def _ignored(name: str) -> bool:
-  return name.startswith(".") or name in SYSTEM_FOLDERS
+  return name.startswith(".") or name.lower() in SYSTEM_NAMES
 
 
 def _is_image(name: str) -> bool:
@@ -164,21 +200,60 @@ class FolderListing:
             for files in self.images[d].values() for name, _ in files]
 
 
-def _walk_class(folder: Path, class_name: str,
-                others: list[Path]) -> list[tuple[str, int]]:
-  """A class folder's images, at any depth, with their sizes; its other
-  files go to ``others``."""
+def _stat_problem(path: Path) -> tuple[int | None, str | None]:
+  """``path``'s size, or why it cannot be read: a broken symlink (dangling,
+  or a loop of links to files), which torchvision lists and then fails to
+  open."""
+  try:
+    return path.stat().st_size, None
+  except OSError as e:
+    if path.is_symlink():
+      return None, (f"broken symlink: {path} -> {os.readlink(path)} "
+                    f"({e.strerror})")
+    return None, f"unreadable: {path} ({e.strerror})"
+
+
+def _walk_class(folder: Path, class_name: str, others: list[Path],
+                problems: list[str]) -> list[tuple[str, int]]:
+  """A class folder's images, at any depth, with their sizes, as
+  torchvision's ``ImageFolder`` finds them: symlinked folders are followed
+  (``make_dataset``'s ``os.walk(followlinks=True)``). Its other files go to
+  ``others``; a symlink loop, a broken symlink or a folder that cannot be
+  listed, to ``problems``."""
   found = []
-  for parent, dirs, names in os.walk(folder):
-    dirs[:] = sorted(d for d in dirs if not _ignored(d))
+  # The real folders from the class folder down to each folder walked: a
+  # link to one of them or to a folder above them is a loop, which
+  # ImageFolder would walk until the path were too long.
+  above = {str(folder): (os.path.realpath(folder),)}
+
+  def unlisted(error: OSError) -> None:
+    problems.append(f"cannot list folder {error.filename} ({error.strerror})")
+
+  for parent, dirs, names in os.walk(folder, onerror=unlisted,
+                                     followlinks=True):
+    chain = above.pop(parent)
+    kept = []
+    for name in sorted(d for d in dirs if not _ignored(d)):
+      path = os.path.join(parent, name)
+      real = os.path.realpath(path)
+      if any(os.path.commonpath([real, r]) == real for r in chain):
+        problems.append(f"symlink loop: {path} leads back to {real}, a "
+                        "folder above it")
+      else:
+        above[path] = (*chain, real)
+        kept.append(name)
+    dirs[:] = kept
     relative = Path(parent).relative_to(folder).as_posix()
     prefix = class_name if relative == "." else f"{class_name}/{relative}"
     for name in sorted(names):
       if _ignored(name):
         continue
       path = Path(parent, name)
-      if _is_image(name):
-        found.append((f"{prefix}/{name}", path.stat().st_size))
+      size, problem = _stat_problem(path)
+      if problem is not None:
+        problems.append(problem)
+      elif _is_image(name):
+        found.append((f"{prefix}/{name}", size))
       else:
         others.append(path)
   return sorted(found)
@@ -196,7 +271,7 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
   Returns:
     The listing; its ``problems`` say what is missing or unexpected.
   """
-  problems, others = [], []
+  problems, others, beside = [], [], []
   entries = {p.name: p for p in root.iterdir() if not _ignored(p.name)}
   missing = [d for d in domains if d not in entries or not entries[d].is_dir()]
   if missing:
@@ -219,9 +294,12 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
       if _ignored(entry.name):
         continue
       if entry.is_dir():
-        by_class[entry.name] = _walk_class(entry, entry.name, others)
+        by_class[entry.name] = _walk_class(entry, entry.name, others,
+                                           problems)
+      elif (problem := _stat_problem(entry)[1]) is not None:
+        problems.append(problem)
       else:
-        others.append(entry)
+        beside.append(entry)
     images[domain] = by_class
   # The classes are the class folders with images, in any domain.
   classes = tuple(sorted({name for by_class in images.values()
@@ -235,15 +313,18 @@ def list_folder(root: Path, domains: Sequence[str]) -> FolderListing:
                     if name not in images[domain])
   if present and not classes:
     problems.append(f"the domain folders of {root} hold no class folders")
+  problems.extend(f"a file beside the class folders, which ImageFolder does "
+                  f"not read: {path}" for path in beside)
   problems.extend(f"not an image (by its extension): {path}"
                   for path in others)
   return FolderListing(root, present, classes, images, problems)
 
 
-def _header_problem(path: Path) -> str | None:
-  """Why ``path``'s image header does not read, or None when it does."""
+def _header_problem(path: Path, data: bytes) -> str | None:
+  """Why the image header of ``path``, whose bytes are ``data``, does not
+  read, or None when it does."""
   try:
-    with Image.open(path):
+    with Image.open(io.BytesIO(data)):
       return None
   except Image.UnidentifiedImageError:
     return f"not an image: {path}"
@@ -266,11 +347,25 @@ def _in_threads(function: Callable[[Path], Any], paths: Sequence[Path],
     return results
 
 
-def header_problems(paths: Sequence[Path]) -> list[str]:
+def _read_file(path: Path) -> tuple[str | None, str]:
+  """Why ``path``'s image header does not read (or None), and a digest of
+  its bytes (the first 16 hex digits of their SHA-256): one read of the
+  file for both."""
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    return f"unreadable: {path} ({e.strerror})", ""
+  return (_header_problem(path, data),
+          hashlib.sha256(data).hexdigest()[:16])
+
+
+def read_files(paths: Sequence[Path]) -> tuple[list[str], list[str]]:
   """The files among ``paths`` whose header does not read, one sentence
-  each, in order; Pillow's lazy ``Image.open`` reads the headers, in
-  threads."""
-  return [p for p in _in_threads(_header_problem, paths) if p is not None]
+  each, in order, and every file's digest (`_read_file`); in threads, where
+  reading and hashing release the GIL."""
+  found = _in_threads(_read_file, paths)
+  return ([problem for problem, _ in found if problem is not None],
+          [content for _, content in found])
 
 
 def folder_root(name: str, folder: str, domains: Sequence[str],
@@ -283,13 +378,18 @@ def folder_root(name: str, folder: str, domains: Sequence[str],
   root = Path(datasets.DEFAULT_FOLDER_DATA_DIR if data_dir is None
               else data_dir) / folder
   if not root.is_dir():
+    given = root.parent
+    # The dataset's folder itself given: by its name, or by its domains.
+    itself = given.name == folder or any((given / d).is_dir()
+                                          for d in domains)
     raise datasets.DatasetNotFoundError(
-        f"{name} not found: {root} is not a directory. Download it with"
-        f" DomainBed's script (python -m domainbed.scripts.download"
-        f" --data_dir <data_dir>), or put it there as"
-        f" {folder}/<domain>/<class>/<image>, the domains being"
-        f" {', '.join(domains)}."
-    )
+        f"{name} not found: {root} is not a directory. " + (
+            f"{given} is {name}'s folder itself: give the folder that holds "
+            f"{folder}, --data_dir {given.parent}." if itself else
+            f"Download it with DomainBed's script (python -m "
+            f"domainbed.scripts.download --data_dir <data_dir>), or put it "
+            f"there as {folder}/<domain>/<class>/<image>, the domains being "
+            f"{', '.join(domains)}."))
   return root
 
 
@@ -299,7 +399,8 @@ def problems_message(name: str, root: Path, problems: Sequence[str]) -> str:
           f"{'s' if len(problems) > 1 else ''}; fix "
           f"{'them' if len(problems) > 1 else 'it'} and run again:\n"
           + "".join(f"  - {p}\n" for p in problems)
-          + f"Hidden entries (.*) and __MACOSX are ignored. `python -m "
+          + f"Hidden entries (.*), __MACOSX, Thumbs.db and desktop.ini are "
+          f"ignored. `python -m "
           f"experiments.data.datasets check --dataset {name} --data_dir "
           f"{root.parent}` also decodes every image and counts them.")
 
@@ -312,8 +413,8 @@ def image_folder_dataset(
 
   The domains are the catalog's, in its order; the classes are the sorted
   class folders, which every domain must have. The folder is checked first
-  (`list_folder`, and every image's header); images are decoded only when
-  indexed.
+  (`list_folder`, and every image's header, read with its bytes' digest:
+  `read_files`); images are decoded only when indexed.
 
   Args:
     name: the dataset's name.
@@ -333,17 +434,22 @@ def image_folder_dataset(
   del seed
   root = folder_root(name, folder, domains, data_dir)
   listing = list_folder(root, domains)
-  problems = listing.problems + header_problems(listing.paths())
+  paths = listing.paths()
+  unreadable, contents = read_files(paths)
+  problems = listing.problems + unreadable
   if problems:
     raise datasets.DatasetProblemsError(
         problems_message(name, root, problems))
+  content = dict(zip(paths, contents))
   sources = tuple(
       FolderSource(
           root / domain,
           [f for c in listing.classes for f, _ in listing.images[domain][c]],
           [k for k, c in enumerate(listing.classes)
            for _ in listing.images[domain][c]],
-          [s for c in listing.classes for _, s in listing.images[domain][c]])
+          [s for c in listing.classes for _, s in listing.images[domain][c]],
+          [content[root / domain / f] for c in listing.classes
+           for f, _ in listing.images[domain][c]])
       for domain in domains)
   return datasets.MultiDomainDataset(
       name=name,
@@ -354,15 +460,32 @@ def image_folder_dataset(
   )
 
 
-def _decode_problem(path: Path) -> str | None:
-  """Why ``path`` does not decode to RGB as training decodes it, or None."""
+def _decode(path: Path) -> tuple[str | None, str | None]:
+  """Why ``path`` does not decode to RGB as training decodes it (or None),
+  and its image mode if it opens."""
+  mode = None
   try:
     with Image.open(path) as image:
+      mode = image.mode
       image.convert("RGB")
-      return None
+      return None, mode
   # A damaged file can make a decoder raise more than OSError.
   except Exception as err:  # pylint: disable=broad-exception-caught
-    return f"{path} ({err})"
+    return f"{path} ({err})", mode
+
+
+def _display_width(text: str) -> int:
+  """The columns a terminal gives ``text``: East Asian wide characters take
+  2, combining ones none."""
+  return sum(0 if unicodedata.combining(c) else
+             2 if unicodedata.east_asian_width(c) in "WF" else 1
+             for c in text)
+
+
+def _pad(text: str, width: int, right: bool = False) -> str:
+  """``text`` padded with spaces to ``width`` display columns."""
+  spaces = " " * (width - _display_width(text))
+  return spaces + text if right else text + spaces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,13 +498,17 @@ class FolderCheck:
       sentence each.
     truncated: the files that decode only as truncated images, which
       training reads (`ImageFile.LOAD_TRUNCATED_IMAGES`), as DomainBed does.
-    seconds: how long each pass took: ``"listing and headers"`` (what
-      every training run does first) and ``"decoding"``.
+    clipped: the images of more than 8 bits a channel (`CLIPPED_MODES`),
+      to their modes, which training reads clipped to 255, as DomainBed
+      does.
+    seconds: how long each pass took: ``"listing and reading"`` (what
+      every training run does first: `read_files`) and ``"decoding"``.
   """
 
   listing: FolderListing
   unreadable: list[str]
   truncated: list[str]
+  clipped: dict[str, str]
   seconds: dict[str, float]
 
   @property
@@ -402,28 +529,39 @@ class FolderCheck:
     rows += [[c, *map(str, row)] for c, row in zip(listing.classes, counts)]
     rows.append(["all", *map(str, np.sum(counts, 0, dtype=int).tolist()
                               if counts else [0] * len(listing.domains))])
-    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
-    lines += ["  ".join([row[0].ljust(widths[0])] + [
-        cell.rjust(width) for cell, width in zip(row[1:], widths[1:])])
-              for row in rows]
+    widths = [max(_display_width(row[k]) for row in rows)
+              for k in range(len(rows[0]))]
+    lines += ["  ".join([_pad(row[0], widths[0])] + [
+        _pad(cell, width, right=True)
+        for cell, width in zip(row[1:], widths[1:])]) for row in rows]
     if self.truncated:
       lines.append(f"{len(self.truncated)} truncated, which training reads "
                    "as DomainBed does (LOAD_TRUNCATED_IMAGES):")
       lines += [f"  {path}" for path in self.truncated]
+    if self.clipped:
+      one = len(self.clipped) == 1
+      modes = sorted(set(self.clipped.values()))
+      lines.append(
+          f"{len(self.clipped)} image{'' if one else 's'} of more than 8 bits "
+          f"(mode{'' if len(modes) == 1 else 's'} {', '.join(modes)}), whose "
+          'values above 255 convert("RGB") clips to 255 when training reads '
+          f"{'it' if one else 'them'}, as in DomainBed:")
+      lines += [f"  {path}" for path in self.clipped]
     problems = self.problems
     lines.append(f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
                  + (", which stop training:" if problems else "."))
     lines += [f"  - {problem}" for problem in problems]
     lines.append(
-        f"Listing and headers (what training does first): "
-        f"{self.seconds['listing and headers']:.2f} s; decoding: "
+        f"Listing, headers and digests (what training does first): "
+        f"{self.seconds['listing and reading']:.2f} s; decoding: "
         f"{self.seconds['decoding']:.2f} s; for {total} images.")
     return "\n".join(lines)
 
 
 def check_images(root: Path, domains: Sequence[str],
                  progress: bool = False) -> FolderCheck:
-  """`list_folder`, then reads every header, then decodes every image.
+  """`list_folder`, then reads every file as training does (`read_files`),
+  then decodes every image.
 
   Each image is decoded twice at most: strictly, then, if that fails, as
   training decodes it, with ``ImageFile.LOAD_TRUNCATED_IMAGES``; an image
@@ -441,27 +579,30 @@ def check_images(root: Path, domains: Sequence[str],
   start = time.perf_counter()
   listing = list_folder(root, domains)
   paths = listing.paths()
-  headers = _in_threads(_header_problem, paths,
-                        "headers" if progress else None)
+  headers = [problem for problem, _ in _in_threads(
+      _read_file, paths, "reading" if progress else None)]
   listed = time.perf_counter()
   unreadable = [problem for problem in headers if problem is not None]
   readable = [p for p, problem in zip(paths, headers) if problem is None]
   ImageFile.LOAD_TRUNCATED_IMAGES = False
   try:
-    failed = [p for p, problem in zip(readable, _in_threads(
-        _decode_problem, readable, "decoding" if progress else None))
-              if problem is not None]
+    decoded = _in_threads(_decode, readable,
+                          "decoding" if progress else None)
   finally:
     ImageFile.LOAD_TRUNCATED_IMAGES = True
+  clipped = {str(p): mode for p, (_, mode) in zip(readable, decoded)
+             if mode in CLIPPED_MODES}
   truncated = []
-  for path in failed:
-    problem = _decode_problem(path)
+  for path, (problem, _) in zip(readable, decoded):
+    if problem is None:
+      continue
+    problem, _ = _decode(path)
     if problem is None:
       truncated.append(str(path))
     else:
       unreadable.append(f"unreadable: {problem}")
-  return FolderCheck(listing, unreadable, truncated, {
-      "listing and headers": listed - start,
+  return FolderCheck(listing, unreadable, truncated, clipped, {
+      "listing and reading": listed - start,
       "decoding": time.perf_counter() - listed})
 
 

@@ -134,6 +134,14 @@ def _in_memory(dataset: datasets.MultiDomainDataset) -> bool:
   return all(isinstance(d, datasets.ArraySource) for d in dataset.domains)
 
 
+def uses_workers(dataset: datasets.MultiDomainDataset,
+                 transformed: bool) -> bool:
+  """Whether `make_train_iterator` builds ``dataset``'s batches in worker
+  processes (given ``num_workers`` > 0): not for arrays in memory read as
+  they are (the digits), which cost microseconds."""
+  return transformed or not _in_memory(dataset)
+
+
 def train_batches(
     dataset: datasets.MultiDomainDataset,
     train_domains: Sequence[int],
@@ -247,12 +255,11 @@ def make_train_iterator(
     ``set_state`` round-trip, whatever ``num_workers``: the state is the
     number of batches returned.
   """
-  in_memory = transform is None and _in_memory(dataset)
   batches = train_batches(
       dataset, train_domains, splits, batch_size=batch_size, seed=seed,
       start_step=start_step, domains_per_step=domains_per_step,
       transform=transform)
-  if num_workers == 0 or in_memory:
+  if num_workers == 0 or not uses_workers(dataset, transform is not None):
     return iter(batches.to_iter_dataset(_read_ahead(min(num_workers, 1))))
   return _WorkerBatches(batches, num_workers)
 

@@ -483,25 +483,33 @@ _CHANGES_NAMED = 8
 
 def _group_change(where: str, recorded: Mapping[str, Any],
                   current: Mapping[str, Any]) -> str:
-  """How a group of files (``{"files", "bytes", "names", "sizes"}``)
-  changed."""
+  """How a group of files (``{"files", "bytes", "names", "sizes"}``, and
+  ``"contents"``) changed."""
   before, after = recorded["files"], current["files"]
   if before != after:
     verb = "added" if after > before else "removed"
     return f"{where}: {abs(after - before)} files {verb} ({before} -> {after})"
   if recorded["names"] != current["names"]:
     return f"{where}: files renamed or replaced ({after} files)"
-  return (f"{where}: files resized ({recorded['bytes']} -> "
-          f"{current['bytes']} bytes)")
+  if recorded["sizes"] != current["sizes"]:
+    return (f"{where}: files resized ({recorded['bytes']} -> "
+            f"{current['bytes']} bytes)")
+  return (f"{where}: files changed in place ({after} files, the same names "
+          "and sizes)")
 
 
 def fingerprint_changes(recorded: Mapping[str, Any],
                         current: Mapping[str, Any],
                         where: str = "") -> list[str]:
   """What differs between two fingerprints, one phrase each, by path
-  (``domain/class``); a group of files is described by its counts."""
-  if {"files", "names"} <= recorded.keys() and recorded.keys() == (
+  (``domain/class``); a group of files is described by its counts.
+
+  A group is compared on what both record: a run recorded before groups
+  held their files' ``"contents"`` is checked on names and sizes.
+  """
+  if {"files", "names"} <= recorded.keys() and recorded.keys() <= (
       current.keys()):
+    current = {key: current[key] for key in recorded}
     return [] if recorded == current else [
         _group_change(where, recorded, current)]
   changes = []

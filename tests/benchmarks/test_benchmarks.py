@@ -10,6 +10,7 @@ import jax
 import pytest
 
 from benchmarks import common
+from benchmarks import folder_fingerprint
 from benchmarks import memory
 from benchmarks import step_time
 from benchmarks import trajectory_products
@@ -345,3 +346,20 @@ def test_end_to_end_trains_and_times_a_toy_run(tmp_path, capsys):
     assert run["loop_over_update"] == pytest.approx(
         run["loop_step_ms"] / ((before[0] + after[0]) / 2))
   assert "loop / update" in capsys.readouterr().out
+
+
+def test_folder_fingerprint_times_its_passes_and_multiplies_them_out(
+    tmp_path, capsys):
+  out = tmp_path / "result.json"
+  folder_fingerprint.main(["--files", "12", "--size", "16", "--repeats", "2",
+                           "--extrapolate_to", "1000", "--out", str(out)])
+  record = json.loads(out.read_text())
+  passes = {"listing", "headers", "headers and digests"}
+  assert record["seconds"].keys() == passes
+  for name, rounds in record["seconds"].items():
+    assert len(rounds) == 2
+    median = sorted(rounds)[0] / 2 + sorted(rounds)[1] / 2
+    assert record["per_file_us"][name] == pytest.approx(median / 12 * 1e6)
+    assert record["extrapolated_s_for_1000_files"][name] == pytest.approx(
+        median / 12 * 1000)
+  assert "12 files of" in capsys.readouterr().out

@@ -513,3 +513,23 @@ def test_devices_stay_out_of_the_identity_and_the_records():
   assert one.identity() == four.identity()
   assert "devices" not in four.record_args()
   assert four.record_args() == one.record_args()
+
+
+@pytest.mark.parametrize("inside", ["PACS/runs/erm", "PACS", "link/erm"])
+def test_an_output_dir_inside_the_dataset_folder_is_refused(
+    tmp_path, capsys, inside):
+  # Its files would be an unexpected folder beside the domains, and every
+  # later run on the data would stop on them. "link" is the data folder by
+  # a symlink.
+  data_dir = tmp_path / "data"
+  (data_dir / "PACS").mkdir(parents=True)
+  (tmp_path / "link").symlink_to(data_dir / "PACS")
+  output_dir = (tmp_path if inside.startswith("link") else data_dir) / inside
+  assert train.main(["--dataset", "PACS", "--data_dir", str(data_dir),
+                     "--output_dir", str(output_dir), "--overwrite"]) == 2
+  err = capsys.readouterr().err
+  assert (f"error: --output_dir {output_dir} is inside PACS's folder "
+          f"{data_dir / 'PACS'}, where its files would be read as the "
+          "dataset's; pass an --output_dir outside it.") in err
+  assert "Traceback" not in err
+  assert sorted(p.name for p in (data_dir / "PACS").iterdir()) == []

@@ -1043,3 +1043,14 @@ def test_a_diverged_run_says_so(tmp_path, capsys):
   again = run_here(flags, capsys)
   assert "Already finished." in again.stderr
   assert "Warning: the model diverged" in again.stderr
+
+
+def test_start_line_says_how_the_input_is_read():
+  # The digits are arrays in memory, read as they are: no worker processes,
+  # whatever --num_workers says.
+  config = config_lib.parse_args(["--num_workers", "2", "--steps", "5",
+                                  "--output_dir", "r"]).resolve()
+  digits = datasets.get_dataset("RotatedDigits")
+  assert training.start_line(config, digits, augmented=False) == (
+      "5 steps, a checkpoint every 50; 28x28x1 images, augmentation off, "
+      "no input workers (arrays in memory); run directory r.")

@@ -8,9 +8,11 @@ test_tfds_prepared.py's tiny DomainNet.
 
 import shutil
 
+import pytest
 import tensorflow_datasets as tfds
 
 from benchmarks import input_pipeline as input_benchmark
+from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import photo_datasets
 from experiments.runs import records
@@ -69,10 +71,26 @@ def test_truncated_photos_train_and_the_run_is_bound_to_its_data(
   assert records.is_done(run)
   assert (run / records.DATASET_FILE).exists()
 
-  # The same data elsewhere are the same data.
+  # The same data elsewhere are the same data: moved, or copied (the
+  # files' times new, their bytes the same).
+  copied = tmp_path / "copied"
+  shutil.copytree(data_dir, copied)
+  status, err = _train(capsys, copied, run)
+  assert (status, err) == (0, "Already finished.\n")
   moved = data_dir.rename(tmp_path / "moved")
   status, err = _train(capsys, moved, run)
   assert (status, err) == (0, "Already finished.\n")
+
+  # An image changed in place, its name and size kept, is other data.
+  edited = copied / "PACS" / "cartoon" / "horse" / "2.jpg"
+  data = bytearray(edited.read_bytes())
+  data[-3] ^= 0xFF
+  edited.write_bytes(bytes(data))
+  status, err = _train(capsys, copied, run)
+  assert status == 2
+  assert "Already finished." not in err
+  assert (f"records them): cartoon/horse: files changed in place (5 files, "
+          "the same names and sizes). Train it again") in err
 
   # Changed data are refused, finished or not, saying what changed.
   shutil.copy(moved / "PACS" / "photo" / "dog" / "0.jpg",
@@ -97,15 +115,15 @@ def test_a_photo_damaged_after_the_check_stops_the_run_naming_it(
   # The files turn bad once the check before training has read them.
   data_dir = _write_pacs(tmp_path / "data")
   damaged = sorted((data_dir / "PACS").rglob("*.jpg"))
-  check = photo_datasets.header_problems
+  check = photo_datasets.read_files
 
   def check_then_damage(*args, **kwargs):
-    problems = check(*args, **kwargs)
+    found = check(*args, **kwargs)
     for path in damaged:
       path.write_bytes(b"\0" * 64)
-    return problems
+    return found
 
-  monkeypatch.setattr(photo_datasets, "header_problems", check_then_damage)
+  monkeypatch.setattr(photo_datasets, "read_files", check_then_damage)
   # Read by a Grain worker process, the error crosses into the run's.
   status, err = _train(capsys, data_dir, tmp_path / "run", "--num_workers",
                        "1")
@@ -124,3 +142,40 @@ def test_a_tfds_dataset_is_known_by_its_versions_and_counts(domainnet_dir):
                            try_gcs=False).version
     assert recorded["domains"][name] == {
         "examples": len(source), "tfds": f"domainnet/{name}/{version}"}
+
+
+def test_a_symlinked_dangling_image_stops_a_run_before_any_work(
+    tmp_path, capsys):
+  data_dir = _write_pacs(tmp_path / "data")
+  gone = data_dir / "PACS" / "photo" / "dog" / "gone.jpg"
+  gone.symlink_to(tmp_path / "elsewhere.jpg")
+  status, err = _train(capsys, data_dir, tmp_path / "run", "--num_workers",
+                       "0")
+  assert status == 2
+  assert (f"  - broken symlink: {gone} -> {tmp_path / 'elsewhere.jpg'} (No "
+          "such file or directory)") in err
+  assert "Traceback" not in err
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_run_recorded_before_contents_is_checked_on_names_and_sizes(
+    tmp_path):
+  # dataset.json of a run from before runs recorded the files' contents.
+  data_dir = _write_pacs(tmp_path / "data")
+  current = datasets.fingerprint(datasets.get_dataset("PACS",
+                                                      data_dir=data_dir))
+  old = {"dataset": "PACS", "domains": {
+      domain: {name: {k: v for k, v in group.items() if k != "contents"}
+               for name, group in classes.items()}
+      for domain, classes in current["domains"].items()}}
+  run = tmp_path / "run"
+  run.mkdir()
+  records.write_fingerprint(run, old)
+  datasets.check_run_data(run, current)  # Accepted.
+  for name in ("0.jpg", "1.jpg"):
+    (data_dir / "PACS" / "photo" / "dog" / name).unlink()
+  changed = datasets.fingerprint(datasets.get_dataset("PACS",
+                                                      data_dir=data_dir))
+  with pytest.raises(config_lib.UsageError,
+                     match=r"photo/dog: 2 files removed \(5 -> 3\)"):
+    datasets.check_run_data(run, changed)

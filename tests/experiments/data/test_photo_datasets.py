@@ -1,6 +1,8 @@
 """Tests for experiments/data/photo_datasets.py."""
 
+import os
 import re
+import unicodedata
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from experiments.data import pipeline as input_pipeline
 from experiments.data import photo_datasets
 
 COLOURS = {"dog": (200, 30, 30), "horse": (20, 180, 90)}
+GREY = (90, 90, 90)  # Other classes'.
 
 
 PACS_DOMAINS = catalog.FOLDER_DATASETS["PACS"][1]
@@ -22,13 +25,15 @@ PACS_DOMAINS = catalog.FOLDER_DATASETS["PACS"][1]
 def _write_folder_dataset(
     root, domains=PACS_DOMAINS, classes=("dog", "horse")
 ):
-  """Writes 3 small flat-colour JPEGs per class and domain under root/PACS."""
+  """Writes 3 small flat-colour JPEGs per class and domain under root/PACS
+  (`COLOURS`' colour, else `GREY`)."""
   for d in domains:
     for c in classes:
       folder = root / "PACS" / d / c
       folder.mkdir(parents=True)
       for k in range(3):
-        Image.new("RGB", (20 + k, 30), COLOURS[c]).save(folder / f"{k}.jpg")
+        Image.new("RGB", (20 + k, 30), COLOURS.get(c, GREY)).save(
+            folder / f"{k}.jpg")
 
 
 def test_folder_dataset_reads_domains_classes_and_normalises(tmp_path):
@@ -203,7 +208,7 @@ def test_check_decodes_counts_and_tells_truncated_from_unreadable(
   assert re.search(r"dog +3 +3 +3 +3\n", out)
   assert "1 truncated, which training reads" in out
   assert f"  {truncated}\n0 problems." in out
-  assert "Listing and headers (what training does first):" in out
+  assert "Listing, headers and digests (what training does first):" in out
   assert "decoding: 100%" in err  # The progress bar.
   # A file whose header reads but whose data do not decode even leniently
   # cannot be made here: Pillow's decoders pad what they lack. One whose
@@ -265,3 +270,142 @@ def test_missing_folder_dataset_raises_dataset_not_found(
       datasets.DatasetNotFoundError, match=re.escape(str(tmp_path / dir_name))
   ):
     datasets.get_dataset(name, data_dir=tmp_path)
+
+
+def _torchvision_files(domain_folder):
+  """The image files torchvision's ``ImageFolder`` finds in a domain folder,
+  relative to it: ``make_dataset`` walks each class folder with
+  ``os.walk(followlinks=True)`` and keeps the files by their extension."""
+  found = []
+  for class_folder in sorted(p for p in domain_folder.iterdir() if p.is_dir()):
+    for parent, _, names in os.walk(class_folder, followlinks=True):
+      found += [os.path.relpath(os.path.join(parent, n), domain_folder)
+                for n in names
+                if os.path.splitext(n)[1].lower()
+                in photo_datasets.IMAGE_EXTENSIONS]
+  return sorted(found)
+
+
+def test_symlinked_folders_in_a_class_are_read_as_imagefolder_reads_them(
+    tmp_path):
+  _write_folder_dataset(tmp_path)
+  elsewhere = tmp_path / "more dogs" / "nested"
+  elsewhere.mkdir(parents=True)
+  for k in range(4):
+    Image.new("RGB", (8, 8), COLOURS["dog"]).save(elsewhere / f"{k}.png")
+  domain = tmp_path / "PACS" / "photo"
+  (domain / "dog" / "extra").symlink_to(tmp_path / "more dogs")
+  # A symlinked image file is read too.
+  (domain / "horse" / "linked.jpg").symlink_to(domain / "horse" / "0.jpg")
+  source = datasets.get_dataset("PACS", data_dir=tmp_path).domains[2]
+  assert sorted(source.files) == _torchvision_files(domain)
+  assert len(source) == 6 + 4 + 1
+  labels = dict(zip(source.files, source.labels.tolist()))
+  assert labels["dog/extra/nested/3.png"] == 0
+  assert labels["horse/linked.jpg"] == 1
+
+
+def test_a_symlink_loop_is_refused_naming_it(tmp_path):
+  _write_folder_dataset(tmp_path)
+  # To the class folder itself, and to the domain folder above it.
+  dog = tmp_path / "PACS" / "sketch" / "dog"
+  (dog / "sub").mkdir()
+  (dog / "sub" / "back").symlink_to(dog)
+  horse = tmp_path / "PACS" / "photo" / "horse"
+  (horse / "up").symlink_to("..")
+  with pytest.raises(datasets.DatasetProblemsError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert str(e.value).startswith(
+      f"PACS in {tmp_path / 'PACS'} has 2 problems")
+  for link, target in ((dog / "sub" / "back", dog),
+                       (horse / "up", horse.parent)):
+    assert (f"  - symlink loop: {link} leads back to "
+            f"{os.path.realpath(target)}, a folder above it\n") in str(e.value)
+
+
+def test_a_dangling_symlink_is_a_problem_not_a_traceback(tmp_path, capsys):
+  _write_folder_dataset(tmp_path)
+  gone = tmp_path / "PACS" / "cartoon" / "horse" / "gone.jpg"
+  gone.symlink_to(tmp_path / "nowhere.jpg")
+  beside = tmp_path / "PACS" / "cartoon" / "gone"
+  beside.symlink_to(tmp_path / "no folder")
+  with pytest.raises(datasets.DatasetProblemsError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+  for link, target in ((beside, tmp_path / "no folder"),
+                       (gone, tmp_path / "nowhere.jpg")):
+    assert (f"  - broken symlink: {link} -> {target} (No such file or "
+            "directory)") in str(e.value)
+  assert datasets.main(["check", "--dataset", "PACS", "--data_dir",
+                        str(tmp_path)]) == 2
+  out = capsys.readouterr().out
+  assert "2 problems, which stop training:" in out
+  assert f"  - broken symlink: {gone} -> " in out
+
+
+def test_windows_system_files_are_ignored_as_hidden_ones(tmp_path):
+  _write_folder_dataset(tmp_path)
+  root = tmp_path / "PACS"
+  (root / "photo" / "dog" / "Thumbs.db").write_bytes(b"thumbnails")
+  (root / "photo" / "desktop.ini").write_text("[.ShellClassInfo]")
+  (root / "sketch" / "horse" / "thumbs.db").write_bytes(b"thumbnails")
+  ds = datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert [len(source) for source in ds.domains] == [6, 6, 6, 6]
+
+
+def test_a_file_beside_the_class_folders_is_a_problem_saying_so(tmp_path):
+  # ImageFolder reads the class folders only: the image would be dropped.
+  _write_folder_dataset(tmp_path)
+  stray = tmp_path / "PACS" / "photo" / "stray.jpg"
+  Image.new("RGB", (8, 8)).save(stray)
+  with pytest.raises(datasets.DatasetProblemsError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path)
+  assert ("  - a file beside the class folders, which ImageFolder does not "
+          f"read: {stray}\n") in str(e.value)
+
+
+def test_16_bit_grayscale_pngs_load_clipped_as_domainbed_and_check_warns(
+    tmp_path, capsys):
+  _write_folder_dataset(tmp_path)
+  deep = tmp_path / "PACS" / "art_painting" / "dog" / "deep.png"
+  values = np.array([[0, 100, 255, 256, 4000, 65535]], np.uint16)
+  Image.fromarray(values).save(deep)
+  source = datasets.get_dataset("PACS", data_dir=tmp_path).domains[0]
+  stored = source.decoded(source.paths.index(deep))["image"]
+  # DomainBed's loader: convert("RGB"), which clips each value to 255.
+  expected = np.repeat(np.minimum(values.astype(np.int64), 255)[..., None],
+                       3, axis=-1)
+  np.testing.assert_array_equal(stored, expected)
+  assert datasets.main(["check", "--dataset", "PACS", "--data_dir",
+                        str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert ("1 image of more than 8 bits (mode I;16), whose values above 255 "
+          'convert("RGB") clips to 255 when training reads it, as in '
+          f"DomainBed:\n  {deep}\n") in out
+
+
+def _display_width(text):
+  """Columns a terminal gives ``text``: 2 for East Asian wide characters."""
+  return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1
+             for c in text)
+
+
+def test_check_table_aligns_wide_class_names(tmp_path, capsys):
+  classes = ("dog", "狗狗", "chien")
+  _write_folder_dataset(tmp_path, classes=classes)
+  assert datasets.main(["check", "--dataset", "PACS", "--data_dir",
+                        str(tmp_path)]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  table = lines[1:1 + 1 + len(classes) + 1]
+  assert [line.split()[0] for line in table] == [
+      "class", *sorted(classes), "all"]
+  # Counts are right-aligned: every row ends where the header's does.
+  assert len({_display_width(line) for line in table}) == 1, table
+
+
+def test_data_dir_naming_the_dataset_folder_itself_hints_its_parent(
+    tmp_path):
+  _write_folder_dataset(tmp_path)
+  with pytest.raises(datasets.DatasetNotFoundError) as e:
+    datasets.get_dataset("PACS", data_dir=tmp_path / "PACS")
+  assert (f"{tmp_path / 'PACS'} is PACS's folder itself: give the folder "
+          f"that holds PACS, --data_dir {tmp_path}.") in str(e.value)

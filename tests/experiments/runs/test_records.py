@@ -364,6 +364,18 @@ def test_a_run_refuses_other_data_naming_what_changed(tmp_path):
       "domain art_painting: gone", "domain digits: gone"]
 
 
+def test_contents_changed_in_place_are_named_and_old_records_lack_them():
+  recorded = {"dog": {**_files(3), "contents": "c"}}
+  edited = {"dog": {**_files(3), "contents": "d"}}
+  assert records.fingerprint_changes(recorded, edited, "photo") == [
+      "photo/dog: files changed in place (3 files, the same names and sizes)"]
+  # A run recorded before contents were: compared on what it holds.
+  assert records.fingerprint_changes({"dog": _files(3)}, edited, "photo") == []
+  assert records.fingerprint_changes(
+      {"dog": _files(3)}, {"dog": {**_files(5), "contents": "d"}},
+      "photo") == ["photo/dog: 2 files added (3 -> 5)"]
+
+
 def test_a_long_list_of_changes_is_cut_short(tmp_path):
   records.write_fingerprint(tmp_path, {"dataset": "X", "domains": {}})
   many = {f"d{i}": {"examples": i} for i in range(12)}
