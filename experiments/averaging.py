@@ -64,17 +64,26 @@ does. Its quirks are kept, since they decide which weights are averaged:
   term (``AveragedModel(untilmin_segment_swa)`` has ``n_averaged == 0``, so
   the next update overwrites it; swad.py line 100, swa_utils.py line 61);
 - with ``n_tolerance > n_converge``, at convergence it averages the segments
-  of the tolerance window up to the converging one, after the last above the
-  threshold and the one after it (swad.py lines 111-123); when the tolerance
-  window is not yet full, that slice reaches past the converging segment;
+  of the tolerance window, up to the converging one, that come after the
+  last one above the threshold, less the first of them (swad.py lines
+  111-123, ``Q[start_idx + 1:]``); when the tolerance window is not yet
+  full, that slice reaches past the converging segment;
 - a segment can be averaged twice: at convergence and again when it is the
-  oldest of the tolerance window (line 131 compares with ``<``), and the
-  oldest is averaged at every evaluation until the window fills.
+  oldest of the tolerance window (line 131 compares with ``<``); while that
+  window is not yet full, its oldest segment is averaged again at every
+  evaluation.
 
 The decisions (`valley_update`, `valley_final`) are host logic on the
 sequence of losses in float64, separate from the dense averaging, which is
 pure JAX. SWAD keeps ``max(n_converge, n_tolerance)`` segment means, the open
-segment and the final average: that many copies of the params.
+segment and the final average: ``max(n_converge, n_tolerance) + 2`` copies
+of the params (8 at the defaults); EMA and SMA keep one.
+
+Every equal-weight running mean here (SMA, SWAD's segments and final
+average, the BatchNorm statistics) is computed as torch's ``AveragedModel``
+computes it, ``mean + (x - mean) / (n + 1)``, its first term copied;
+DomainBed's SMA writes ``(mean * n + x) / (n + 1)``, which differs only in
+rounding.
 
 **BatchNorm**: swad recomputes BatchNorm's running statistics of the final
 model before evaluating it, when BatchNorm trains (trainer.py lines 289-293,
@@ -87,17 +96,20 @@ average from a function that returns a batch's statistics.
 
 Example, with a train step that returns new params::
 
-  averaging = swad()
-  state = averaging.init(params)
+  weight_averaging = swad()
+  state = weight_averaging.init(params)
   for step in range(steps):
     params = train_step(params, batches)
     state = state._replace(
-        averaging=averaging.update(params, state.averaging))
+        averaging=weight_averaging.update(params, state.averaging))
     if step % checkpoint_freq == 0:
-      state = averaging.evaluate(state, validation_loss(params))
+      state = weight_averaging.evaluate(state, validation_loss(params))
       if state.valley.dead:
         break
-  final = averaging.final(state)  # final.params, final.averaged, ...
+  final = weight_averaging.final(state)  # final.params, final.averaged, ...
+
+EMA and SMA need no evaluation: ``state = update(params, state)`` after
+every step, and ``state.average`` is the averaged params.
 """
 
 from __future__ import annotations
@@ -255,7 +267,7 @@ class ValleyState(NamedTuple):
 
   Segments are numbered from 0 in the order they close; segment ``k`` is
   kept in slot ``k % ValleyConfig.window`` of the arrays below and of
-  `SwadParams.window`.
+  `SwadArrays.window`.
 
   Attributes:
     segments: how many segments have closed.
@@ -281,20 +293,16 @@ class ValleyState(NamedTuple):
   last_step: np.ndarray
 
 
-class Average(NamedTuple):
-  """One decision on the final average.
+class Decision(NamedTuple):
+  """One decision of the valley on the final average.
 
   Attributes:
     segment: the segment it takes.
     restart: True to make the final average that segment's mean counted as
       no term (swad's ``AveragedModel(segment)``); False to add it as a term.
-    first_step, last_step: the steps to record for the final average: the
-      first only where it then holds one term.
   """
   segment: int
   restart: bool
-  first_step: int
-  last_step: int
 
 
 def valley_init(config: ValleyConfig) -> ValleyState:
@@ -325,12 +333,13 @@ def _kept(state: ValleyState, size: int) -> list[int]:
 
 def _least_loss(state: ValleyState, config: ValleyConfig,
                 segments: Sequence[int]) -> float:
+  """The least validation loss of ``segments`` (swad's smooth loss)."""
   return min(state.losses[k % config.window] for k in segments)
 
 
 def _decide(state: ValleyState, config: ValleyConfig, segment: int,
             restart: bool = False, step: int | None = None
-            ) -> tuple[ValleyState, Average]:
+            ) -> tuple[ValleyState, Decision]:
   """Averages ``segment`` into the final model, recording swad's steps.
 
   ``step`` records that one step as the first and last, as swad's
@@ -338,24 +347,24 @@ def _decide(state: ValleyState, config: ValleyConfig, segment: int,
   the segment's own first and last steps are recorded.
   """
   if restart:  # AveragedModel.__init__: no term, steps -1 (lines 12-13).
-    return state._replace(averaged=np.int64(0), first_step=np.int64(-1),
-                          last_step=np.int64(-1)), Average(segment, True, -1,
-                                                           -1)
+    state = state._replace(averaged=np.int64(0), first_step=np.int64(-1),
+                           last_step=np.int64(-1))
+    return state, Decision(segment, restart=True)
   slot = segment % config.window
   first = int(state.first_steps[slot]) if step is None else step
   last = int(state.last_steps[slot]) if step is None else step
   averaged = int(state.averaged) + 1
   # update_parameters sets the first step with the first term only.
   first_step = first if averaged == 1 else int(state.first_step)
-  return state._replace(averaged=np.int64(averaged),
-                        first_step=np.int64(first_step),
-                        last_step=np.int64(last)), Average(
-                            segment, False, first_step, last)
+  state = state._replace(averaged=np.int64(averaged),
+                         first_step=np.int64(first_step),
+                         last_step=np.int64(last))
+  return state, Decision(segment, restart=False)
 
 
 def valley_update(state: ValleyState, config: ValleyConfig, loss: float,
                   first_step: int, last_step: int
-                  ) -> tuple[ValleyState, list[Average]]:
+                  ) -> tuple[ValleyState, list[Decision]]:
   """``LossValley.update_and_evaluate`` on one closed segment.
 
   Args:
@@ -421,11 +430,15 @@ def valley_update(state: ValleyState, config: ValleyConfig, loss: float,
 
 
 def valley_final(state: ValleyState, config: ValleyConfig
-                 ) -> tuple[ValleyState, list[Average]]:
+                 ) -> tuple[ValleyState, list[Decision]]:
   """``LossValley.get_final_model``: the decisions that finish the average.
 
   Before convergence the final model is the last segment's mean: one
   restart decision, which adds no term.
+
+  Args:
+    state: the valley's state after the last evaluation.
+    config: its hparams.
 
   Returns:
     The state the final average is in, and the decisions, in order.
@@ -442,8 +455,7 @@ def valley_final(state: ValleyState, config: ValleyConfig
     final = state._replace(averaged=np.int64(0),
                            first_step=state.first_steps[slot],
                            last_step=state.last_steps[slot])
-    return final, [Average(last, True, int(state.first_steps[slot]),
-                           int(state.last_steps[slot]))]
+    return final, [Decision(last, restart=True)]
   decisions = []
   if not state.dead:  # Lines 153-160.
     smooth = _kept(state, config.n_tolerance)[1:]
@@ -458,7 +470,7 @@ def valley_final(state: ValleyState, config: ValleyConfig
 # SWAD: the dense averaging, pure JAX.
 
 
-class SwadParams(NamedTuple):
+class SwadArrays(NamedTuple):
   """SWAD's arrays.
 
   Attributes:
@@ -484,7 +496,7 @@ class SwadState(NamedTuple):
     valley: the decisions' state, in NumPy (float64 losses), which must not
       pass through ``jax.jit``.
   """
-  averaging: SwadParams
+  averaging: SwadArrays
   valley: ValleyState
 
 
@@ -518,12 +530,13 @@ class Swad(NamedTuple):
     final: ``final(state) -> SwadFinal``, swad's ``get_final_model``.
   """
   init: Callable[[Params], SwadState]
-  update: Callable[[Params, SwadParams], SwadParams]
+  update: Callable[[Params, SwadArrays], SwadArrays]
   evaluate: Callable[[SwadState, float], SwadState]
   final: Callable[[SwadState], SwadFinal]
 
 
-def _update_segment(params: Params, averaging: SwadParams) -> SwadParams:
+def _update_segment(params: Params, averaging: SwadArrays) -> SwadArrays:
+  """Adds the params after a step to the open segment's mean."""
   return averaging._replace(
       steps=averaging.steps + 1,
       segment=_running_mean(averaging.segment, params,
@@ -532,7 +545,7 @@ def _update_segment(params: Params, averaging: SwadParams) -> SwadParams:
 
 
 @jax.jit
-def _close_segment(averaging: SwadParams, slot: jax.Array) -> SwadParams:
+def _close_segment(averaging: SwadArrays, slot: jax.Array) -> SwadArrays:
   window = jax.tree.map(lambda w, s: w.at[slot].set(s), averaging.window,
                         averaging.segment)
   return averaging._replace(window=window,
@@ -546,8 +559,8 @@ def _average_in(final: Params, window: Params, slot: jax.Array,
   return _running_mean(final, jax.tree.map(lambda w: w[slot], window), count)
 
 
-def _apply(averaging: SwadParams, config: ValleyConfig, averaged: int,
-           decisions: Iterable[Average]) -> Params:
+def _apply(averaging: SwadArrays, config: ValleyConfig, averaged: int,
+           decisions: Iterable[Decision]) -> Params:
   """The final average after ``decisions``, from ``averaged`` terms."""
   final = averaging.final
   for decision in decisions:
@@ -583,20 +596,20 @@ def swad(n_converge: int = 3, n_tolerance: int = 6,
     params = jax.tree.map(jnp.asarray, params)
     window = jax.tree.map(
         lambda p: jnp.zeros((config.window, *p.shape), p.dtype), params)
-    averaging = SwadParams(
+    averaging = SwadArrays(
         steps=jnp.zeros((), jnp.int32), segment=params,
         segment_steps=jnp.zeros((), jnp.int32), window=window, final=params)
     return SwadState(averaging, valley)
 
   def evaluate(state, validation_loss):
+    if state.valley.dead:
+      return state
     averaging = state.averaging
     segment_steps = int(averaging.segment_steps)
     if segment_steps == 0:
       raise ValueError("SWAD's evaluate() closes the steps averaged since the "
                        "last evaluation, and there are none: call update() "
                        "after every step, before that step's evaluate().")
-    if state.valley.dead:
-      return state
     last_step = int(averaging.steps) - 1
     slot = jnp.int32(int(state.valley.segments) % config.window)
     averaging = _close_segment(averaging, slot)
