@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import averaging
 
@@ -448,6 +449,18 @@ def test_ema_matches_the_reference_and_resumes_bit_exactly(tmp_path):
   assert_bit_exact(
       run_average(transform, stream, save_at=150, tmp_path=tmp_path),
       history)
+
+
+def test_an_nnx_models_params_average_into_the_model():
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  transform = averaging.ema(0.9)
+  state = jax.jit(transform.update)(jax.tree.map(lambda p: p + 1.0, params),
+                                    transform.init(params))
+  averaged = nnx.merge(nnx.graphdef(model), state.average)
+  # 0.9 * kernel + 0.1 * (kernel + 1).
+  np.testing.assert_allclose(averaged.kernel[...], model.kernel[...] + 0.1,
+                             rtol=0, atol=MEAN_ATOL)
 
 
 def test_bad_hparams_are_refused():
