@@ -1,0 +1,676 @@
+"""Weight averaging along a run: EMA, SMA (ERM++) and SWAD.
+
+The strongest domain-generalization recipes evaluate an average of the
+weights a run passes through rather than its last weights. This module
+computes those averages as pure functions of the stream of params, in
+optax's style: a factory returns ``init`` and ``update`` functions, and the
+state is a pytree of arrays, so it is checkpointed with the run and a resumed
+run continues bit for bit. It imports only JAX, NumPy and the standard
+library; any pytree of floating arrays (Flax params, with BatchNorm
+statistics where they should be averaged too) can be averaged.
+
+Not yet wired into training: ``experiments.train`` has no ``--averaging``
+flag; a training loop calls these functions itself (below).
+
+**EMA** (`ema`): ``average = decay * average + (1 - decay) * params`` after
+every step, starting from the initial params, with no bias correction: the
+weights of the initial and later params already sum to one, so there is no
+bias from a start at zero to correct (optax's ``ema(debias=True)`` corrects
+one because it starts from zeros). This is the weight EMA users meet in timm,
+``ModelEmaV2`` (huggingface/pytorch-image-models 0a044bf,
+``timm/utils/model_ema.py``: the average starts as a ``deepcopy`` of the
+model and updates as ``decay * e + (1. - decay) * m``).
+
+**SMA** (`sma`): DomainBed's ``ErmPlusPlusMovingAvg``, which ERM++ uses
+(facebookresearch/DomainBed b93c22a, ``domainbed/lib/misc.py`` lines 51-72).
+It counts updates from 1 (``global_iter``); before update ``start_iter``
+(600) the average is the latest params; from update ``start_iter`` on it is
+the equal-weight mean of the params after update ``start_iter - 1`` and
+after every later update (line 67 weighs the average by ``sma_count``, which
+reaches 1 at update ``start_iter``, and the new params by 1).
+
+**SWAD** (`swad`): khanrc/swad's ``LossValley`` (khanrc/swad 252190e,
+``domainbed/swad.py`` lines 48-162) over its ``AveragedModel``
+(``domainbed/lib/swa_utils.py`` lines 9-80), called as its trainer calls them
+(``domainbed/trainer.py`` lines 151-155, 178-180, 242-257, 287-296):
+
+- every step, after the optimizer's update, the *segment* average takes the
+  new params (dense averaging, `Swad.update`);
+- at every evaluation, `Swad.evaluate` is given the training domains'
+  validation loss (swad's ``tr_outloss``) and closes the segment: the
+  segment's mean, its first and last step and the loss enter the windows of
+  the last ``n_converge`` and ``n_tolerance`` segments, and a new segment
+  starts at the next step. swad evaluates at every step ``s`` with
+  ``s % checkpoint_freq == 0``, step 0 included, so its first segment is
+  step 0 alone; steps after the last evaluation are not averaged;
+- *convergence*: with ``n_converge`` segments seen, the valley starts when
+  the oldest of the last ``n_converge`` has the least loss (the first such
+  on ties, ``np.argmin``). The threshold is their mean loss times
+  ``1 + tolerance_ratio``;
+- *inside the valley*: once the oldest of the last ``n_tolerance`` segments
+  is not older than the one convergence found, each evaluation averages it
+  into the final model, unless the least loss of those ``n_tolerance``
+  exceeds the threshold: then the valley is dead (`ValleyState.dead`), and
+  swad's trainer stops training (line 253);
+- `Swad.final` is swad's ``get_final_model``: before convergence the last
+  segment's mean; in a living valley, the segments still in the tolerance
+  window after its oldest, averaged in order while the least loss of those
+  left stays within the threshold.
+
+The final model averages *segment means*, one weight per segment, as swad's
+does. Its quirks are kept, since they decide which weights are averaged:
+
+- the final average starts from the converging segment but counts it as no
+  term (``AveragedModel(untilmin_segment_swa)`` has ``n_averaged == 0``, so
+  the next update overwrites it; swad.py line 100, swa_utils.py line 61);
+- with ``n_tolerance > n_converge``, at convergence it averages the segments
+  of the tolerance window, up to the converging one, that come after the
+  last one above the threshold, less the first of them (swad.py lines
+  111-123, ``Q[start_idx + 1:]``); when the tolerance window is not yet
+  full, that slice reaches past the converging segment;
+- a segment can be averaged twice: at convergence and again when it is the
+  oldest of the tolerance window (line 131 compares with ``<``); while that
+  window is not yet full, its oldest segment is averaged again at every
+  evaluation.
+
+The decisions (`valley_update`, `valley_final`) are host logic on the
+sequence of losses in float64, separate from the dense averaging, which is
+pure JAX. SWAD keeps ``max(n_converge, n_tolerance)`` segment means, the open
+segment and the final average: ``max(n_converge, n_tolerance) + 2`` copies
+of the params (8 at the defaults); EMA and SMA keep one.
+
+Every equal-weight running mean here (SMA, SWAD's segments and final
+average, the BatchNorm statistics) is computed as torch's ``AveragedModel``
+computes it, ``mean + (x - mean) / (n + 1)``, its first term copied;
+DomainBed's SMA writes ``(mean * n + x) / (n + 1)``, which differs only in
+rounding.
+
+**BatchNorm**: swad recomputes BatchNorm's running statistics of the final
+model before evaluating it, when BatchNorm trains (trainer.py lines 289-293,
+500 batches of the training domains, concatenated): swa_utils's
+``update_bn`` (lines 98-126) resets them, sets ``momentum = None`` and runs
+the model in train mode, so that torch's BatchNorm keeps the cumulative
+average of every batch's mean and *unbiased* variance (factor
+``1 / num_batches_tracked``). `cumulative_batch_statistics` computes that
+average from a function that returns a batch's statistics.
+
+Example, with a train step that returns new params::
+
+  weight_averaging = swad()
+  state = weight_averaging.init(params)
+  for step in range(steps):
+    params = train_step(params, batches)
+    state = state._replace(
+        averaging=weight_averaging.update(params, state.averaging))
+    if step % checkpoint_freq == 0:
+      state = weight_averaging.evaluate(state, validation_loss(params))
+      if state.valley.dead:
+        break
+  final = weight_averaging.final(state)  # final.params, final.averaged, ...
+
+EMA and SMA need no evaluation: ``state = update(params, state)`` after
+every step, and ``state.average`` is the averaged params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Params = Any  # A pytree of floating arrays.
+Stats = Any  # A pytree of floating arrays: BatchNorm statistics.
+
+
+def _check_floating(params: Params) -> None:
+  """Raises if a leaf of ``params`` is not floating: it cannot be averaged."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise TypeError(
+          f"Only floating arrays can be averaged, but "
+          f"{jax.tree_util.keystr(path)} is {jnp.result_type(leaf)}: average "
+          "the params (and BatchNorm statistics) without integer counters.")
+
+
+def _running_mean(mean: Params, params: Params, count: jax.Array) -> Params:
+  """The mean of ``count`` terms, ``mean``, with ``params`` added.
+
+  With ``count == 0`` this is ``params`` itself, copied as torch's
+  ``AveragedModel`` copies its first term (swa_utils.py line 62).
+  """
+  def add(mean_leaf, leaf):
+    added = mean_leaf + (leaf - mean_leaf) / (count + 1).astype(leaf.dtype)
+    return jnp.where(count == 0, leaf, added)
+  return jax.tree.map(add, mean, params)
+
+
+class EmaState(NamedTuple):
+  """The state of `ema`.
+
+  Attributes:
+    average: the exponential moving average of the params.
+  """
+  average: Params
+
+
+class SmaState(NamedTuple):
+  """The state of `sma`.
+
+  Attributes:
+    average: the equal-weight mean of the params since update
+      ``start_iter - 1``; before update ``start_iter``, the latest params.
+    count: how many params ``average`` holds (int32).
+    updates: how many updates it has seen (DomainBed's ``global_iter``).
+  """
+  average: Params
+  count: jax.Array
+  updates: jax.Array
+
+
+class ParamsAveraging(NamedTuple):
+  """A running average of params, as a pair of pure functions.
+
+  Attributes:
+    init: ``init(params) -> state``, from the initial params.
+    update: ``update(params, state) -> state``, after every optimizer step;
+      jit-friendly.
+  """
+  init: Callable[[Params], Any]
+  update: Callable[[Params, Any], Any]
+
+
+def ema(decay: float) -> ParamsAveraging:
+  """An exponential moving average of the params (see the module docstring).
+
+  Args:
+    decay: the weight of the previous average, in [0, 1).
+
+  Returns:
+    The `ParamsAveraging`, whose state is an `EmaState`.
+  """
+  if not 0.0 <= decay < 1.0:
+    raise ValueError(f"EMA's decay must be in [0, 1), not {decay}; 0.999 is "
+                     "common.")
+
+  def init(params):
+    _check_floating(params)
+    return EmaState(average=jax.tree.map(jnp.asarray, params))
+
+  def update(params, state):
+    average = jax.tree.map(
+        lambda a, p: (decay * a + (1.0 - decay) * p).astype(a.dtype),
+        state.average, params)
+    return EmaState(average=average)
+
+  return ParamsAveraging(init, update)
+
+
+def sma(start_iter: int = 600) -> ParamsAveraging:
+  """DomainBed's simple moving average for ERM++ (see the module docstring).
+
+  Args:
+    start_iter: DomainBed's ``sma_start_iter``: from this update on
+      (counting from 1), the average holds the params after update
+      ``start_iter - 1`` and every later one.
+
+  Returns:
+    The `ParamsAveraging`, whose state is an `SmaState`.
+  """
+  if start_iter < 1:
+    raise ValueError(f"SMA's start_iter counts updates from 1, so it must be "
+                     f"at least 1, not {start_iter}.")
+
+  def init(params):
+    _check_floating(params)
+    # DomainBed's average starts as a copy of the network: one term.
+    return SmaState(average=jax.tree.map(jnp.asarray, params),
+                    count=jnp.ones((), jnp.int32),
+                    updates=jnp.zeros((), jnp.int32))
+
+  def update(params, state):
+    updates = state.updates + 1
+    # Before start_iter, the average restarts from the latest params.
+    count = jnp.where(updates < start_iter, 0, state.count)
+    return SmaState(average=_running_mean(state.average, params, count),
+                    count=count + 1, updates=updates)
+
+  return ParamsAveraging(init, update)
+
+
+# SWAD: the valley decisions, host logic on the losses in float64.
+
+
+class ValleyConfig(NamedTuple):
+  """``LossValley``'s hparams (khanrc/swad's ``config.yaml`` defaults).
+
+  Attributes:
+    n_converge: the convergence window, in segments.
+    n_tolerance: the window whose least loss decides when the valley ends.
+    tolerance_ratio: the threshold is the converging window's mean loss
+      times ``1 + tolerance_ratio``.
+  """
+  n_converge: int = 3
+  n_tolerance: int = 6
+  tolerance_ratio: float = 0.3
+
+  @property
+  def window(self) -> int:
+    """How many of the latest segments the decisions can reach."""
+    return max(self.n_converge, self.n_tolerance)
+
+
+class ValleyState(NamedTuple):
+  """What ``LossValley`` knows, as NumPy arrays (a pytree: checkpoint it).
+
+  Segments are numbered from 0 in the order they close; segment ``k`` is
+  kept in slot ``k % ValleyConfig.window`` of the arrays below and of
+  `SwadArrays.window`.
+
+  Attributes:
+    segments: how many segments have closed.
+    losses: each kept segment's validation loss (float64).
+    first_steps, last_steps: each kept segment's first and last step.
+    converged_at: the segment where the valley starts, -1 before.
+    threshold: the loss above which the valley dies, NaN before.
+    dead: whether the valley has died (then nothing changes any more).
+    averaged: how many segments the final average holds (swad's
+      ``n_averaged``).
+    first_step, last_step: the steps the final average spans, as swad
+      reports them (-1 where it has set none).
+  """
+  segments: np.ndarray
+  losses: np.ndarray
+  first_steps: np.ndarray
+  last_steps: np.ndarray
+  converged_at: np.ndarray
+  threshold: np.ndarray
+  dead: np.ndarray
+  averaged: np.ndarray
+  first_step: np.ndarray
+  last_step: np.ndarray
+
+
+class Decision(NamedTuple):
+  """One decision of the valley on the final average.
+
+  Attributes:
+    segment: the segment it takes.
+    restart: True to make the final average that segment's mean counted as
+      no term (swad's ``AveragedModel(segment)``); False to add it as a term.
+  """
+  segment: int
+  restart: bool
+
+
+def valley_init(config: ValleyConfig) -> ValleyState:
+  """The state before any segment closes."""
+  if config.n_converge < 1 or config.n_tolerance < 1:
+    raise ValueError(
+        f"SWAD's n_converge and n_tolerance count segments: both must be at "
+        f"least 1, not {config.n_converge} and {config.n_tolerance}.")
+  if not (np.isfinite(config.tolerance_ratio)
+          and config.tolerance_ratio >= 0):
+    raise ValueError(f"SWAD's tolerance_ratio must be finite and at least 0, "
+                     f"not {config.tolerance_ratio}; swad's default is 0.3.")
+  window = config.window
+  return ValleyState(
+      segments=np.int64(0), losses=np.full(window, np.nan),
+      first_steps=np.full(window, -1, np.int64),
+      last_steps=np.full(window, -1, np.int64),
+      converged_at=np.int64(-1), threshold=np.float64(np.nan),
+      dead=np.bool_(False), averaged=np.int64(0), first_step=np.int64(-1),
+      last_step=np.int64(-1))
+
+
+def _kept(state: ValleyState, size: int) -> list[int]:
+  """The latest ``size`` segments, oldest first (one of swad's deques)."""
+  end = int(state.segments)
+  return list(range(max(0, end - size), end))
+
+
+def _least_loss(state: ValleyState, config: ValleyConfig,
+                segments: Sequence[int]) -> float:
+  """The least validation loss of ``segments`` (swad's smooth loss)."""
+  return min(state.losses[k % config.window] for k in segments)
+
+
+def _decide(state: ValleyState, config: ValleyConfig, segment: int,
+            restart: bool = False, step: int | None = None
+            ) -> tuple[ValleyState, Decision]:
+  """Averages ``segment`` into the final model, recording swad's steps.
+
+  ``step`` records that one step as the first and last, as swad's
+  ``get_final_model`` does (``update_parameters(step=end_step)``); otherwise
+  the segment's own first and last steps are recorded.
+  """
+  if restart:  # AveragedModel.__init__: no term, steps -1 (lines 12-13).
+    state = state._replace(averaged=np.int64(0), first_step=np.int64(-1),
+                           last_step=np.int64(-1))
+    return state, Decision(segment, restart=True)
+  slot = segment % config.window
+  first = int(state.first_steps[slot]) if step is None else step
+  last = int(state.last_steps[slot]) if step is None else step
+  averaged = int(state.averaged) + 1
+  # update_parameters sets the first step with the first term only.
+  first_step = first if averaged == 1 else int(state.first_step)
+  state = state._replace(averaged=np.int64(averaged),
+                         first_step=np.int64(first_step),
+                         last_step=np.int64(last))
+  return state, Decision(segment, restart=False)
+
+
+def valley_update(state: ValleyState, config: ValleyConfig, loss: float,
+                  first_step: int, last_step: int
+                  ) -> tuple[ValleyState, list[Decision]]:
+  """``LossValley.update_and_evaluate`` on one closed segment.
+
+  Args:
+    state: the valley's state.
+    config: its hparams.
+    loss: the training domains' validation loss at the segment's end.
+    first_step, last_step: the segment's first and last step.
+
+  Returns:
+    The new state, and the decisions on the final average, in order.
+  """
+  if not np.isfinite(loss):
+    raise ValueError(f"SWAD's validation loss must be finite, not {loss}: "
+                     "the run diverged, or the validation split is empty.")
+  if state.dead:  # swad.py line 84.
+    return state, []
+  window = config.window
+  slot = int(state.segments) % window
+  losses, firsts, lasts = (state.losses.copy(), state.first_steps.copy(),
+                           state.last_steps.copy())
+  losses[slot], firsts[slot], lasts[slot] = loss, first_step, last_step
+  state = state._replace(segments=state.segments + 1, losses=losses,
+                         first_steps=firsts, last_steps=lasts)
+  converge = _kept(state, config.n_converge)
+  smooth = _kept(state, config.n_tolerance)
+  decisions = []
+
+  if state.converged_at < 0:
+    if len(converge) < config.n_converge:  # Lines 92-94.
+      return state, decisions
+    converge_losses = [losses[k % window] for k in converge]
+    if int(np.argmin(converge_losses)) != 0:  # Lines 96-98.
+      return state, decisions
+    state = state._replace(
+        converged_at=np.int64(converge[0]),
+        threshold=np.float64(np.mean(converge_losses)
+                             * (1.0 + config.tolerance_ratio)))
+    state, decision = _decide(state, config, converge[0], restart=True)
+    decisions.append(decision)
+    if config.n_tolerance < config.n_converge:  # Lines 105-110.
+      added = converge[1:1 + config.n_converge - config.n_tolerance]
+    elif config.n_tolerance > config.n_converge:  # Lines 111-123.
+      before = smooth[:config.n_tolerance - config.n_converge + 1]
+      start = 0
+      for i in reversed(range(len(before))):
+        if losses[before[i] % window] > state.threshold:
+          start = i + 1
+          break
+      added = before[start + 1:]
+    else:
+      added = []
+    for segment in added:
+      state, decision = _decide(state, config, segment)
+      decisions.append(decision)
+    return state, decisions
+
+  if smooth[0] < state.converged_at:  # Lines 131-132.
+    return state, decisions
+  if _least_loss(state, config, smooth) > state.threshold:  # Lines 135-139.
+    return state._replace(dead=np.bool_(True)), decisions
+  state, decision = _decide(state, config, smooth[0])  # Lines 141-144.
+  return state, [decision]
+
+
+def valley_final(state: ValleyState, config: ValleyConfig
+                 ) -> tuple[ValleyState, list[Decision]]:
+  """``LossValley.get_final_model``: the decisions that finish the average.
+
+  Before convergence the final model is the last segment's mean: one
+  restart decision, which adds no term.
+
+  Args:
+    state: the valley's state after the last evaluation.
+    config: its hparams.
+
+  Returns:
+    The state the final average is in, and the decisions, in order.
+
+  Raises:
+    ValueError: where no segment has closed.
+  """
+  if int(state.segments) == 0:
+    raise ValueError("SWAD has no final model before its first evaluation: "
+                     "call evaluate() at least once.")
+  if state.converged_at < 0:  # Lines 147-151.
+    last = int(state.segments) - 1
+    slot = last % config.window
+    final = state._replace(averaged=np.int64(0),
+                           first_step=state.first_steps[slot],
+                           last_step=state.last_steps[slot])
+    return final, [Decision(last, restart=True)]
+  decisions = []
+  if not state.dead:  # Lines 153-160.
+    smooth = _kept(state, config.n_tolerance)[1:]
+    while smooth and _least_loss(state, config, smooth) <= state.threshold:
+      segment = smooth.pop(0)
+      step = int(state.last_steps[segment % config.window])
+      state, decision = _decide(state, config, segment, step=step)
+      decisions.append(decision)
+  return state, decisions
+
+
+# SWAD: the dense averaging, pure JAX.
+
+
+class SwadArrays(NamedTuple):
+  """SWAD's arrays.
+
+  Attributes:
+    steps: how many steps (updates) it has seen (int32).
+    segment: the mean of the open segment's params.
+    segment_steps: how many steps the open segment holds (int32).
+    window: the latest closed segments' means, each leaf stacked on a
+      leading axis of ``ValleyConfig.window`` slots.
+    final: the final average.
+  """
+  steps: jax.Array
+  segment: Params
+  segment_steps: jax.Array
+  window: Params
+  final: Params
+
+
+class SwadState(NamedTuple):
+  """SWAD's state: its arrays and its valley's decisions.
+
+  Attributes:
+    averaging: the arrays, updated every step by `Swad.update`.
+    valley: the decisions' state, in NumPy (float64 losses), which must not
+      pass through ``jax.jit``.
+  """
+  averaging: SwadArrays
+  valley: ValleyState
+
+
+class SwadFinal(NamedTuple):
+  """SWAD's final model.
+
+  Attributes:
+    params: the averaged params (their BatchNorm statistics are to be
+      recomputed, `cumulative_batch_statistics`, where BatchNorm trains).
+    averaged: how many segment means they average (swad's ``N``; 0 where
+      they are one segment's mean, counted as no term).
+    first_step, last_step: the steps swad reports they span.
+  """
+  params: Params
+  averaged: int
+  first_step: int
+  last_step: int
+
+
+class Swad(NamedTuple):
+  """SWAD as functions (see the module docstring for how to call them).
+
+  Attributes:
+    init: ``init(params) -> SwadState``.
+    update: ``update(params, averaging) -> averaging`` on
+      ``SwadState.averaging``, after every optimizer step: pure JAX, to be
+      jitted (with the train step, say).
+    evaluate: ``evaluate(state, validation_loss) -> state``, at every
+      evaluation, after that step's update: closes the segment and takes
+      the valley's decisions.
+    final: ``final(state) -> SwadFinal``, swad's ``get_final_model``.
+  """
+  init: Callable[[Params], SwadState]
+  update: Callable[[Params, SwadArrays], SwadArrays]
+  evaluate: Callable[[SwadState, float], SwadState]
+  final: Callable[[SwadState], SwadFinal]
+
+
+def _update_segment(params: Params, averaging: SwadArrays) -> SwadArrays:
+  """Adds the params after a step to the open segment's mean."""
+  return averaging._replace(
+      steps=averaging.steps + 1,
+      segment=_running_mean(averaging.segment, params,
+                            averaging.segment_steps),
+      segment_steps=averaging.segment_steps + 1)
+
+
+@jax.jit
+def _close_segment(averaging: SwadArrays, slot: jax.Array) -> SwadArrays:
+  window = jax.tree.map(lambda w, s: w.at[slot].set(s), averaging.window,
+                        averaging.segment)
+  return averaging._replace(window=window,
+                            segment_steps=jnp.zeros((), jnp.int32))
+
+
+@jax.jit
+def _average_in(final: Params, window: Params, slot: jax.Array,
+                count: jax.Array) -> Params:
+  """Adds the segment in ``slot`` to the final average of ``count`` terms."""
+  return _running_mean(final, jax.tree.map(lambda w: w[slot], window), count)
+
+
+def _apply(averaging: SwadArrays, config: ValleyConfig, averaged: int,
+           decisions: Iterable[Decision]) -> Params:
+  """The final average after ``decisions``, from ``averaged`` terms."""
+  final = averaging.final
+  for decision in decisions:
+    slot = jnp.int32(decision.segment % config.window)
+    if decision.restart:
+      final = jax.tree.map(lambda w: w[slot], averaging.window)
+      averaged = 0
+    else:
+      final = _average_in(final, averaging.window, slot, jnp.int32(averaged))
+      averaged += 1
+  return final
+
+
+def swad(n_converge: int = 3, n_tolerance: int = 6,
+         tolerance_ratio: float = 0.3) -> Swad:
+  """khanrc/swad's ``LossValley`` SWAD (see the module docstring).
+
+  Args:
+    n_converge: the convergence window, in evaluations.
+    n_tolerance: the window whose least validation loss decides when the
+      valley ends, in evaluations.
+    tolerance_ratio: the valley ends when that least loss exceeds the
+      converging window's mean loss times ``1 + tolerance_ratio``.
+
+  Returns:
+    The `Swad` functions.
+  """
+  config = ValleyConfig(n_converge, n_tolerance, tolerance_ratio)
+  valley = valley_init(config)  # Checks the hparams now.
+
+  def init(params):
+    _check_floating(params)
+    params = jax.tree.map(jnp.asarray, params)
+    window = jax.tree.map(
+        lambda p: jnp.zeros((config.window, *p.shape), p.dtype), params)
+    averaging = SwadArrays(
+        steps=jnp.zeros((), jnp.int32), segment=params,
+        segment_steps=jnp.zeros((), jnp.int32), window=window, final=params)
+    return SwadState(averaging, valley)
+
+  def evaluate(state, validation_loss):
+    if state.valley.dead:
+      return state
+    averaging = state.averaging
+    segment_steps = int(averaging.segment_steps)
+    if segment_steps == 0:
+      raise ValueError("SWAD's evaluate() closes the steps averaged since the "
+                       "last evaluation, and there are none: call update() "
+                       "after every step, before that step's evaluate().")
+    last_step = int(averaging.steps) - 1
+    slot = jnp.int32(int(state.valley.segments) % config.window)
+    averaging = _close_segment(averaging, slot)
+    averaged = int(state.valley.averaged)
+    valley, decisions = valley_update(
+        state.valley, config, float(validation_loss),
+        last_step - segment_steps + 1, last_step)
+    final = _apply(averaging, config, averaged, decisions)
+    return SwadState(averaging._replace(final=final), valley)
+
+  def final(state):
+    valley, decisions = valley_final(state.valley, config)
+    params = _apply(state.averaging, config, int(state.valley.averaged),
+                    decisions)
+    return SwadFinal(params, int(valley.averaged), int(valley.first_step),
+                     int(valley.last_step))
+
+  return Swad(init, _update_segment, evaluate, final)
+
+
+def cumulative_batch_statistics(
+    batch_statistics: Callable[[Any], Stats], batches: Iterable[Any]
+) -> Stats:
+  """BatchNorm's running statistics as swad's ``update_bn`` recomputes them.
+
+  ``update_bn`` (khanrc/swad 252190e, ``domainbed/lib/swa_utils.py`` lines
+  98-126) resets every BatchNorm's statistics, sets its ``momentum`` to
+  None and runs the model in train mode over the batches. With no
+  momentum, torch's BatchNorm updates its running mean and variance with
+  the factor ``1 / num_batches_tracked``: after ``n`` batches they are the
+  plain averages of the ``n`` batches' means and *unbiased* variances. The
+  reset values (zeros, ones) weigh nothing, the first batch's factor being 1.
+
+  Args:
+    batch_statistics: ``batch_statistics(batch) -> stats``, the statistics
+      every BatchNorm computes on the batch in train mode (its mean, and
+      its unbiased variance as torch averages it), as a pytree shaped like
+      the running statistics. In train mode BatchNorm normalizes with the
+      batch's own statistics, so they depend on the params and the batch
+      alone. It is jitted here.
+    batches: the batches (swad's: 500 of the training domains' batches,
+      concatenated).
+
+  Returns:
+    The running statistics, averaged over the batches.
+
+  Raises:
+    ValueError: where ``batches`` is empty.
+  """
+  @jax.jit
+  def accumulate(average, batch, count):
+    return _running_mean(average, batch_statistics(batch), count)
+
+  average, count = None, 0
+  for batch in batches:
+    if average is None:  # Any start will do: the first batch weighs 1.
+      average = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(batch_statistics, batch))
+    average = accumulate(average, batch, jnp.int32(count))
+    count += 1
+  if average is None:
+    raise ValueError("Recomputing BatchNorm's statistics needs at least one "
+                     "batch, and none came.")
+  return average
