@@ -35,7 +35,7 @@ class DatasetEntry(registry.Entry):
     steps: training steps by default; ``None`` for WILDS's datasets, which
       train for their `epochs`.
     epochs: a WILDS dataset's training length, the paper's, in passes over
-      its whole training split (``wilds.protocol`` turns them into steps
+      its whole training split (``train.wilds_protocol`` turns them into steps
       once the data are read); ``None`` for the others.
     checkpoint_freq: steps between evaluations and checkpoints by default.
     model: the default network, a name of `MODELS`.

@@ -39,6 +39,8 @@ from typing import Any
 
 from experiments import catalog
 from experiments import hparams_registry
+from experiments.data import datasets
+from experiments.errors import UsageError
 from experiments.runs import records
 
 # Where runs go when no --output_dir is given, one folder per configuration.
@@ -55,10 +57,6 @@ EXECUTION_FIELDS = ("devices", "num_workers", "compile_cache_dir")
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 COMPILE_CACHE_SUBDIR = Path("pgrad_jax") / "jax_cache"
 PROG = "python -m experiments.train"
-
-
-class UsageError(ValueError):
-  """A command line that cannot run as given; the message says how to fix it."""
 
 
 def default_num_workers() -> int:
@@ -515,7 +513,7 @@ class RunSpec:
       updated with ``--hparams`` (read-only).
     protocol: the configuration it trains by, which its records hold:
       `config`, but on a WILDS dataset `config` under WILDS's protocol
-      (``wilds.protocol``: held-out splits and steps).
+      (``train.wilds_protocol``: held-out splits and steps).
     train_domains: the domains it trains on: the others are held out.
     resume: whether ``config.output_dir`` holds this run, to go on with
       (`claim_run_directory`).
@@ -584,9 +582,6 @@ def _check_outside_data(config: Config) -> None:
   unexpected folder), and every later run on the data would stop on them."""
   if config.dataset not in catalog.FOLDER_DATASETS:
     return
-  # datasets imports this module.
-  # pylint: disable-next=import-outside-toplevel
-  from experiments.data import datasets
   folder, _ = catalog.FOLDER_DATASETS[config.dataset]
   data = Path(datasets.DEFAULT_FOLDER_DATA_DIR if config.data_dir is None
               else config.data_dir) / folder

@@ -16,7 +16,7 @@ printing the last step's, which no model selection has chosen.
 
 On a WILDS dataset (``experiments.data.wilds``) the held-out domains are
 WILDS's evaluation splits and the training domains are not split (see
-`wilds.protocol`); every step trains on ``domains_per_step``
+`wilds_protocol`); every step trains on ``domains_per_step``
 sampled domains; an epoch is a pass over the whole training split; and the
 metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 ``env{i}_in_worst_r`` for PovertyMap's regression, ``env{i}_in_acc`` and
@@ -79,12 +79,14 @@ is refused at once, and a finished run's result is printed then
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +104,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   In turn: the flags and hyperparameters (`config.parse_flags`, which exits
   with status 2 and a usage message on a mistake), the run directory
   (`config.claim_run_directory`), the data, from which WILDS's protocol
-  (`wilds.protocol`) and the held-out domains follow, then the featurizer
+  (`wilds_protocol`) and the held-out domains follow, then the featurizer
   weights the run starts from (`_checked_weights`), before any model is
   built.
 
@@ -129,12 +131,12 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   # A run goes on, or reports its result, only on its own data.
   fingerprint = datasets.fingerprint(dataset)
   if resume:
-    datasets.check_run_data(Path(config.output_dir), fingerprint)
+    check_run_data(Path(config.output_dir), fingerprint)
   # The run directory records the configuration as asked for: the
   # protocol's changes follow from it.
   protocol = config
   if catalog.DATASETS[config.dataset].wilds is not None:
-    protocol = wilds.protocol(config, dataset, hparams)
+    protocol = wilds_protocol(config, dataset, hparams)
   num_domains = len(dataset.domains)
   if not set(protocol.test_envs) <= set(range(num_domains)):
     raise config_lib.UsageError(
@@ -161,6 +163,48 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
       config=config, hparams=hparams, protocol=protocol,
       train_domains=train_domains, resume=resume, dataset=dataset,
       fingerprint=fingerprint, weights=weights)
+
+
+def check_run_data(run_dir: str | Path, data: dict[str, Any]) -> None:
+  """Refuses to go on with a run recorded on other data than ``data``.
+
+  Args:
+    run_dir: the run's directory.
+    data: the ``datasets.fingerprint`` of the dataset as it is now.
+
+  Raises:
+    config_lib.UsageError: the run recorded another fingerprint; the
+      message says what changed. A run without one (written before runs
+      recorded them) is accepted.
+  """
+  try:
+    records.check_fingerprint(run_dir, data)
+  except records.DatasetChangedError as e:
+    raise config_lib.UsageError(
+        f"{e}. Train it again on these data with the same command and "
+        "--overwrite, or pass another --output_dir.") from None
+
+
+def wilds_protocol(
+    config: config_lib.Config, dataset: wilds.WildsDataset,
+    hparams: Mapping[str, Any]
+) -> config_lib.Config:
+  """WILDS's protocol: ``config`` as a run on ``dataset`` follows it.
+
+  Its evaluation splits are the test domains, its training domains are not
+  split (WILDS has its own in-distribution splits), and without ``--steps``
+  the run lasts the catalog's ``epochs`` (PovertyMap 200, FMoW 10) of its
+  training split, at ``batch_size * domains_per_step`` examples per step.
+  """
+  steps = config.steps
+  if steps is None:
+    train_examples = sum(len(dataset.domains[d])
+                         for d in range(dataset.num_train_domains))
+    per_step = hparams["batch_size"] * hparams["domains_per_step"]
+    epochs = catalog.DATASETS[config.dataset].epochs
+    steps = max(1, -(-epochs * train_examples // per_step))
+  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
+                             holdout_fraction=0.0, steps=steps)
 
 
 def _checked_weights(config: config_lib.Config,

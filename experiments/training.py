@@ -849,7 +849,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
   sets = eval_sets(splits, config)
   sizes = [len(splits[d][0]) for d in train_domains]
   # DomainBed's epoch is a pass over the smallest training domain, WILDS's
-  # (wilds.protocol) over the whole training split.
+  # (train.wilds_protocol) over the whole training split.
   steps_per_epoch = (
       sum(sizes) / images_per_step
       if catalog.DATASETS[config.dataset].wilds is not None

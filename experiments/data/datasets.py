@@ -26,23 +26,17 @@ TFDS datasets are prepared beforehand in the ``array_record`` format
 (``experiments.data.tfds_sources``); nothing is downloaded at run time.
 
 A run records its dataset's `fingerprint` and refuses other data on
-resuming (`check_run_data`). ``python -m experiments.data.datasets check
---dataset PACS --data_dir ~/data`` checks a folder dataset the way training
-does and decodes every image too (``photo_datasets.check_images``), printing
-images per domain and class, the damaged files and those whose values
-training clips (16-bit grayscale PNGs); its exit status is 2 when training
-would refuse the folder, 0 otherwise.
+resuming (``train.check_run_data``). ``python -m experiments.data.check``
+checks a dataset as training does, and decodes a folder dataset's images.
 """
 
 from __future__ import annotations
 
 import abc
-import argparse
 import copy
 import dataclasses
 import hashlib
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,8 +44,7 @@ import numpy as np
 from PIL import Image
 
 from experiments import catalog
-from experiments import config as config_lib
-from experiments.runs import records
+from experiments import errors
 
 PHOTO_SIZE = 224
 IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], np.float32)
@@ -68,12 +61,12 @@ class DatasetNotFoundError(FileNotFoundError):
   """The files of a dataset are not on this machine."""
 
 
-class DatasetProblemsError(config_lib.UsageError):
+class DatasetProblemsError(errors.UsageError):
   """A dataset's files are there but cannot be trained on; the message lists
   every problem found."""
 
 
-class UnreadableImageError(config_lib.UsageError):
+class UnreadableImageError(errors.UsageError):
   """An image that read when the run started no longer does; the message
   names it and what to do."""
 
@@ -277,26 +270,6 @@ def fingerprint(dataset: MultiDomainDataset) -> dict[str, Any]:
       for name, source in zip(dataset.domain_names, dataset.domains)}}
 
 
-def check_run_data(run_dir: str | Path, data: dict[str, Any]) -> None:
-  """Refuses to go on with a run recorded on other data than ``data``.
-
-  Args:
-    run_dir: the run's directory.
-    data: the `fingerprint` of the dataset as it is now.
-
-  Raises:
-    config_lib.UsageError: the run recorded another fingerprint; the
-      message says what changed. A run without one (written before runs
-      recorded them) is accepted.
-  """
-  try:
-    records.check_fingerprint(run_dir, data)
-  except records.DatasetChangedError as e:
-    raise config_lib.UsageError(
-        f"{e}. Train it again on these data with the same command and "
-        "--overwrite, or pass another --output_dir.") from None
-
-
 def get_dataset(
     name: str, *, data_dir: str | Path | None = None, seed: int = 0
 ) -> MultiDomainDataset:
@@ -361,58 +334,3 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
                      "resized.")
   return dataclasses.replace(dataset, domains=domains,
                              input_shape=(size, size, channels))
-
-
-def _check(name: str, data_dir: str | None) -> int:
-  """``check``: prints what is in the dataset; the exit status."""
-  # photo_datasets imports this module: imported when called.
-  # pylint: disable-next=import-outside-toplevel
-  from experiments.data import photo_datasets
-
-  if name not in catalog.FOLDER_DATASETS:
-    # Arrays, TFDS records and WILDS's files are checked by building them.
-    dataset = get_dataset(name, data_dir=data_dir)
-    print(f"{name}: {dataset.num_classes} classes; examples per domain: "
-          + ", ".join(f"{d} {len(s)}" for d, s in zip(dataset.domain_names,
-                                                     dataset.domains)))
-    return 0
-  folder, domains = catalog.FOLDER_DATASETS[name]
-  found = photo_datasets.check_images(
-      photo_datasets.folder_root(name, folder, domains, data_dir), domains,
-      progress=True)
-  print(found.summary())
-  return 2 if found.problems else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m experiments.data.datasets check --dataset NAME --data_dir
-  DIR``.
-
-  Returns:
-    The exit status: 0 when training can read the dataset, 2 when it cannot
-    (after the problems) or the command line is wrong.
-  """
-  parser = argparse.ArgumentParser(
-      prog="python -m experiments.data.datasets",
-      description="Checks a dataset as training does before its first step, "
-      "and decodes every image of a folder dataset.")
-  commands = parser.add_subparsers(dest="command", required=True)
-  check = commands.add_parser(
-      "check", help="list, read and count a dataset's images")
-  check.add_argument("--dataset", required=True, choices=list(catalog.DATASETS))
-  check.add_argument("--data_dir", default=None,
-                     help="the folder holding the dataset, as for training")
-  args = parser.parse_args(argv)
-  try:
-    return _check(args.dataset, args.data_dir)
-  except (DatasetNotFoundError, config_lib.UsageError) as e:
-    print(f"{parser.prog}: error: {e}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-  # Run as the package's module, not as __main__, so that its classes are
-  # the ones the builders use.
-  # pylint: disable-next=import-self
-  from experiments.data import datasets as _datasets
-  sys.exit(_datasets.main())

@@ -28,11 +28,10 @@ fingerprint holds each class's digest of them, so that an image changed in
 place is told apart: `FolderSource.fingerprint`) and parsing its header
 from them with Pillow's lazy ``Image.open``; it does not decode. Since
 truncated images load (below), a file whose header reads is one training
-reads. ``python -m
-experiments.data.datasets check`` decodes every image as well (`check_images`),
-which also finds the truncated ones, and names the images of more than 8
-bits a channel that ``convert("RGB")`` clips (16-bit grayscale PNGs); it
-prints how long each pass took.
+reads. ``python -m experiments.data.check`` decodes every image as well
+(`check_images`), which also finds the truncated ones, and names the images
+of more than 8 bits a channel that ``convert("RGB")`` clips (16-bit
+grayscale PNGs); it prints how long each pass took.
 
 Damaged images are read as DomainBed reads them: truncated images load, with
 what their file holds (Pillow's ``ImageFile.LOAD_TRUNCATED_IMAGES``, which
@@ -138,7 +137,7 @@ class FolderSource(datasets.PhotoSource):
       raise datasets.UnreadableImageError(
           f"Cannot read image {path} ({err}). The check before the run read "
           "its header, so it changed since or is damaged past it (`python -m "
-          "experiments.data.datasets check` decodes every file). The run "
+          "experiments.data.check` decodes every file). The run "
           "stops rather than train on other images than its steps draw. "
           "Restore the file and rerun the same command to go on from the "
           "run's last checkpoint, if any.") from None
@@ -401,7 +400,7 @@ def problems_message(name: str, root: Path, problems: Sequence[str]) -> str:
           + "".join(f"  - {p}\n" for p in problems)
           + f"Hidden entries (.*), __MACOSX, Thumbs.db and desktop.ini are "
           f"ignored. `python -m "
-          f"experiments.data.datasets check --dataset {name} --data_dir "
+          f"experiments.data.check --dataset {name} --data_dir "
           f"{root.parent}` also decodes every image and counts them.")
 
 

@@ -41,15 +41,13 @@ import dataclasses
 import datetime
 import threading
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from experiments import catalog
-from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import wilds_augmentation
 
@@ -423,24 +421,3 @@ def fmow(*, data_dir: str | Path | None = None, seed: int = 0) -> WildsDataset:
   return _make_dataset("FMoW", load, splits, train_domains, labels, groups,
                        num_classes=len(FMOW_CATEGORIES),
                        group_names=FMOW_REGIONS)
-
-
-def protocol(
-    config: config_lib.Config, dataset: WildsDataset, hparams: Mapping[str, Any]
-) -> config_lib.Config:
-  """WILDS's protocol: ``config`` as a run on ``dataset`` follows it.
-
-  Its evaluation splits are the test domains, its training domains are not
-  split (WILDS has its own in-distribution splits), and without ``--steps``
-  the run lasts the catalog's ``epochs`` (PovertyMap 200, FMoW 10) of its
-  training split, at ``batch_size * domains_per_step`` examples per step.
-  """
-  steps = config.steps
-  if steps is None:
-    train_examples = sum(len(dataset.domains[d])
-                         for d in range(dataset.num_train_domains))
-    per_step = hparams["batch_size"] * hparams["domains_per_step"]
-    epochs = catalog.DATASETS[config.dataset].epochs
-    steps = max(1, -(-epochs * train_examples // per_step))
-  return dataclasses.replace(config, test_envs=list(dataset.test_envs),
-                             holdout_fraction=0.0, steps=steps)

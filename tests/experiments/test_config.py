@@ -25,7 +25,6 @@ from experiments.runs import records
 from experiments.runs import sweep
 from experiments import train
 from experiments import training
-from experiments.data import wilds
 from test_train import REPO, read_records, run_here
 
 
@@ -388,7 +387,7 @@ def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
                       (config_lib.Config, "hyperparameters"),
                       (config_lib.Config, "check_batch_split"),
                       (config_lib, "claim_run_directory"),
-                      (datasets, "get_dataset"), (wilds, "protocol")):
+                      (datasets, "get_dataset"), (train, "wilds_protocol")):
     monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
   run = tmp_path / "run"
   spec = train.resolve_run([*TINY, "--test_envs", "1", "--output_dir",

@@ -129,7 +129,7 @@ def test_poverty_map_default_length_is_200_epochs(tmp_path, small_id_eval):
   dataset = wilds.poverty_map(data_dir=tmp_path)
   config = config_lib.Config(dataset="PovertyMap", algorithm="PGrad")
   hparams = config.hyperparameters()
-  resolved = wilds.protocol(config, dataset, hparams)
+  resolved = train.wilds_protocol(config, dataset, hparams)
   # 39 in-distribution rows - 6 evaluated = 33 training rows.
   assert resolved.steps == -(-200 * 33 // (hparams["batch_size"] * 8))
   assert resolved.test_envs == [13, 14, 15, 16]
@@ -141,7 +141,7 @@ def test_fmow_default_length_is_10_epochs(tmp_path):
   config = config_lib.Config(
       dataset="FMoW", algorithm="ERM",
       hparams='{"batch_size": 1, "domains_per_step": 2}').resolve()
-  resolved = wilds.protocol(config, dataset, config.hyperparameters())
+  resolved = train.wilds_protocol(config, dataset, config.hyperparameters())
   # 5 training rows (wilds_data.FMOW_SPLIT_ROWS), 2 a step: 10 * 5 / 2.
   assert resolved.steps == 25 and resolved.holdout_fraction == 0.0
   assert resolved.test_envs == [4, 5, 6, 7]

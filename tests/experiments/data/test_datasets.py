@@ -4,9 +4,7 @@ import numpy as np
 import pytest
 
 from experiments import catalog
-from experiments import config as config_lib
 from experiments.data import datasets
-from experiments.runs import records
 
 
 def test_registry_knows_all_datasets():
@@ -70,15 +68,3 @@ def test_fingerprint_of_arrays_is_their_count_and_labels():
              for d in dataset.domain_names)
   # Resizing keeps what it records: a run records the data it was given.
   assert datasets.fingerprint(datasets.resized(dataset, 14)) == recorded
-
-
-def test_a_run_on_other_data_is_a_usage_error_naming_the_way_out(tmp_path):
-  run_data = datasets.fingerprint(datasets.get_dataset("ColoredDigits"))
-  datasets.check_run_data(tmp_path, run_data)  # An old run: accepted.
-  records.write_fingerprint(tmp_path, run_data)
-  datasets.check_run_data(tmp_path, run_data)
-  other = datasets.fingerprint(datasets.get_dataset("ColoredDigits", seed=3))
-  with pytest.raises(config_lib.UsageError,
-                     match=r"\+80%/labels: .*--overwrite, or pass another "
-                     "--output_dir"):
-    datasets.check_run_data(tmp_path, other)

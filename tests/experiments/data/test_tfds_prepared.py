@@ -280,6 +280,16 @@ def test_domainnet_reads_the_prepared_records(domainnet_dir):
     assert read == written
 
 
+def test_a_tfds_dataset_is_known_by_its_versions_and_counts(domainnet_dir):
+  dataset = datasets.get_dataset("DomainNet", data_dir=domainnet_dir)
+  recorded = datasets.fingerprint(dataset)
+  for name, source in zip(dataset.domain_names, dataset.domains):
+    version = tfds.builder(f"domainnet/{name}", data_dir=str(domainnet_dir),
+                           try_gcs=False).version
+    assert recorded["domains"][name] == {
+        "examples": len(source), "tfds": f"domainnet/{name}/{version}"}
+
+
 def test_domainnet_names_only_the_unprepared_domains(tmp_path):
   for d, domain in enumerate(photo_datasets.DOMAINNET_DOMAINS):
     if domain in ("real", "sketch"):

@@ -1,15 +1,13 @@
-"""A photo run's data: checked before training, recorded, refused changed.
+"""A run's data: checked before training, recorded, refused changed.
 
-The runs are `experiments.train`'s command, in this process, on a generated
-PACS folder (DomainBed's layout) with DomainBed's MNIST CNN on 32x32 crops,
-as tests/experiments/test_train_photos.py trains them. The TFDS dataset is
-test_tfds_prepared.py's tiny DomainNet.
+The photo runs are `experiments.train`'s command, in this process, on a
+generated PACS folder (DomainBed's layout) with DomainBed's MNIST CNN on
+32x32 crops, as tests/experiments/test_train_photos.py trains them.
 """
 
 import shutil
 
 import pytest
-import tensorflow_datasets as tfds
 
 from benchmarks import input_pipeline as input_benchmark
 from experiments import config as config_lib
@@ -18,7 +16,6 @@ from experiments.data import photo_datasets
 from experiments.runs import records
 from experiments import train
 from test_photo_datasets import truncate_photo
-from test_tfds_prepared import domainnet_dir  # pylint: disable=unused-import
 
 FLAGS = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "mnist_cnn",
          "--steps", "2", "--checkpoint_freq", "2",
@@ -134,16 +131,6 @@ def test_a_photo_damaged_after_the_check_stops_the_run_naming_it(
   assert "Traceback" not in err
 
 
-def test_a_tfds_dataset_is_known_by_its_versions_and_counts(domainnet_dir):
-  dataset = datasets.get_dataset("DomainNet", data_dir=domainnet_dir)
-  recorded = datasets.fingerprint(dataset)
-  for name, source in zip(dataset.domain_names, dataset.domains):
-    version = tfds.builder(f"domainnet/{name}", data_dir=str(domainnet_dir),
-                           try_gcs=False).version
-    assert recorded["domains"][name] == {
-        "examples": len(source), "tfds": f"domainnet/{name}/{version}"}
-
-
 def test_a_symlinked_dangling_image_stops_a_run_before_any_work(
     tmp_path, capsys):
   data_dir = _write_pacs(tmp_path / "data")
@@ -171,11 +158,23 @@ def test_a_run_recorded_before_contents_is_checked_on_names_and_sizes(
   run = tmp_path / "run"
   run.mkdir()
   records.write_fingerprint(run, old)
-  datasets.check_run_data(run, current)  # Accepted.
+  train.check_run_data(run, current)  # Accepted.
   for name in ("0.jpg", "1.jpg"):
     (data_dir / "PACS" / "photo" / "dog" / name).unlink()
   changed = datasets.fingerprint(datasets.get_dataset("PACS",
                                                       data_dir=data_dir))
   with pytest.raises(config_lib.UsageError,
                      match=r"photo/dog: 2 files removed \(5 -> 3\)"):
-    datasets.check_run_data(run, changed)
+    train.check_run_data(run, changed)
+
+
+def test_a_run_on_other_data_is_a_usage_error_naming_the_way_out(tmp_path):
+  run_data = datasets.fingerprint(datasets.get_dataset("ColoredDigits"))
+  train.check_run_data(tmp_path, run_data)  # An old run: accepted.
+  records.write_fingerprint(tmp_path, run_data)
+  train.check_run_data(tmp_path, run_data)
+  other = datasets.fingerprint(datasets.get_dataset("ColoredDigits", seed=3))
+  with pytest.raises(config_lib.UsageError,
+                     match=r"\+80%/labels: .*--overwrite, or pass another "
+                     "--output_dir"):
+    train.check_run_data(tmp_path, other)
