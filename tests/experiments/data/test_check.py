@@ -73,6 +73,17 @@ def test_the_program_says_a_users_mistake_without_a_traceback(tmp_path):
   assert "Traceback" not in result.stderr
 
 
+def test_the_old_check_command_names_the_new_one_and_fails():
+  # Up to 0.1.0 the check was `python -m experiments.data.datasets check`; a
+  # script still running it must not pass without a check.
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.data.datasets", "check",
+       "--dataset", "VLCS"], capture_output=True, text=True, check=False)
+  assert (result.returncode, result.stdout) == (2, "")
+  assert "python -m experiments.data.check" in result.stderr
+  assert "Traceback" not in result.stderr
+
+
 def test_check_of_an_array_dataset_counts_its_domains(capsys):
   assert check.main(["--dataset", "ColoredDigits"]) == 0
   out = capsys.readouterr().out
