@@ -87,7 +87,7 @@ NUMBERS = {"held_out_acc": "held-out accuracy",
 VERDICTS = {"equal": True, "within the trials' noise": True,
             "differs beyond the trials' noise": False,
             "DIFFERENT in the environment it trained in": False,
-            "DIFFERENT, with no trials' spread to judge by": False,
+            "DIFFERENT, with no trials' noise to judge it by": False,
             "failed": False}
 
 
@@ -269,7 +269,7 @@ def verdict(result: dict[str, Any]) -> str:
   if trained and retrained and all(entry == retrained[0] for entry in trained):
     return "DIFFERENT in the environment it trained in"
   if result["noise"] is None:
-    return "DIFFERENT, with no trials' spread to judge by"
+    return "DIFFERENT, with no trials' noise to judge it by"
   if all(number["within"] for number in result["noise"].values()):
     return "within the trials' noise"
   return "differs beyond the trials' noise"
@@ -323,9 +323,12 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     if difference is not None and retrained:
       trials = [finished for trial in cells[_cell(run)] if (
           finished := records.finished_records(trial.output_dir))]
-      noise = judge_noise(reported_numbers(retrained),
-                          reported_numbers(committed),
-                          [reported_numbers(trial) for trial in trials])
+      try:
+        noise = judge_noise(reported_numbers(retrained),
+                            reported_numbers(committed),
+                            [reported_numbers(trial) for trial in trials])
+      except KeyError:
+        pass  # Records without accuracies (a regression's): not judged.
     result = {"run": run.output_dir.name, "group": list(group(run)),
               "equal": difference is None, "difference": difference,
               "exit_status": returncode, "seconds": round(seconds, 1),

@@ -31,7 +31,10 @@ half-way, on this machine from the runs' checkpoints and on a fresh clone from
 the pack: finished and packed runs are skipped, the others train.
 
 ``reproduce`` retrains a sample of the finished runs and compares their
-records; ``longer`` trains one run on past its plateau
+records: bit for bit where a run trained in the environment it is retrained
+in, else against the noise of its trials (docs/study.md, "Reproducing the
+study"; requirements/study.txt locks the versions that trained the
+committed study); ``longer`` trains one run on past its plateau
 (`experiments.runs.rerun`, which serves plain sweeps too). ``--algorithms``
 narrows ``reproduce``'s sample to some of the study's algorithms.
 """
