@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -120,6 +121,23 @@ def describe(devices: int = 1) -> dict[str, Any]:
       "python": platform.python_version(),
       "xla_flags": os.environ.get("XLA_FLAGS"),
   }
+
+
+def locked_versions(requirements: str) -> dict[str, str]:
+  """The versions of `PACKAGES` that a requirements file pins: its
+  ``name==version`` lines, as ``uv pip compile`` and pip-tools write them,
+  names compared as PEP 503 normalises them (``ml-dtypes`` is
+  ``ml_dtypes``)."""
+  def normal(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+  wanted = {normal(name): name for name in PACKAGES}
+  found = {}
+  for line in requirements.splitlines():
+    if match := re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)",
+                         line):
+      if (name := wanted.get(normal(match[1]))) is not None:
+        found[name] = match[2]
+  return found
 
 
 def _value(entry: Mapping[str, Any], field: str) -> str:

@@ -348,35 +348,60 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
           "estimated_hours": round(total / jobs / 3600, 2)}
 
 
-def describe_environments(results: Sequence[dict[str, Any]]) -> str:
-  """Where `reproduce`'s runs trained and were retrained, and what differs:
-  each environment once (`experiments.runs.environment.summary`), with how
-  many runs trained there; runs from before environments were recorded
-  are counted as unrecorded."""
+def _versions_note(differing: Sequence[str], whose: str) -> str:
+  if differing:
+    return (f"  The installed versions of {', '.join(differing)} differ from "
+            f"{whose}.")
+  return f"  The installed versions are {whose}."
+
+
+def describe_environments(results: Sequence[dict[str, Any]],
+                          lock: tuple[str, dict[str, str]] | None = None
+                          ) -> str:
+  """Where `reproduce`'s runs trained and were retrained, and what differs.
+
+  Args:
+    results: `reproduce`'s runs.
+    lock: for runs from before environments were recorded, a file that
+      locks the versions they trained with, and those versions
+      (`experiments.runs.environment.locked_versions`); None: none.
+
+  Returns:
+    Each environment once (`experiments.runs.environment.summary`), with
+    how many runs trained there and what differs where they were retrained,
+    the installed versions named; runs that recorded none are counted as
+    unrecorded and, given ``lock``, held against its versions.
+  """
   trained = collections.Counter(
       json.dumps(r["trained_on"]) for r in results)
-  retrained = collections.Counter(
-      json.dumps(r["retrained_on"][0]) for r in results
-      if r["retrained_on"])
+  retrained = [json.loads(entry) for entry in dict.fromkeys(
+      json.dumps(r["retrained_on"][0]) for r in results if r["retrained_on"])]
   lines = []
   for entries, count in trained.items():
     entries = json.loads(entries)
     if entries is None:
       lines.append(f"Trained on: unrecorded ({count} runs, from before runs "
-                   "recorded where they trained).")
+                   "recorded where they trained)" + ("." if lock is None else
+                   f"; processor unknown, versions as {lock[0]} locks them: "
+                   + ", ".join(f"{name} {version}"
+                               for name, version in lock[1].items()) + "."))
+      if lock is not None:
+        lines += [_versions_note([name for name, version in lock[1].items()
+                                  if now.get(name) != version],
+                                 f"{lock[0]}'s") for now in retrained]
       continue
     lines.append(f"Trained on ({count} runs): " + "; then ".join(
         map(environment.summary, entries)))
-    for now in map(json.loads, retrained):
+    for now in retrained:
       differences = environment.differences(entries, now)
       lines += [f"  not as retrained: {line}" for line in differences]
-      if versions := [line.split(":")[0] for line in differences if
-                      line.split(":")[0] in environment.PACKAGES]:
-        lines.append(f"  The installed versions of {', '.join(versions)} "
-                     "differ from the runs'.")
-  for entry, count in retrained.items():
-    lines.append(f"Retrained on ({count} runs): "
-                 f"{environment.summary(json.loads(entry))}")
+      lines.append(_versions_note(
+          [field for field in (line.split(":")[0] for line in differences)
+           if field in environment.PACKAGES], "the runs'"))
+  for entry in retrained:
+    count = sum(r["retrained_on"] is not None and r["retrained_on"][0] == entry
+                for r in results)
+    lines.append(f"Retrained on ({count} runs): {environment.summary(entry)}")
   return "\n".join(lines)
 
 
@@ -494,7 +519,8 @@ def check_arguments(parser: argparse.ArgumentParser,
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
-         runs: Sequence[sweep.Run], output_dir: str | Path) -> int:
+         runs: Sequence[sweep.Run], output_dir: str | Path,
+         lock: tuple[str, dict[str, str]] | None = None) -> int:
   """Runs ``args.command``, one of `COMMANDS`, on ``runs``.
 
   Args:
@@ -502,6 +528,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     args: its parsed flags (`add_arguments`'s, and ``jobs``).
     runs: the runs of the sweep or study, in ``output_dir``.
     output_dir: their directory.
+    lock: for reproduce, what `describe_environments` holds the runs that
+      recorded no environment against; None: nothing.
 
   Returns:
     The exit status.
@@ -511,12 +539,13 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if not Path(output_dir).is_dir():
       parser.error(f"--output_dir {output_dir}: no such directory; it is the "
                    "one the runs were launched into.")
-    return _reproduce_command(runs, args, output_dir)
+    return _reproduce_command(runs, args, output_dir, lock)
   return _longer_command(parser, runs, args, output_dir)
 
 
 def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
-                       output_dir: str | Path) -> int:
+                       output_dir: str | Path,
+                       lock: tuple[str, dict[str, str]] | None) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
             if records.finished_records(run.output_dir) is not None]
   if not chosen:
@@ -541,7 +570,7 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
             f"{number['mean']:8.4f} ± {number['sd']:.4f} "
             f"(n = {len(number['trials'])}), within ± {number['allowed']:.4f}"
             f"{'' if number['within'] else '  BEYOND'}")
-  print(describe_environments(report["runs"]))
+  print(describe_environments(report["runs"], lock))
   print(f"{report['runs_in_sampled_groups']} runs in the sampled groups: "
         f"about {report['estimated_hours']} h at {args.jobs} at a time.")
   if args.output:

@@ -49,12 +49,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments import studies
 from experiments.runs import sweep
 
 DEFAULT_STUDY = "digits"
+# Where a study's REQUIREMENTS are found, whatever the working directory.
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def load_study(name: str) -> ModuleType:
@@ -69,6 +72,18 @@ def load_study(name: str) -> ModuleType:
     raise ValueError(f"--study {name!r}: no experiments/studies/{name}.py; "
                      f"the studies are {', '.join(found)}.")
   return importlib.import_module(f"experiments.studies.{name}")
+
+
+def study_lock(study: ModuleType) -> tuple[str, dict[str, str]] | None:
+  """The study's ``REQUIREMENTS``, a file of the repository that locks the
+  versions its committed runs trained with, and those versions
+  (`experiments.runs.environment.locked_versions`); None for a study
+  without one."""
+  name = getattr(study, "REQUIREMENTS", None)
+  if name is None:
+    return None
+  text = (REPOSITORY / name).read_text(encoding="utf-8")
+  return name, environment.locked_versions(text)
 
 
 def pack(directory: Path) -> int:
@@ -140,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command in rerun.COMMANDS:
     sampled = [run for run in runs if args.algorithms is None
                or run.args["algorithm"] in args.algorithms]
-    return rerun.main(parser, args, sampled, args.output_dir)
+    return rerun.main(parser, args, sampled, args.output_dir,
+                      study_lock(study))
   if args.command == "list":
     for run in runs:
       print(run)

@@ -136,3 +136,17 @@ def test_importing_it_imports_no_jax():
        "('jax', 'jaxlib')))"],
       cwd=REPO, capture_output=True, text=True, check=True)
   assert found.stdout == "[]\n", found.stderr
+
+
+def test_locked_versions_are_read_from_a_requirements_lock():
+  lock = """\
+# via uv pip compile
+flax==0.12.8 \\
+    --hash=sha256:00
+ml-dtypes==0.6.0 ; python_version >= "3.10"
+    # via jax
+jaxlib==0.10.2
+scipy==1.17.1
+"""
+  assert environment.locked_versions(lock) == {
+      "flax": "0.12.8", "ml_dtypes": "0.6.0", "jaxlib": "0.10.2"}

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
+from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments.runs import study
@@ -293,6 +294,15 @@ def test_reproduce_judges_by_noise_only_where_the_environment_differs(
       **results["same"], "trained_on": [{**MACHINE, "jax": "0.11.2"}]}])
   assert ("The installed versions of jax differ from the runs'."
           in versions)
+  assert "The installed versions are the runs'." in described
+  # Runs that recorded nothing, held against the versions of a lock.
+  locked = rerun.describe_environments(
+      [results["unrecorded"]], ("lock.txt", {"jax": "0.10.2", "flax": "0.9"}))
+  assert locked.splitlines()[:2] == [
+      "Trained on: unrecorded (1 runs, from before runs recorded where they "
+      "trained); processor unknown, versions as lock.txt locks them: jax "
+      "0.10.2, flax 0.9.",
+      "  The installed versions of flax differ from lock.txt's."]
 
 
 def test_with_hparams_changes_some_hparams_of_a_run_under_its_name(tmp_path):
@@ -388,3 +398,10 @@ def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
       "Plateaued at every evaluation from step 2400 on.")
 
 
+
+
+def test_the_digits_study_names_the_lock_of_its_versions():
+  name, versions = study.study_lock(digits)
+  assert name == "requirements/study.txt"
+  # It pins every package whose version a run records.
+  assert sorted(versions) == sorted(environment.PACKAGES)
