@@ -74,6 +74,8 @@ _UNREPRODUCIBLE = ("output_dir", *records.TIMING_FIELDS)
 # The flags that pick the longer command's run, and its length.
 _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
                  "test_env", "longer_steps")
+# The characters of a run's first difference that its line shows.
+_SHOWN = 160
 # How often, at most, a run trained again elsewhere is said to differ beyond
 # the trials' noise when it does not (docs/study.md#reproducing-the-study):
 # shared by `NUMBERS`, each tested at a third of it.
@@ -561,9 +563,13 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
     report = reproduce(runs, chosen, Path(scratch), args.jobs,
                        args.changed_hparams)
   for result in report["runs"]:
+    # A difference in the args (--changed_hparams) names them all: the
+    # report keeps it whole.
+    difference = result["difference"] or ""
     print(f"{result['verdict']}: {' '.join(map(str, result['group']))}, "
           f"{result['seconds']:.1f} s"
-          + (f"; {result['difference']}" if result["difference"] else ""))
+          + (f"; {difference[:_SHOWN]}{'…' * (len(difference) > _SHOWN)}"
+             if difference else ""))
     for name, number in (result["noise"] or {}).items():
       print(f"  {NUMBERS[name] + ':':24} {number['retrained']:8.4f} "
             f"retrained, {number['committed']:8.4f} committed; trials "
