@@ -140,8 +140,8 @@ def locked_versions(requirements: str) -> dict[str, str]:
   return found
 
 
-def _value(entry: Mapping[str, Any], field: str) -> str:
-  if field not in entry:
+def _value(entry: Mapping[str, Any] | None, field: str) -> str:
+  if entry is None or field not in entry:
     return "unrecorded"
   value = entry[field]
   if field == "processor_features":
@@ -151,9 +151,12 @@ def _value(entry: Mapping[str, Any], field: str) -> str:
   return "unset" if value is None else str(value)
 
 
-def summary(entry: Mapping[str, Any]) -> str:
+def summary(entry: Mapping[str, Any] | None) -> str:
   """One entry of `describe` in one line: processor, cores, instruction
-  sets, backend and devices, then the versions and ``XLA_FLAGS``."""
+  sets, backend and devices, then the versions and ``XLA_FLAGS``; None (the
+  steps of a run resumed after it lost its entries) is unrecorded."""
+  if entry is None:
+    return "unrecorded"
   versions_text = ", ".join(f"{name} {_value(entry, name)}"
                             for name in (*PACKAGES, "python"))
   return (f"{_value(entry, 'processor')}, {_value(entry, 'cores')} cores "
@@ -162,13 +165,13 @@ def summary(entry: Mapping[str, Any]) -> str:
           f"{versions_text}; XLA_FLAGS {_value(entry, 'xla_flags')}")
 
 
-def differences(trained: Sequence[Mapping[str, Any]],
+def differences(trained: Sequence[Mapping[str, Any] | None],
                 retrained: Mapping[str, Any]) -> list[str]:
   """What of ``retrained`` differs from where a run trained.
 
   Args:
     trained: the run's entries (`describe`'s), one per machine it trained
-      on.
+      on; None for steps trained where it was not recorded.
     retrained: the entry of the process that trained it again.
 
   Returns:
@@ -178,7 +181,7 @@ def differences(trained: Sequence[Mapping[str, Any]],
     when every entry equals ``retrained``.
   """
   fields = list(retrained)
-  fields += [f for entry in trained for f in entry if f not in fields]
+  fields += [f for entry in trained for f in entry or {} if f not in fields]
   lines = []
   for field in fields:
     then = list(dict.fromkeys(_value(entry, field) for entry in trained))

@@ -125,6 +125,12 @@ def test_differences_name_each_field_that_differs_from_any_entry():
   assert environment.differences(
       [NEW_ENTRY, {**NEW_ENTRY, "jax": "0.11.2"}], NEW_ENTRY) == [
           "jax: 0.10.2 / 0.11.2 trained, 0.10.2 now"]
+  # Resumed after its entries were lost: the steps before are unrecorded.
+  assert environment.differences([None, NEW_ENTRY], NEW_ENTRY)[:2] == [
+      "processor: unrecorded / AMD EPYC 7B13 trained, AMD EPYC 7B13 now",
+      "processor_features: unrecorded / sse4_2 avx avx2 fma f16c avx512f "
+      "trained, sse4_2 avx avx2 fma f16c avx512f now"]
+  assert environment.summary(None) == "unrecorded"
 
 
 def test_importing_it_imports_no_jax():

@@ -235,7 +235,9 @@ def _trained_cell(directory, trained_on):
       records.append_record(source, record)
     records.mark_done(source)
     for entry in trained_on or []:
-      records.append_environment(source, entry)
+      if entry is not None:  # None: steps trained before entries were kept.
+        records.append_environment(source, entry,
+                                   unrecorded_before=None in trained_on)
     trials.append(source)
   return trials
 
@@ -259,6 +261,8 @@ def test_reproduce_judges_by_noise_only_where_the_environment_differs(
                     "within the trials' noise"),
       "moved": ([OTHER_MACHINE, MACHINE], MACHINE, _last_digits,
                 "within the trials' noise"),
+      "resumed": ([None, MACHINE], MACHINE, _last_digits,
+                  "within the trials' noise"),
       "unrecorded": (None, MACHINE, _last_digits, "within the trials' noise"),
       "unrecorded, planted": (None, MACHINE, _ten_times_the_loss,
                               "differs beyond the trials' noise")}
@@ -274,7 +278,8 @@ def test_reproduce_judges_by_noise_only_where_the_environment_differs(
   assert {name: result["verdict"] for name, result in results.items()} == {
       name: case[-1] for name, case in cases.items()}
   assert [rerun.VERDICTS[case[-1]] for case in cases.values()] == [
-      True, False, True, True, True, False]
+      True, False, True, True, True, True, False]
+  assert results["resumed"]["trained_on"] == [None, MACHINE]
   assert results["same"]["noise"] is None
   planted = results["unrecorded, planted"]["noise"]
   assert [planted[name]["within"] for name in rerun.NUMBERS] == [
@@ -289,7 +294,8 @@ def test_reproduce_judges_by_noise_only_where_the_environment_differs(
   assert "Trained on: unrecorded (2 runs" in described
   assert ("  not as retrained: processor: Intel(R) Xeon(R) Platinum 8481C "
           "trained, AMD EPYC 7B13 now") in described
-  assert described.count("Retrained on (6 runs): AMD EPYC 7B13") == 1
+  assert described.count("Retrained on (7 runs): AMD EPYC 7B13") == 1
+  assert "Trained on (1 runs): unrecorded; then AMD EPYC 7B13" in described
   versions = rerun.describe_environments([{
       **results["same"], "trained_on": [{**MACHINE, "jax": "0.11.2"}]}])
   assert ("The installed versions of jax differ from the runs'."
