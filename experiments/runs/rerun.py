@@ -59,7 +59,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from experiments.analysis import model_selection
 from experiments.runs import convergence
 from experiments.runs import environment
 from experiments.runs import records
@@ -128,6 +127,9 @@ def reported_numbers(run: Sequence[records.Record]) -> dict[str, Any]:
     (`experiments.runs.convergence.run_end`), whose examples are 0 (not an
     accuracy). Examples are 0 where the records do not count them.
   """
+  # Here, not at the top: launching and training (sweep.py imports this
+  # module) import nothing of the analysis.
+  from experiments.analysis import model_selection  # pylint: disable=import-outside-toplevel
   selected = model_selection.TrainingDomainValidation.run_acc(run)
   last = run[-1]
   held_out = records.held_out_env(last)
