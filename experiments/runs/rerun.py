@@ -19,9 +19,16 @@ that every record comes out equal to the committed one, timing excepted. It
 times each run whole (start-up, compilation, training and evaluation) and
 estimates from them what the sampled groups cost on this machine: each
 sampled run's time stands for the other held-out domains of its group.
-Floating-point results can change with the processor, so the report says
-where each run trained and where it trained again (the runs' environment
-files, `experiments.runs.records.ENVIRONMENT_FILE`).
+
+Floating-point results change with the processor and the package versions,
+so the report says where each run trained and where it trained again (the
+runs' environment files, `experiments.runs.records.ENVIRONMENT_FILE`). Where
+the two are the same, a run must come out equal, bit for bit. Where they
+differ, or the run did not record where it trained, a run whose records
+differ is judged against the spread of its cell's committed trials
+(`judge_noise`): "within the trials' noise" or "differs beyond" it, at the
+numbers a study reports of it (`reported_numbers`). ``--changed_hparams``
+retrains with some hparams changed, to see the check find a real change.
 
 ``longer`` trains one run for a given number of steps without stopping at its
 plateau, in its own directory (default: the runs' directory with
@@ -44,6 +51,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import math
 import sys
 import tempfile
 import time
@@ -52,6 +60,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from experiments.runs import convergence
+from experiments.runs import environment
 from experiments.runs import records
 
 if TYPE_CHECKING:
@@ -64,6 +73,23 @@ _UNREPRODUCIBLE = ("output_dir", *records.TIMING_FIELDS)
 # The flags that pick the longer command's run, and its length.
 _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
                  "test_env", "longer_steps")
+# The characters of a run's first difference that its line shows.
+_SHOWN = 160
+# How often, at most, a run trained again elsewhere is said to differ beyond
+# the trials' noise when it does not (docs/study.md#reproducing-the-study):
+# shared by `NUMBERS`, each tested at a third of it.
+FALSE_ALARM_RATE = 0.01
+# The numbers a study reports of a run (`reported_numbers`), as they are
+# printed.
+NUMBERS = {"held_out_acc": "held-out accuracy",
+           "validation_acc": "validation accuracy",
+           "log_final_loss": "log final training loss"}
+# What `reproduce` finds of a run, and whether it passes.
+VERDICTS = {"equal": True, "within the trials' noise": True,
+            "differs beyond the trials' noise": False,
+            "DIFFERENT in the environment it trained in": False,
+            "DIFFERENT, with no trials' noise to judge it by": False,
+            "failed": False}
 
 
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +109,119 @@ def first_difference(committed: Sequence[dict[str, Any]],
         return (f"step {old.get('step')}: {key} = {new.get(key)!r}, "
                 f"{old.get(key)!r} committed")
   return None
+
+
+def reported_numbers(run: Sequence[records.Record]) -> dict[str, Any]:
+  """The numbers a study reports of one run, each with how many examples it
+  counts.
+
+  Args:
+    run: the run's records, in step order.
+
+  Returns:
+    For each of `NUMBERS`, ``(value, examples)``: at the evaluation that
+    training-domain validation selects
+    (`experiments.analysis.model_selection.TrainingDomainValidation`), the
+    held-out domain's accuracy and the training domains' mean validation
+    accuracy; and the log of the final training-domain loss
+    (`experiments.runs.convergence.run_end`), whose examples are 0 (not an
+    accuracy). Examples are 0 where the records do not count them.
+  """
+  # Here, not at the top: launching and training (sweep.py imports this
+  # module) import nothing of the analysis.
+  from experiments.analysis import model_selection  # pylint: disable=import-outside-toplevel
+  selected = model_selection.TrainingDomainValidation.run_acc(run)
+  last = run[-1]
+  held_out = records.held_out_env(last)
+  validation_examples = [last.get(records.env_key(i, "out", "examples"))
+                         for i in records.train_envs(last)]
+  return {
+      "held_out_acc": (
+          selected.test_acc,
+          last.get(records.env_key(held_out, "in", "examples"), 0)),
+      "validation_acc": (
+          selected.val_acc,
+          0 if None in validation_examples else sum(validation_examples)),
+      "log_final_loss": (math.log(convergence.run_end(run).loss), 0),
+  }
+
+
+def t_two_sided_cdf(t: float, df: int) -> float:
+  """P(|T| <= t) for Student's t with ``df`` (a positive integer) degrees of
+  freedom, in closed form (Abramowitz & Stegun 26.7.3 and 26.7.4)."""
+  theta = math.atan(t / math.sqrt(df))
+  cos2 = math.cos(theta) ** 2
+  # A series in the powers of cos(theta) up to df - 2: the odd ones for odd
+  # df, the even ones for even df.
+  term, total = (math.cos(theta), 0.0) if df % 2 else (1.0, 0.0)
+  for power in range(df % 2, df - 1, 2):
+    total += term
+    term *= cos2 * (power + 1) / (power + 2)
+  if df % 2:
+    return 2 / math.pi * (theta + math.sin(theta) * total)
+  return math.sin(theta) * total
+
+
+def t_critical(alpha: float, df: int) -> float:
+  """The t with P(|T| > t) = ``alpha`` for Student's t with ``df`` degrees
+  of freedom, by bisection of `t_two_sided_cdf`."""
+  low, high = 0.0, 1.0
+  while t_two_sided_cdf(high, df) < 1 - alpha:
+    low, high = high, 2 * high
+  for _ in range(100):
+    middle = (low + high) / 2
+    low, high = ((middle, high) if t_two_sided_cdf(middle, df) < 1 - alpha
+                 else (low, middle))
+  return high
+
+
+def judge_noise(retrained: dict[str, Any], committed: dict[str, Any],
+                trials: Sequence[dict[str, Any]],
+                false_alarm_rate: float = FALSE_ALARM_RATE
+                ) -> dict[str, dict[str, Any]] | None:
+  """Whether a run trained again lies within its cell's spread of trials.
+
+  For each of `NUMBERS`, the retrained value x is held against the n
+  committed trials of the run's cell (its dataset, algorithm, draw and
+  held-out domain; the committed run is one of them): their mean m and
+  standard deviation s, at least one example's worth, 1 / examples, for an
+  accuracy, since three trials can tie. If x were one more trial, (x - m) /
+  (s sqrt(1 + 1/n)) would follow Student's t with n - 1 degrees of freedom,
+  so x lies within the noise where that is at most `t_critical` of a third
+  of ``false_alarm_rate``: the run is then said to differ when it does not
+  with probability at most ``false_alarm_rate``. A run trained again from
+  its own seeds lies closer to its committed run than another trial would,
+  so the rate is lower in fact (docs/study.md).
+
+  Args:
+    retrained: `reported_numbers` of the run trained again.
+    committed: `reported_numbers` of the committed run, for the report.
+    trials: `reported_numbers` of every committed trial of the cell.
+    false_alarm_rate: the rate above.
+
+  Returns:
+    None with fewer than two trials (no spread to judge by); else, for each
+    of `NUMBERS`, the retrained and the committed value, the trials' values,
+    mean and standard deviation, the most that the retrained value may lie
+    from their mean (``allowed``), and whether it lies within.
+  """
+  if len(trials) < 2:
+    return None
+  n = len(trials)
+  factor = t_critical(false_alarm_rate / len(NUMBERS), n - 1) * math.sqrt(
+      1 + 1 / n)
+  judged = {}
+  for name in NUMBERS:
+    values = [trial[name][0] for trial in trials]
+    mean = math.fsum(values) / n
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    examples = retrained[name][1]
+    allowed = factor * max(sd, 1 / examples if examples else 0.0)
+    judged[name] = {
+        "retrained": retrained[name][0], "committed": committed[name][0],
+        "trials": values, "mean": mean, "sd": sd, "allowed": allowed,
+        "within": abs(retrained[name][0] - mean) <= allowed}
+  return judged
 
 
 def group(run: sweep.Run) -> tuple[Any, ...]:
@@ -105,66 +244,169 @@ def sample(runs: Sequence[sweep.Run],
   return list(chosen.values())
 
 
+def _cell(run: sweep.Run) -> tuple[Any, ...]:
+  """The run's dataset, algorithm, draw and held-out domains: its trials
+  differ in nothing else."""
+  a = run.args
+  return (a["dataset"], a["algorithm"], a["hparams_seed"],
+          tuple(a["test_envs"]))
+
+
+def with_hparams(run: sweep.Run, changed: dict[str, Any]) -> sweep.Run:
+  """``run`` with ``changed`` in its ``--hparams``, under its own name (a
+  copy retrained with them must compare with the run's records)."""
+  hparams = json.loads(run.args.get("hparams") or "{}")
+  return dataclasses.replace(run, args={
+      **run.args, "hparams": json.dumps({**hparams, **changed})})
+
+
+def verdict(result: dict[str, Any]) -> str:
+  """What `reproduce` found of one run (a key of `VERDICTS`): equal
+  records; where the run trained in this environment, different ones;
+  else whether the numbers the study reports lie within its trials' noise.
+  """
+  if result["exit_status"]:
+    return "failed"
+  if result["equal"]:
+    return "equal"
+  trained, retrained = result["trained_on"], result["retrained_on"]
+  if trained and retrained and all(entry == retrained[0] for entry in trained):
+    return "DIFFERENT in the environment it trained in"
+  if result["noise"] is None:
+    return "DIFFERENT, with no trials' noise to judge it by"
+  if all(number["within"] for number in result["noise"].values()):
+    return "within the trials' noise"
+  return "differs beyond the trials' noise"
+
+
 def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
-              scratch_dir: Path, jobs: int) -> dict[str, Any]:
+              scratch_dir: Path, jobs: int,
+              changed_hparams: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
   """Retrains ``chosen`` (finished runs among ``runs``) under ``scratch_dir``.
 
   Args:
-    runs: every run of the sweep, for the size of each chosen run's group.
+    runs: every run of the sweep, for the size of each chosen run's group
+      and the trials of its cell.
     chosen: the runs to retrain, each from scratch, ``jobs`` at a time.
     scratch_dir: where the copies train (with their own compilation cache).
     jobs: how many copies train at once.
+    changed_hparams: hparams that the copies train with in place of the
+      runs' own (`with_hparams`); None: none.
 
   Returns:
     A report: for every chosen run its group, whether its records (not its
     trajectory snapshots) came out equal, timing excepted, or where they
-    first differ, its wall time in seconds, and the machines it trained on
+    first differ, its wall time in seconds, the machines it trained on
     (``trained_on``: the run's environment entries, None for a run from
     before runs recorded them) and on which it was retrained
-    (``retrained_on``, the copy's; None if it wrote none); and the
-    estimated wall time of all of ``runs`` in the chosen groups at ``jobs``
-    runs at a time (each chosen run's time times its group's size, over
-    ``jobs``).
+    (``retrained_on``, the copy's; None if it wrote none), for records that
+    differ how the numbers a study reports lie among its cell's trials
+    (``noise``, `judge_noise`), and the `verdict`; the changed hparams; and
+    the estimated wall time of all of ``runs`` in the chosen groups at
+    ``jobs`` runs at a time (each chosen run's time times its group's size,
+    over ``jobs``).
   """
+  cells = collections.defaultdict(list)
+  for run in runs:
+    cells[_cell(run)].append(run)
+
   def retrain(run):
-    copy = dataclasses.replace(run,
-                               output_dir=scratch_dir / run.output_dir.name)
+    copy = dataclasses.replace(
+        with_hparams(run, changed_hparams) if changed_hparams else run,
+        output_dir=scratch_dir / run.output_dir.name)
     start = time.monotonic()
     returncode = copy.train()
     seconds = time.monotonic() - start
     committed = records.finished_records(run.output_dir)
+    retrained = None if returncode else records.read_run(
+        copy.output_dir).records
     difference = (f"exit status {returncode}" if returncode else
-                  first_difference(committed,
-                                   records.read_run(copy.output_dir).records))
-    return {"run": run.output_dir.name, "group": list(group(run)),
-            "equal": difference is None, "difference": difference,
-            "seconds": round(seconds, 1),
-            "trained_on": records.run_environment(run.output_dir),
-            "retrained_on": records.read_environment(copy.output_dir)}
+                  first_difference(committed, retrained))
+    noise = None
+    if difference is not None and retrained:
+      trials = [finished for trial in cells[_cell(run)] if (
+          finished := records.finished_records(trial.output_dir))]
+      try:
+        noise = judge_noise(reported_numbers(retrained),
+                            reported_numbers(committed),
+                            [reported_numbers(trial) for trial in trials])
+      except KeyError:
+        pass  # Records without accuracies (a regression's): not judged.
+    result = {"run": run.output_dir.name, "group": list(group(run)),
+              "equal": difference is None, "difference": difference,
+              "exit_status": returncode, "seconds": round(seconds, 1),
+              "trained_on": records.run_environment(run.output_dir),
+              "retrained_on": records.read_environment(copy.output_dir),
+              "noise": noise}
+    return {**result, "verdict": verdict(result)}
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
     results = list(pool.map(retrain, chosen))
   sizes = collections.Counter(map(group, runs))
   total = sum(r["seconds"] * sizes[tuple(r["group"])] for r in results)
-  return {"runs": results,
+  return {"runs": results, "changed_hparams": changed_hparams,
+          "false_alarm_rate": FALSE_ALARM_RATE,
           "runs_in_sampled_groups": sum(sizes[group(run)] for run in chosen),
           "jobs": jobs,
           "estimated_hours": round(total / jobs / 3600, 2)}
 
 
-def machines_note(result: dict[str, Any]) -> str:
-  """What `reproduce`'s line of ``result`` adds of the machines: nothing
-  where the run was retrained in the environment it trained in (or not at
-  all), else the processors it trained on, for a difference to be read
-  against them."""
-  trained, retrained = result["trained_on"], result["retrained_on"]
-  if retrained is None or trained == retrained:
-    return ""
-  if trained is None:
-    return "  (trained where unrecorded)"
-  processors = ", ".join("unrecorded" if entry is None else entry["processor"]
-                         for entry in trained)
-  return f"  (trained in another environment: {processors})"
+def _versions_note(differing: Sequence[str], whose: str) -> str:
+  if differing:
+    return (f"  The installed versions of {', '.join(differing)} differ from "
+            f"{whose}.")
+  return f"  The installed versions are {whose}."
+
+
+def describe_environments(results: Sequence[dict[str, Any]],
+                          lock: tuple[str, dict[str, str]] | None = None
+                          ) -> str:
+  """Where `reproduce`'s runs trained and were retrained, and what differs.
+
+  Args:
+    results: `reproduce`'s runs.
+    lock: for runs from before environments were recorded, a file that
+      locks the versions they trained with, and those versions
+      (`experiments.runs.environment.locked_versions`); None: none.
+
+  Returns:
+    Each environment once (`experiments.runs.environment.summary`), with
+    how many runs trained there and what differs where they were retrained,
+    the installed versions named; runs that recorded none are counted as
+    unrecorded and, given ``lock``, held against its versions.
+  """
+  trained = collections.Counter(
+      json.dumps(r["trained_on"]) for r in results)
+  retrained = [json.loads(entry) for entry in dict.fromkeys(
+      json.dumps(r["retrained_on"][0]) for r in results if r["retrained_on"])]
+  lines = []
+  for entries, count in trained.items():
+    entries = json.loads(entries)
+    if entries is None:
+      lines.append(f"Trained on: unrecorded ({count} runs, from before runs "
+                   "recorded where they trained)" + ("." if lock is None else
+                   f"; processor unknown, versions as {lock[0]} locks them: "
+                   + ", ".join(f"{name} {version}"
+                               for name, version in lock[1].items()) + "."))
+      if lock is not None:
+        lines += [_versions_note([name for name, version in lock[1].items()
+                                  if now.get(name) != version],
+                                 f"{lock[0]}'s") for now in retrained]
+      continue
+    lines.append(f"Trained on ({count} runs): " + "; then ".join(
+        map(environment.summary, entries)))
+    for now in retrained:
+      differences = environment.differences(entries, now)
+      lines += [f"  not as retrained: {line}" for line in differences]
+      lines.append(_versions_note(
+          [field for field in (line.split(":")[0] for line in differences)
+           if field in environment.PACKAGES], "the runs'"))
+  for entry in retrained:
+    count = sum(r["retrained_on"] is not None and r["retrained_on"][0] == entry
+                for r in results)
+    lines.append(f"Retrained on ({count} runs): {environment.summary(entry)}")
+  return "\n".join(lines)
 
 
 def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
@@ -233,6 +475,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="The draws to sample; default: all.")
   options.add_argument("--output", default=None,
                       help="Also write the report there (JSON).")
+  options.add_argument("--changed_hparams", type=_hparams_object,
+                       default=None, metavar="JSON",
+                       help="Retrain with these hparams in place of the "
+                       "runs' own, e.g. '{\"lr\": 0.003}', to see that the "
+                       "check finds a real change.")
   longer = parser.add_argument_group(
       "longer", "Which run to train on, and for how long.")
   for name in _LONGER_FLAGS[:-1]:
@@ -245,6 +492,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   longer.add_argument("--longer_dir", default=None,
                       help="Where the longer run goes; default: the runs' "
                       "directory with _longer appended.")
+
+
+def _hparams_object(text: str) -> dict[str, Any]:
+  """``--changed_hparams``: a JSON object, or a usage error naming it."""
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+  if not isinstance(value, dict) or not value:
+    raise argparse.ArgumentTypeError(
+        f"a JSON object of hparams to change is needed, e.g. "
+        f"'{{\"lr\": 0.003}}'; got {text!r}")
+  return value
 
 
 def longer_dir(output_dir: str | Path, chosen: str | None = None) -> Path:
@@ -263,7 +523,8 @@ def check_arguments(parser: argparse.ArgumentParser,
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
-         runs: Sequence[sweep.Run], output_dir: str | Path) -> int:
+         runs: Sequence[sweep.Run], output_dir: str | Path,
+         lock: tuple[str, dict[str, str]] | None = None) -> int:
   """Runs ``args.command``, one of `COMMANDS`, on ``runs``.
 
   Args:
@@ -271,6 +532,8 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     args: its parsed flags (`add_arguments`'s, and ``jobs``).
     runs: the runs of the sweep or study, in ``output_dir``.
     output_dir: their directory.
+    lock: for reproduce, what `describe_environments` holds the runs that
+      recorded no environment against; None: nothing.
 
   Returns:
     The exit status.
@@ -280,12 +543,13 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if not Path(output_dir).is_dir():
       parser.error(f"--output_dir {output_dir}: no such directory; it is the "
                    "one the runs were launched into.")
-    return _reproduce_command(runs, args, output_dir)
+    return _reproduce_command(runs, args, output_dir, lock)
   return _longer_command(parser, runs, args, output_dir)
 
 
 def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
-                       output_dir: str | Path) -> int:
+                       output_dir: str | Path,
+                       lock: tuple[str, dict[str, str]] | None) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
             if records.finished_records(run.output_dir) is not None]
   if not chosen:
@@ -294,19 +558,33 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
     print(f"error: no finished runs{draws} to reproduce in {output_dir}.",
           file=sys.stderr)
     return 1
-  print(f"Retraining {len(chosen)} runs, {args.jobs} at a time.")
+  changed = (f", with {json.dumps(args.changed_hparams)} in their hparams"
+             if args.changed_hparams else "")
+  print(f"Retraining {len(chosen)} runs, {args.jobs} at a time{changed}.")
   with tempfile.TemporaryDirectory(prefix="reproduce_") as scratch:
-    report = reproduce(runs, chosen, Path(scratch), args.jobs)
+    report = reproduce(runs, chosen, Path(scratch), args.jobs,
+                       args.changed_hparams)
   for result in report["runs"]:
-    print(f"{'equal' if result['equal'] else 'DIFFERENT':9} "
-          f"{result['seconds']:7.1f} s  {' '.join(map(str, result['group']))}"
-          f"  {result['difference'] or ''}{machines_note(result)}")
+    # A difference in the args (--changed_hparams) names them all: the
+    # report keeps it whole.
+    difference = result["difference"] or ""
+    print(f"{result['verdict']}: {' '.join(map(str, result['group']))}, "
+          f"{result['seconds']:.1f} s"
+          + (f"; {difference[:_SHOWN]}{'…' * (len(difference) > _SHOWN)}"
+             if difference else ""))
+    for name, number in (result["noise"] or {}).items():
+      print(f"  {NUMBERS[name] + ':':24} {number['retrained']:8.4f} "
+            f"retrained, {number['committed']:8.4f} committed; trials "
+            f"{number['mean']:8.4f} ± {number['sd']:.4f} "
+            f"(n = {len(number['trials'])}), within ± {number['allowed']:.4f}"
+            f"{'' if number['within'] else '  BEYOND'}")
+  print(describe_environments(report["runs"], lock))
   print(f"{report['runs_in_sampled_groups']} runs in the sampled groups: "
         f"about {report['estimated_hours']} h at {args.jobs} at a time.")
   if args.output:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
-  return 0 if all(r["equal"] for r in report["runs"]) else 1
+  return 0 if all(VERDICTS[r["verdict"]] for r in report["runs"]) else 1
 
 
 def _longer_command(parser: argparse.ArgumentParser,

@@ -31,7 +31,10 @@ half-way, on this machine from the runs' checkpoints and on a fresh clone from
 the pack: finished and packed runs are skipped, the others train.
 
 ``reproduce`` retrains a sample of the finished runs and compares their
-records; ``longer`` trains one run on past its plateau
+records: bit for bit where a run trained in the environment it is retrained
+in, else against the noise of its trials (docs/study.md, "Reproducing the
+study"; requirements/study.txt locks the versions that trained the
+committed study); ``longer`` trains one run on past its plateau
 (`experiments.runs.rerun`, which serves plain sweeps too). ``--algorithms``
 narrows ``reproduce``'s sample to some of the study's algorithms.
 """
@@ -46,12 +49,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments import studies
 from experiments.runs import sweep
 
 DEFAULT_STUDY = "digits"
+# Where a study's REQUIREMENTS are found, whatever the working directory.
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def load_study(name: str) -> ModuleType:
@@ -66,6 +72,18 @@ def load_study(name: str) -> ModuleType:
     raise ValueError(f"--study {name!r}: no experiments/studies/{name}.py; "
                      f"the studies are {', '.join(found)}.")
   return importlib.import_module(f"experiments.studies.{name}")
+
+
+def study_lock(study: ModuleType) -> tuple[str, dict[str, str]] | None:
+  """The study's ``REQUIREMENTS``, a file of the repository that locks the
+  versions its committed runs trained with, and those versions
+  (`experiments.runs.environment.locked_versions`); None for a study
+  without one."""
+  name = getattr(study, "REQUIREMENTS", None)
+  if name is None:
+    return None
+  text = (REPOSITORY / name).read_text(encoding="utf-8")
+  return name, environment.locked_versions(text)
 
 
 def pack(directory: Path) -> int:
@@ -137,7 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command in rerun.COMMANDS:
     sampled = [run for run in runs if args.algorithms is None
                or run.args["algorithm"] in args.algorithms]
-    return rerun.main(parser, args, sampled, args.output_dir)
+    return rerun.main(parser, args, sampled, args.output_dir,
+                      study_lock(study))
   if args.command == "list":
     for run in runs:
       print(run)

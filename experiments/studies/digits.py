@@ -49,6 +49,10 @@ FIXED_HPARAMS = {"image_size": 8, "cnn_width": 8,
                  "mldg_pairs": "random_pairs"}
 TRAJECTORY_FREQ = 100
 OUTPUT_DIR = "results/study"
+# The versions that trained the committed runs, as far as can be known
+# (docs/study.md, "Reproducing the study"): reproduce holds the runs, which
+# recorded none, against them.
+REQUIREMENTS = "requirements/study.txt"
 
 
 def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:

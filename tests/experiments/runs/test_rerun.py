@@ -3,10 +3,16 @@ runs, from a study's command line and from a plain sweep's."""
 
 import dataclasses
 import json
+import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import scipy.stats
+
+from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments.runs import study
@@ -70,7 +76,8 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   [run] = sweep.runs_for(sweep.parse_args(flags))
   assert sweep.main(["reproduce", *flags, "--output",
                      str(tmp_path / "report.json")]) == 0
-  assert capsys.readouterr().out.splitlines()[-2].startswith("equal")
+  out = capsys.readouterr().out
+  assert "\nequal: RotatedDigits ERM 0 0, " in out
   report = json.loads((tmp_path / "report.json").read_text())
   [result] = report["runs"]
   assert result["equal"] and result["difference"] is None, result
@@ -97,69 +104,234 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
       f"{committed[-1]['env1_in_acc']!r} committed")
 
 
-MACHINE = {"processor": "AMD EPYC 7B13", "backend": "cpu"}
+MACHINE = {"processor": "AMD EPYC 7B13", "backend": "cpu", "jax": "0.10.2"}
 OTHER_MACHINE = {"processor": "Intel(R) Xeon(R) Platinum 8481C",
-                 "backend": "cpu"}
+                 "backend": "cpu", "jax": "0.10.2"}
+
+
+def test_t_distribution_matches_scipys():
+  for df in range(1, 13):
+    for t in (0.0, 0.3, 1.0, 2.5, 9.9, 40.0):
+      assert math.isclose(rerun.t_two_sided_cdf(t, df),
+                          1 - 2 * scipy.stats.t.sf(t, df),
+                          rel_tol=1e-12, abs_tol=1e-15), (df, t)
+    for alpha in (0.2, 0.05, 0.01 / 3):
+      assert math.isclose(rerun.t_critical(alpha, df),
+                          scipy.stats.t.isf(alpha / 2, df), rel_tol=1e-9)
+  # With 2 degrees of freedom, P(|T| > t) = 1 - t / sqrt(t^2 + 2).
+  alpha = 0.01 / 3
+  assert math.isclose(rerun.t_critical(alpha, 2), (1 - alpha) * math.sqrt(
+      2 / (1 - (1 - alpha) ** 2)), rel_tol=1e-9)
+
+
+def _run_records(held_out_acc, validation, loss, steps=(100, 200, 300),
+                 **args):
+  """One run's records on three domains, 0 held out: at each step the
+  held-out accuracy, the two training domains' validation accuracies and
+  their loss (the last two as pairs), with 240 and 60 examples."""
+  run = []
+  for step, acc, (val1, val2), (loss1, loss2) in zip(
+      steps, held_out_acc, validation, loss):
+    run.append({
+        "args": {"dataset": "ColoredDigits", "algorithm": "ERM",
+                 "test_envs": [0], "hparams_seed": 0, "output_dir": "a",
+                 **args},
+        "step": step, "step_time": 0.01,
+        "env0_in_acc": acc, "env0_in_examples": 240, "env0_out_acc": 0.5,
+        "env0_out_examples": 60, "env0_in_loss": 1.0,
+        "env1_out_acc": val1, "env1_out_examples": 60, "env1_in_acc": 1.0,
+        "env1_in_examples": 240, "env1_in_loss": loss1,
+        "env2_out_acc": val2, "env2_out_examples": 50, "env2_in_acc": 1.0,
+        "env2_in_examples": 200, "env2_in_loss": loss2})
+  return run
+
+
+def test_reported_numbers_are_the_selected_steps_and_the_final_loss():
+  run = _run_records([0.5, 0.7, 0.6], [(0.8, 0.7), (0.9, 0.7), (0.8, 0.6)],
+                     [(0.5, 0.3), (0.2, 0.1), (0.04, 0.01)])
+  numbers = rerun.reported_numbers(run)
+  # Step 200 has the best mean validation accuracy, 0.8; the final loss
+  # pools the training domains by their examples.
+  assert numbers["held_out_acc"] == (0.7, 240)
+  assert numbers["validation_acc"] == (np.mean([0.9, 0.7]), 110)
+  assert math.isclose(numbers["log_final_loss"][0],
+                      np.log((240 * 0.04 + 200 * 0.01) / 440), rel_tol=1e-12)
+  assert numbers["log_final_loss"][1] == 0
+
+
+def _numbers(held_out, validation, log_loss, examples=(240, 110)):
+  return {"held_out_acc": (held_out, examples[0]),
+          "validation_acc": (validation, examples[1]),
+          "log_final_loss": (log_loss, 0)}
+
+
+TRIALS = [_numbers(0.65, 0.70, -8.7), _numbers(0.62, 0.68, -8.8),
+          _numbers(0.66, 0.68, -8.6)]
+
+
+def test_judge_noise_holds_a_run_against_its_cells_trials():
+  within = rerun.judge_noise(_numbers(0.70, 0.69, -8.9), TRIALS[0], TRIALS)
+  factor = scipy.stats.t.isf(rerun.FALSE_ALARM_RATE / 3 / 2, 2) * np.sqrt(
+      1 + 1 / 3)
+  for name in rerun.NUMBERS:
+    values = np.array([trial[name][0] for trial in TRIALS], np.float64)
+    judged = within[name]
+    assert judged["trials"] == list(values)
+    assert judged["committed"] == TRIALS[0][name][0]
+    assert math.isclose(judged["mean"], values.mean(), rel_tol=1e-12)
+    assert math.isclose(judged["sd"], values.std(ddof=1), rel_tol=1e-12)
+    assert math.isclose(judged["allowed"], factor * values.std(ddof=1),
+                        rel_tol=1e-9)
+    assert judged["within"], (name, judged)
+  # A final loss e^1.5 times the trials' mean lies beyond: their log spread
+  # is 0.1.
+  beyond = rerun.judge_noise(_numbers(0.70, 0.69, -8.7 + 2.2), TRIALS[0],
+                             TRIALS)
+  assert not beyond["log_final_loss"]["within"]
+  assert beyond["held_out_acc"]["within"]
+  # Tied trials spread over one example at least, not none.
+  tied = [_numbers(0.65, 0.70, -8.7 + i / 10) for i in range(3)]
+  one_example = rerun.judge_noise(_numbers(0.65 + 2 / 240, 0.70, -8.7),
+                                  tied[0], tied)["held_out_acc"]
+  assert one_example["sd"] == 0
+  assert math.isclose(one_example["allowed"], factor / 240, rel_tol=1e-9)
+  assert one_example["within"]
+  # One trial has no spread to judge by.
+  assert rerun.judge_noise(TRIALS[0], TRIALS[0], TRIALS[:1]) is None
 
 
 @dataclasses.dataclass(frozen=True)
 class CopiedRun:
-  """A finished run as `rerun.reproduce` sees one, whose training copies
-  the records of ``source`` (not where it trained) and records ``machine``
-  (None: nothing) as where it trained."""
+  """A finished run as `rerun.reproduce` sees one, whose training writes the
+  records of ``source`` changed by ``change`` (by default, not at all) and
+  records ``machine`` (None: nothing) as where it trained."""
 
   output_dir: Path
   args: dict[str, Any]
   source: Path
   machine: dict[str, Any] | None
+  change: Callable[[dict[str, Any]], dict[str, Any]] = lambda record: record
 
   def train(self) -> int:
-    shutil.copytree(self.source, self.output_dir, ignore=lambda *_: [
-        records.ENVIRONMENT_FILE])
+    self.output_dir.mkdir(parents=True)
+    for record in records.read_run(self.source).records:
+      records.append_record(self.output_dir, self.change(record))
+    records.mark_done(self.output_dir)
     if self.machine is not None:
       records.append_environment(self.output_dir, self.machine)
     return 0
 
 
-def test_reproduce_reports_where_each_run_trained_and_was_retrained(
-    tmp_path):
-  args = {"dataset": "RotatedDigits", "algorithm": "ERM", "hparams_seed": 0,
-          "test_envs": [0]}
-  trained = {}
-  for name, where in (("old", None), ("same", [MACHINE]),
-                      ("moved", [OTHER_MACHINE, MACHINE]),
-                      ("elsewhere", [OTHER_MACHINE])):
-    source = tmp_path / "runs" / name
+def _trained_cell(directory, trained_on):
+  """Three finished trials of one cell, trained on ``trained_on`` (None:
+  unrecorded), in ``directory``."""
+  trials = []
+  for trial, (acc, val, loss) in enumerate(
+      [(0.65, 0.70, 1e-4), (0.62, 0.68, 1.2e-4), (0.66, 0.66, 1.1e-4)]):
+    source = directory / f"trial{trial}"
     source.mkdir(parents=True)
-    records.append_record(source, _record(1, 0.5))
+    for record in _run_records([acc - 0.1, acc], [(val, val)] * 2,
+                               [(1.0, 1.0), (loss, loss)], trial_seed=trial):
+      records.append_record(source, record)
     records.mark_done(source)
-    for entry in where or []:
-      records.append_environment(source, entry)
-    trained[name] = CopiedRun(source, {**args, "trial_seed": len(trained)},
-                              source, MACHINE)
-  report = rerun.reproduce(list(trained.values()), list(trained.values()),
-                           tmp_path / "scratch", jobs=1)
-  results = {result["run"]: result for result in report["runs"]}
-  assert all(result["equal"] for result in results.values())
-  assert {name: (result["trained_on"], result["retrained_on"])
-          for name, result in results.items()} == {
-              "old": (None, [MACHINE]),
-              "same": ([MACHINE], [MACHINE]),
-              "moved": ([OTHER_MACHINE, MACHINE], [MACHINE]),
-              "elsewhere": ([OTHER_MACHINE], [MACHINE])}
-  # The line printed of each run names the machines only where they
-  # differ.
-  assert {name: rerun.machines_note(result)
-          for name, result in results.items()} == {
-              "old": "  (trained where unrecorded)",
-              "same": "",
-              "moved": "  (trained in another environment: "
-                       "Intel(R) Xeon(R) Platinum 8481C, AMD EPYC 7B13)",
-              "elsewhere": "  (trained in another environment: "
-                           "Intel(R) Xeon(R) Platinum 8481C)"}
-  # A retraining that recorded nothing (it failed first) adds no note.
-  assert rerun.machines_note({"trained_on": [OTHER_MACHINE],
-                              "retrained_on": None}) == ""
+    for entry in trained_on or []:
+      if entry is not None:  # None: steps trained before entries were kept.
+        records.append_environment(source, entry,
+                                   unrecorded_before=None in trained_on)
+    trials.append(source)
+  return trials
+
+
+def _last_digits(record):
+  return {**record, "env0_in_acc": record["env0_in_acc"] + 1 / 240}
+
+
+def _ten_times_the_loss(record):
+  return {**record, "env1_in_loss": 10 * record["env1_in_loss"],
+          "env2_in_loss": 10 * record["env2_in_loss"]}
+
+
+def test_reproduce_judges_by_noise_only_where_the_environment_differs(
+    tmp_path):
+  cases = {  # name: where it trained, where again, what changed, verdict
+      "same": ([MACHINE], MACHINE, None, "equal"),
+      "same, changed": ([MACHINE], MACHINE, _last_digits,
+                        "DIFFERENT in the environment it trained in"),
+      "elsewhere": ([OTHER_MACHINE], MACHINE, _last_digits,
+                    "within the trials' noise"),
+      "moved": ([OTHER_MACHINE, MACHINE], MACHINE, _last_digits,
+                "within the trials' noise"),
+      "resumed": ([None, MACHINE], MACHINE, _last_digits,
+                  "within the trials' noise"),
+      "unrecorded": (None, MACHINE, _last_digits, "within the trials' noise"),
+      "unrecorded, planted": (None, MACHINE, _ten_times_the_loss,
+                              "differs beyond the trials' noise")}
+  results = {}
+  for name, (trained_on, machine, change, _) in cases.items():
+    trials = _trained_cell(tmp_path / name, trained_on)
+    runs = [CopiedRun(source, records.read_run(source).records[0]["args"],
+                      source, machine, change or (lambda record: record))
+            for source in trials]
+    [result] = rerun.reproduce(runs, runs[:1], tmp_path / "scratch" / name,
+                               jobs=1)["runs"]
+    results[name] = result
+  assert {name: result["verdict"] for name, result in results.items()} == {
+      name: case[-1] for name, case in cases.items()}
+  assert [rerun.VERDICTS[case[-1]] for case in cases.values()] == [
+      True, False, True, True, True, True, False]
+  assert results["resumed"]["trained_on"] == [None, MACHINE]
+  assert results["same"]["noise"] is None
+  planted = results["unrecorded, planted"]["noise"]
+  assert [planted[name]["within"] for name in rerun.NUMBERS] == [
+      True, True, False]
+  assert math.isclose(planted["log_final_loss"]["retrained"],
+                      np.log(1e-3), rel_tol=1e-12)
+  assert (results["moved"]["trained_on"], results["moved"]["retrained_on"]
+          ) == ([OTHER_MACHINE, MACHINE], [MACHINE])
+
+  # Each environment is said once, with what differs.
+  described = rerun.describe_environments(list(results.values()))
+  assert "Trained on: unrecorded (2 runs" in described
+  assert ("  not as retrained: processor: Intel(R) Xeon(R) Platinum 8481C "
+          "trained, AMD EPYC 7B13 now") in described
+  assert described.count("Retrained on (7 runs): AMD EPYC 7B13") == 1
+  assert "Trained on (1 runs): unrecorded; then AMD EPYC 7B13" in described
+  versions = rerun.describe_environments([{
+      **results["same"], "trained_on": [{**MACHINE, "jax": "0.11.2"}]}])
+  assert ("The installed versions of jax differ from the runs'."
+          in versions)
+  assert "The installed versions are the runs'." in described
+  # Runs that recorded nothing, held against the versions of a lock.
+  locked = rerun.describe_environments(
+      [results["unrecorded"]], ("lock.txt", {"jax": "0.10.2", "flax": "0.9"}))
+  assert locked.splitlines()[:2] == [
+      "Trained on: unrecorded (1 runs, from before runs recorded where they "
+      "trained); processor unknown, versions as lock.txt locks them: jax "
+      "0.10.2, flax 0.9.",
+      "  The installed versions of flax differ from lock.txt's."]
+
+
+def test_with_hparams_changes_some_hparams_of_a_run_under_its_name(tmp_path):
+  [run] = sweep.runs_for(sweep.parse_args(
+      [*TINY_SWEEP, "--output_dir", str(tmp_path)]))
+  changed = rerun.with_hparams(run, {"lr": 0.003})
+  assert changed.output_dir == run.output_dir
+  assert json.loads(changed.args["hparams"]) == {
+      **json.loads(run.args["hparams"]), "lr": 0.003}
+  assert {k: v for k, v in changed.args.items() if k != "hparams"} == {
+      k: v for k, v in run.args.items() if k != "hparams"}
+
+
+def test_changed_hparams_must_be_a_json_object(tmp_path, capsys):
+  for bad in ("lr=3", "[1]", "{}"):
+    try:
+      study.main(["reproduce", "--output_dir", str(tmp_path),
+                  "--changed_hparams", bad])
+    except SystemExit as e:
+      assert e.code == 2
+    else:
+      raise AssertionError(f"--changed_hparams {bad} was taken")
+    assert "--changed_hparams" in capsys.readouterr().err
 
 
 def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
@@ -232,3 +404,10 @@ def test_longer_prints_where_a_finished_run_would_have_ended(tmp_path,
       "Plateaued at every evaluation from step 2400 on.")
 
 
+
+
+def test_the_digits_study_names_the_lock_of_its_versions():
+  name, versions = study.study_lock(digits)
+  assert name == "requirements/study.txt"
+  # It pins every package whose version a run records.
+  assert sorted(versions) == sorted(environment.PACKAGES)
