@@ -80,7 +80,7 @@ class ModelEntry(registry.Entry):
       set.
     imagenet_weights: the file name of torchvision's ImageNet weights
       (``IMAGENET1K_V1``) of the network, which DomainBed starts it from
-      (``experiments.pretrained.fetch_imagenet``); ``None`` for none.
+      (``experiments.weights.imagenet.fetch_imagenet``); ``None`` for none.
   """
 
   hparams_options: Callable[[Mapping[str, Any]], dict[str, Any]] = (

@@ -127,7 +127,7 @@ class Config:
   pretrained: str | None = _field(
       None, "Featurizer weights to start from: imagenet (torchvision's "
       "IMAGENET1K_V1 weights of --model, downloaded once; see "
-      "experiments/pretrained.py), a torchvision state_dict (.pth), a .npz "
+      "experiments/weights/), a torchvision state_dict (.pth), a .npz "
       "converted from one, an Orbax directory, or none (from scratch). "
       "Default: imagenet for an ImageNet network on photos, as DomainBed "
       "and WILDS's FMoW; none for the digits, PovertyMap and --init_params.")
@@ -524,7 +524,7 @@ class RunSpec:
     fingerprint: the data's (``datasets.fingerprint``), which the run
       records.
     weights: the featurizer weights it starts from, checked
-      (``pretrained.Weights.record``: the file's name and SHA-256), which
+      (``weights.convert.Weights.record``: the file's name and SHA-256), which
       its config file records; None for none, and for a finished run,
       which needs none.
   """

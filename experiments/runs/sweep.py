@@ -1032,11 +1032,12 @@ def fetch_weights(runs: Sequence[Run]) -> list[str]:
       if config.pretrained == "imagenet"})
   if models:
     # Imported only here: it imports JAX, which a digits sweep never needs.
-    from experiments import pretrained  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from experiments.weights import imagenet
     for model in models:
       try:
-        pretrained.fetch_imagenet(model)
-      except pretrained.WeightsUnavailableError as e:
+        imagenet.fetch_imagenet(model)
+      except imagenet.WeightsUnavailableError as e:
         raise config_lib.UsageError(str(e)) from None
   return models
 
