@@ -86,18 +86,18 @@ def build_model(
 ) -> models.Classifier:
   """The configured model, with its pretrained featurizer weights if any.
 
-  ``--pretrained imagenet`` downloads torchvision's weights first, if they
-  are not cached yet (`imagenet.fetch_imagenet`), before the model is
-  built.
+  ``--pretrained imagenet`` (or ``imagenet_augmix``) downloads the
+  published weights first, if they are not cached yet
+  (`imagenet.fetch_imagenet`), before the model is built.
 
   Raises:
     config_lib.UsageError: the weights cannot be downloaded, read, or do not
       fit the model.
   """
   weights = config.pretrained
-  if weights == "imagenet":
+  if weights in imagenet.PRETRAINED:
     try:
-      weights = imagenet.fetch_imagenet(config.model)
+      weights = imagenet.fetch_imagenet(config.model, weights)
     except imagenet.WeightsUnavailableError as e:
       raise config_lib.UsageError(str(e)) from None
   model = models.build_model(

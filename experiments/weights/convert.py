@@ -42,6 +42,8 @@ from flax import traverse_util
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import safetensors
+import safetensors.numpy
 
 from experiments import models
 from experiments.weights import imagenet
@@ -59,6 +61,8 @@ _BN_NAMES = {
 # What files are read as torch.save's whatever their first bytes, so that a
 # damaged one is said to be a damaged PyTorch file.
 _TORCH_SUFFIXES = (".pth", ".pt")
+# What files are read as safetensors (timm's weights on the hub).
+_SAFETENSORS_SUFFIX = ".safetensors"
 _HOW_TO_GET_WEIGHTS = (
     "Pass --pretrained imagenet for torchvision's IMAGENET1K_V1 weights "
     "(downloaded once), a .pth file of a torchvision state_dict, a .npz "
@@ -317,11 +321,46 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return {key: loaded[key] for key in loaded.files}
 
 
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """The tensors of a safetensors file (as timm publishes its weights).
+
+  Raises:
+    FileNotFoundError: there is no such file.
+    ValueError: the file is not a whole safetensors file.
+  """
+  try:
+    return safetensors.numpy.load_file(path)
+  except safetensors.SafetensorError as e:
+    raise ValueError(f"{os.fspath(path)!r} is damaged or not a safetensors "
+                     f"file ({e})") from None
+
+
 def _read_as_torch(path: str | os.PathLike) -> bool:
   """Whether to read ``path`` as a ``torch.save``'d file: it is one, or is
   named as one (a damaged one is then said to be a damaged PyTorch file)."""
   return os.path.isfile(path) and (torch_pickle.is_torch_file(path) or
                                    Path(path).suffix in _TORCH_SUFFIXES)
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray] | None:
+  """The PyTorch-named state dict in ``path``, as published.
+
+  A ``torch.save``'d file (torchvision's weights) is read by
+  `torch_pickle.read_torch_state_dict`; a ``.safetensors`` file (timm's
+  weights, whose ResNet names are torchvision's) by `read_safetensors`.
+
+  Returns:
+    Its names (``layer1.0.conv1.weight``) to arrays; None if ``path`` is
+    neither (a ``.npz`` file, or an Orbax directory).
+
+  Raises:
+    ValueError: the file is damaged: see the readers.
+  """
+  if _read_as_torch(path):
+    return torch_pickle.read_torch_state_dict(path)
+  if os.path.isfile(path) and Path(path).suffix == _SAFETENSORS_SUFFIX:
+    return read_safetensors(path)
+  return None
 
 
 def _read(path: str) -> dict[str, np.ndarray]:
@@ -336,9 +375,9 @@ def _read(path: str) -> dict[str, np.ndarray]:
     flat = _flatten(tree)
     # A saved nnx.State (rather than a pure dict) wraps each leaf in "value".
     return {k.removesuffix("/value"): np.asarray(v) for k, v in flat.items()}
-  if _read_as_torch(path):
-    _, converted = convert_torchvision(
-        torch_pickle.read_torch_state_dict(path))
+  state_dict = read_state_dict(path)
+  if state_dict is not None:
+    _, converted = convert_torchvision(state_dict)
     return {key: np.asarray(v) for key, v in _flatten(converted).items()}
   try:
     arrays = read_npz(path)
@@ -457,7 +496,7 @@ def checked_weights(pretrained: str | None, model: str) -> Weights | None:
 
   Args:
     pretrained: the resolved flag (``config.Config.pretrained``): None or
-      ``"none"`` for none, ``"imagenet"`` (fetched first:
+      ``"none"`` for none, a name of `imagenet.PRETRAINED` (fetched first:
       `imagenet.fetch_imagenet`), or a path.
     model: the ``--model`` they are for.
 
@@ -465,8 +504,8 @@ def checked_weights(pretrained: str | None, model: str) -> Weights | None:
     The weights' file and SHA-256; None for none.
 
   Raises:
-    imagenet.WeightsUnavailableError: ImageNet weights cannot be fetched, or
-      the cached file does not check.
+    imagenet.WeightsUnavailableError: published weights cannot be fetched,
+      or the cached file does not check.
     FileNotFoundError: there is no such file.
     ValueError: the file is not weights (a damaged or truncated file, or
       not a state dict), or they are another architecture's: the message
@@ -474,13 +513,13 @@ def checked_weights(pretrained: str | None, model: str) -> Weights | None:
   """
   if pretrained in (None, "none"):
     return None
-  path = (imagenet.fetch_imagenet(model) if pretrained == "imagenet"
-          else Path(pretrained))
-  if _read_as_torch(path):
+  path = (imagenet.fetch_imagenet(model, pretrained)
+          if pretrained in imagenet.PRETRAINED else Path(pretrained))
+  state_dict = read_state_dict(path)
+  if state_dict is not None:
     # Read, not converted: converting ResNet-50's weights takes a second
     # (their model's shapes are traced), which loading them spends again.
-    names = [name.replace(".", "/")
-             for name in torch_pickle.read_torch_state_dict(path)]
+    names = [name.replace(".", "/") for name in state_dict]
   else:
     names = list(_read(os.fspath(path)))
   found = _architecture(names)

@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from benchmarks import input_pipeline as input_benchmark
 from experiments import catalog
@@ -405,3 +406,87 @@ def test_pretrained_none_builds_from_scratch_without_a_download(
                                               config.hyperparameters()))
   assert capsys.readouterr().err == ""
   assert not (tmp_path / "cache").exists()
+
+
+# ---------------------------------------------------------------------------
+# timm's AugMix ResNet-50, whose SHA-256 is recorded at its first download.
+
+AUGMIX_FILE = "resnet50.ram_in1k.safetensors"
+
+
+def safetensors_bytes(tmp_path, seed):
+  """A small safetensors file's bytes: what fetching checks needs no
+  ResNet-50 (reading it as one is `test_convert.py`'s)."""
+  path = tmp_path / f"small-{seed}.safetensors"
+  safetensors.numpy.save_file({"conv1.weight": np.random.default_rng(
+      seed).standard_normal((4, 3, 7, 7), dtype=np.float32)}, path)
+  return path.read_bytes()
+
+
+def test_augmix_weights_are_recorded_at_first_download_and_checked_after(
+    server, tmp_path, capsys):
+  data, other = safetensors_bytes(tmp_path, 0), safetensors_bytes(tmp_path, 1)
+  server.files[AUGMIX_FILE] = data
+  path = imagenet.fetch_imagenet("resnet50", "imagenet_augmix")
+  assert path == tmp_path / "cache" / AUGMIX_FILE
+  assert path.read_bytes() == data
+  assert imagenet.recorded_sha256(path) == hashlib.sha256(data).hexdigest()
+  assert "timm's resnet50.ram_in1k (AugMix) weights of resnet50" in (
+      capsys.readouterr().err)
+  assert imagenet.fetch_imagenet("resnet50", "imagenet_augmix") == path
+  assert len(server.requests) == 1
+  # Another whole file in its place, as the hub's would be were it changed,
+  # is refused, and the command that downloads it again is named.
+  path.write_bytes(other)
+  with pytest.raises(imagenet.WeightsUnavailableError) as error:
+    imagenet.fetch_imagenet("resnet50", "imagenet_augmix")
+  message = str(error.value)
+  assert f"recorded at its first download in {path}.sha256" in message
+  assert ("python -m experiments.weights fetch resnet50 --weights "
+          "imagenet_augmix") in message
+  assert weights_command.main(
+      ["fetch", "resnet50", "--weights", "imagenet_augmix"]) == 0
+  assert path.read_bytes() == data
+  # Served changed: a new download is checked against the record too.
+  path.unlink()
+  server.files[AUGMIX_FILE] = other
+  with pytest.raises(imagenet.WeightsUnavailableError,
+                     match="recorded at its first download.*it was not kept"):
+    imagenet.fetch_imagenet("resnet50", "imagenet_augmix")
+  assert not path.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "not safetensors"])
+def test_augmix_first_download_that_does_not_read_whole_is_not_kept(
+    damage, server, tmp_path):
+  server.files[AUGMIX_FILE] = safetensors_bytes(tmp_path, 0)
+  if damage == "truncate":
+    server.damage = "truncate"
+  else:
+    server.files[AUGMIX_FILE] = b"<html>Not found</html>" * 10
+  with pytest.raises(imagenet.WeightsUnavailableError,
+                     match="--pretrained none"):
+    imagenet.fetch_imagenet("resnet50", "imagenet_augmix")
+  assert list((tmp_path / "cache").iterdir()) == []  # No file, no record.
+
+
+def test_augmix_file_placed_by_hand_is_recorded_when_first_used(
+    server, tmp_path, capsys):
+  data = safetensors_bytes(tmp_path, 0)
+  path = _place_in_cache(tmp_path, AUGMIX_FILE, data)
+  assert imagenet.fetch_imagenet("resnet50", "imagenet_augmix") == path
+  assert server.requests == []
+  assert imagenet.recorded_sha256(path) == hashlib.sha256(data).hexdigest()
+  assert f"Recorded the SHA-256 of {path}" in capsys.readouterr().err
+
+
+def test_augmix_weights_are_resnet50s_alone():
+  with pytest.raises(ValueError, match=(
+      "there are no imagenet_augmix weights of resnet18; timm's are those "
+      "of resnet50")):
+    imagenet.fetch_imagenet("resnet18", "imagenet_augmix")
+  # Pinned to the hub's branch (no full commit hash of it was found): the
+  # recorded SHA-256 is what holds a cache to one file.
+  assert imagenet.published("resnet50", "imagenet_augmix").url == (
+      "https://huggingface.co/timm/resnet50.ram_in1k/resolve/main/"
+      "model.safetensors")
