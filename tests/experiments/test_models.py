@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import safetensors.numpy
 
 from experiments import catalog
 from experiments import models
@@ -542,6 +543,19 @@ def test_load_pretrained_reads_a_torchvision_pth(resnet18_npz, tmp_path):
   np.testing.assert_array_equal(
       from_pth.featurizer.conv1.kernel[...],
       state_dict["conv1.weight"].transpose(2, 3, 1, 0))
+
+
+def test_load_pretrained_reads_timms_safetensors(resnet18_npz, tmp_path):
+  # timm names a ResNet's tensors as torchvision does (test_convert.py
+  # checks ResNet-50's against timm's architecture), and publishes them as
+  # safetensors: such a file loads as the .npz does.
+  state_dict, npz = resnet18_npz
+  safetensors.numpy.save_file(state_dict, tmp_path / "model.safetensors")
+  from_timm, from_npz = _build("resnet18"), _filled("resnet18", seed=2)
+  convert.load_pretrained(from_timm, tmp_path / "model.safetensors")
+  convert.load_pretrained(from_npz, npz)
+  _assert_trees_equal(_featurizer_state(from_timm),
+                      _featurizer_state(from_npz))
 
 
 @pytest.mark.parametrize("channels, size", [(1, 7), (3, 8)])
