@@ -47,8 +47,9 @@ from experiments import catalog
 # densenet.py, the IMAGENET1K_V1 entries).
 TORCHVISION_URL = "https://download.pytorch.org/models"
 # Where timm's are: the Hugging Face hub's repositories timm/<name>
-# (pytorch-image-models at 00c5be76, timm/models/resnet.py,
-# "resnet50.ram_in1k": hf_hub_id="timm/"), each with a model.safetensors.
+# (huggingface/pytorch-image-models at aa4b5850, timm/models/resnet.py,
+# lines 934-936: "resnet50.ram_in1k", hf_hub_id="timm/"), each with a
+# model.safetensors.
 HUB_URL = "https://huggingface.co"
 # The hub revision the URL names: the branch main, not a commit, since no
 # full commit hash of timm/resnet50.ram_in1k could be found (its history
