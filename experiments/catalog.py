@@ -79,13 +79,19 @@ class ModelEntry(registry.Entry):
     hparams_options: the builder's keyword arguments that a run's hparams
       set.
     imagenet_weights: the file name of torchvision's ImageNet weights
-      (``IMAGENET1K_V1``) of the network, which DomainBed starts it from
-      (``experiments.pretrained.fetch_imagenet``); ``None`` for none.
+      (``IMAGENET1K_V1``) of the network, which the paper and DomainBed
+      before commit 3dfdc8e start it from (``--pretrained imagenet``,
+      ``experiments.weights.imagenet.fetch_imagenet``); ``None`` for none.
+    augmix_weights: the timm name of the AugMix ImageNet weights of the
+      network on the Hugging Face hub, which DomainBed starts its ResNet-50
+      from since commit 3dfdc8e (``--pretrained imagenet_augmix``, with
+      BatchNorm trained); ``None`` for none.
   """
 
   hparams_options: Callable[[Mapping[str, Any]], dict[str, Any]] = (
       lambda hparams: {})
   imagenet_weights: str | None = None
+  augmix_weights: str | None = None
 
   @property
   def imagenet(self) -> bool:
@@ -294,11 +300,15 @@ MODELS.register("mnist_cnn", "experiments.models:MNISTCNN",
                 hparams_options=_cnn_options)
 # torchvision's IMAGENET1K_V1 files (torchvision/models/resnet.py and
 # densenet.py): the hex digits start their SHA-256.
-for _depth, _weights in ((18, "resnet18-f37072fd.pth"),
-                         (50, "resnet50-0676ba61.pth")):
+# timm's AugMix weights: DomainBed's resnet50_augmix (domainbed/networks.py
+# at b93c22a, lines 119-121: timm.create_model("resnet50.ram_in1k",
+# pretrained=True)).
+for _depth, _weights, _augmix in (
+    (18, "resnet18-f37072fd.pth", None),
+    (50, "resnet50-0676ba61.pth", "resnet50.ram_in1k")):
   MODELS.register(f"resnet{_depth}", "experiments.models:ResNet",
                   options={"depth": _depth}, hparams_options=_imagenet_options,
-                  imagenet_weights=_weights)
+                  imagenet_weights=_weights, augmix_weights=_augmix)
 MODELS.register("densenet121", "experiments.models:DenseNet",
                 hparams_options=_imagenet_options,
                 imagenet_weights="densenet121-a639ec97.pth")

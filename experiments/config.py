@@ -125,10 +125,13 @@ class Config:
   pretrained: str | None = _field(
       None, "Featurizer weights to start from: imagenet (torchvision's "
       "IMAGENET1K_V1 weights of --model, downloaded once; see "
-      "experiments/pretrained.py), a torchvision state_dict (.pth), a .npz "
-      "converted from one, an Orbax directory, or none (from scratch). "
-      "Default: imagenet for an ImageNet network on photos, as DomainBed "
-      "and WILDS's FMoW; none for the digits, PovertyMap and --init_params.")
+      "experiments/weights/), imagenet_augmix (timm's resnet50.ram_in1k, "
+      "DomainBed's ResNet-50 since July 2024, with BatchNorm trained: "
+      "bn_mode \"train\" unless --hparams says otherwise), a torchvision "
+      "state_dict (.pth) or timm's (.safetensors), a .npz converted from "
+      "one, an Orbax directory, or none (from scratch). Default: imagenet for an ImageNet network on "
+      "photos, as the paper, DomainBed before July 2024 and WILDS's FMoW; "
+      "none for the digits, PovertyMap and --init_params.")
   init_params: str | None = _field(
       None, f"A run's {records.FINAL_PARAMS_FILE} to start the whole model "
       "from (e.g. FMoW's ERM phase before PGrad).")
@@ -294,12 +297,22 @@ class Config:
                        """write e.g. --hparams '{"lr": 1e-4}'.""") from None
     if not isinstance(overrides, dict):
       raise UsageError(f"--hparams must be a JSON object, got {self.hparams}.")
-    hparams = {**hparams, **overrides}
+    hparams = {**hparams, **self._weights_hparams(hparams), **overrides}
     try:
       hparams_registry.check_hparams(self.algorithm, self.dataset, hparams)
     except ValueError as e:
       raise UsageError(f"--hparams: {e} See --list_hparams.") from None
     return hparams
+
+  def _weights_hparams(self, hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The hparam defaults that the weights set: DomainBed trains BatchNorm
+    with its AugMix ResNet-50 (hparams_registry.py at b93c22a, line 36:
+    freeze_bn False since commit 3dfdc8e), so ``imagenet_augmix`` runs'
+    ``bn_mode`` defaults to ``"train"``. The paper's frozen BatchNorm stays
+    the default of every other run."""
+    if self.pretrained == "imagenet_augmix" and "bn_mode" in hparams:
+      return {"bn_mode": "train"}
+    return {}
 
 
 def _resolve_pretrained(config: Config, model: str) -> str | None:
@@ -327,13 +340,22 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
       raise UsageError(f"--pretrained imagenet: there are no ImageNet weights "
                        f"of {model}; there are of {', '.join(with_weights)}.")
     return config.pretrained
+  if config.pretrained == "imagenet_augmix":
+    if model_facts.augmix_weights is None:
+      with_weights = [name for name, entry in catalog.MODELS.items()
+                      if entry.augmix_weights]
+      raise UsageError(
+          f"--pretrained imagenet_augmix: there are no AugMix weights of "
+          f"{model}; there are of {', '.join(with_weights)} (pass --model "
+          f"{with_weights[0]}).")
+    return config.pretrained
   path = Path(config.pretrained)
   if not path.exists():
     raise UsageError(
         f"--pretrained {path}: no such file or directory. Pass imagenet for "
-        "torchvision's ImageNet weights (downloaded once), a .pth, .npz or "
-        "Orbax directory of featurizer weights, or none to train from "
-        "scratch.")
+        "torchvision's ImageNet weights (downloaded once), imagenet_augmix "
+        "for timm's AugMix ResNet-50, a .pth, .npz or Orbax directory of "
+        "featurizer weights, or none to train from scratch.")
   if path.is_file() and zipfile.is_zipfile(path):
     with zipfile.ZipFile(path) as archive:
       names = archive.namelist()
@@ -522,7 +544,7 @@ class RunSpec:
     fingerprint: the data's (``datasets.fingerprint``), which the run
       records.
     weights: the featurizer weights it starts from, checked
-      (``pretrained.Weights.record``: the file's name and SHA-256), which
+      (``weights.convert.Weights.record``: the file's name and SHA-256), which
       its config file records; None for none, and for a finished run,
       which needs none.
   """

@@ -557,7 +557,7 @@ class ResNet(nnx.Module):
 
   Attribute names mirror torchvision (``conv1``, ``bn1``, ``layer1``.. with
   integer block indices) so converted checkpoints map one-to-one; see
-  ``experiments.pretrained``.
+  ``experiments.weights.convert``.
   """
 
   def __init__(
@@ -575,7 +575,7 @@ class ResNet(nnx.Module):
 
     Args:
       in_channels: number of input channels; pretrained RGB stems are adapted
-        by ``experiments.pretrained.adapt_input_channels``.
+        by ``experiments.weights.convert.adapt_input_channels``.
       depth: a key of :data:`RESNET_SPECS` (18 or 50).
       bn_mode: ``"frozen"`` or ``"train"``; see the module docstring.
       dropout: dropout rate on the pooled features, active in train mode.
@@ -661,7 +661,8 @@ class DenseNet(nnx.Module):
   Attribute names mirror torchvision's ``features`` (``conv0``, ``norm0``,
   ``denseblock1``.. with 0-based layer indices for its 1-based
   ``denselayer1``.., ``transition1``.., ``norm5``) so that converted
-  checkpoints map one-to-one; see ``experiments.pretrained``. BatchNorm and
+  checkpoints map one-to-one; see ``experiments.weights.convert``. BatchNorm
+  and
   dropout on the pooled features behave as in `ResNet`.
   """
 

@@ -212,7 +212,7 @@ def _checked_weights(config: config_lib.Config,
   """The record (file name and SHA-256) of the featurizer weights that the
   run starts from, checked before the model is built: fetched if they are
   ImageNet's, read whole, and of ``--model``'s architecture
-  (``pretrained.checked_weights``). None for none.
+  (``convert.checked_weights``). None for none.
 
   Raises:
     config_lib.UsageError: they cannot be fetched, or are damaged, or are
@@ -223,10 +223,11 @@ def _checked_weights(config: config_lib.Config,
     return None
   # Imported for weights only: it imports JAX, which resolving a run that
   # has none does not need.
-  from experiments import pretrained  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from experiments.weights import convert, imagenet
   try:
-    weights = pretrained.checked_weights(config.pretrained, config.model)
-  except pretrained.WeightsUnavailableError as e:
+    weights = convert.checked_weights(config.pretrained, config.model)
+  except imagenet.WeightsUnavailableError as e:
     raise config_lib.UsageError(str(e)) from None
   except (OSError, ValueError) as e:
     raise config_lib.UsageError(f"--pretrained: {e}") from None

@@ -42,9 +42,10 @@ from experiments.runs import environment
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
 from experiments import models
-from experiments import pretrained
 from experiments.runs import records
 from experiments.data import tasks
+from experiments.weights import convert
+from experiments.weights import imagenet
 
 CHECKPOINTS_KEPT = 2
 # A user's own threshold for the programs the compilation cache keeps.
@@ -85,19 +86,19 @@ def build_model(
 ) -> models.Classifier:
   """The configured model, with its pretrained featurizer weights if any.
 
-  ``--pretrained imagenet`` downloads torchvision's weights first, if they
-  are not cached yet (`pretrained.fetch_imagenet`), before the model is
-  built.
+  ``--pretrained imagenet`` (or ``imagenet_augmix``) downloads the
+  published weights first, if they are not cached yet
+  (`imagenet.fetch_imagenet`), before the model is built.
 
   Raises:
     config_lib.UsageError: the weights cannot be downloaded, read, or do not
       fit the model.
   """
   weights = config.pretrained
-  if weights == "imagenet":
+  if weights in imagenet.PRETRAINED:
     try:
-      weights = pretrained.fetch_imagenet(config.model)
-    except pretrained.WeightsUnavailableError as e:
+      weights = imagenet.fetch_imagenet(config.model, weights)
+    except imagenet.WeightsUnavailableError as e:
       raise config_lib.UsageError(str(e)) from None
   model = models.build_model(
       config.model, num_classes=dataset.num_classes,
@@ -106,7 +107,7 @@ def build_model(
       **catalog.MODELS[config.model].hparams_options(hparams))
   if weights not in (None, "none"):
     try:
-      pretrained.load_pretrained(model, weights)
+      convert.load_pretrained(model, weights)
     except (OSError, ValueError) as e:  # Unreadable or misfit.
       raise config_lib.UsageError(f"--pretrained: {e}") from None
     print(f"Featurizer weights from {weights}.", file=sys.stderr)
@@ -431,7 +432,7 @@ def load_params(
     ValueError: it is not a ``.npz`` file, or its keys or shapes differ from
       the model's.
   """
-  loaded = pretrained.read_npz(path)
+  loaded = convert.read_npz(path)
   tree = {"params": nnx.to_pure_dict(params), "stats": nnx.to_pure_dict(stats)}
   flat = traverse_util.flatten_dict(tree)
   keys = {"/".join(map(str, k)): k for k in flat}

@@ -5,8 +5,8 @@ The documentation is README.md, docs/*.md and experiments/README.md. A
 relative link must name a file or folder of the repository, and a `#anchor`
 must name a heading of its target, spelled as GitHub spells heading anchors.
 A ``python -m`` command of the repository's own modules, there, in the
-results' reports or in a module's docstring, must name a module file (not
-the old path of one that moved, which only says where it went).
+results' reports or in a module's docstring, must name a module file, or a
+package with a ``__main__.py``.
 """
 
 import pathlib
@@ -133,9 +133,14 @@ def test_a_broken_link_or_anchor_is_reported(tmp_path):
 
 def commands_without_a_module(path, root=ROOT):
   """The modules that ``python -m`` commands of a file run, of those under
-  ``root``, that have no file there."""
+  ``root``, that have no file there (a module's, or a package's
+  ``__main__.py``)."""
+  def runnable(name):
+    where = root / name.replace(".", "/")
+    return (where.with_suffix(".py").is_file()
+            or (where / "__main__.py").is_file())
   return [name for name in _MODULE_COMMAND.findall(path.read_text())
-          if not (root / (name.replace(".", "/") + ".py")).is_file()]
+          if not runnable(name)]
 
 
 @pytest.mark.parametrize(
@@ -151,9 +156,12 @@ def test_every_command_runs_a_module_that_is_there(path):
 def test_a_command_of_a_missing_module_is_reported(tmp_path):
   (tmp_path / "experiments" / "runs").mkdir(parents=True)
   (tmp_path / "experiments" / "runs" / "sweep.py").write_text("")
+  (tmp_path / "experiments" / "weights").mkdir()
+  (tmp_path / "experiments" / "weights" / "__main__.py").write_text("")
   page = tmp_path / "page.md"
   page.write_text("python -m experiments.runs.sweep list\n"
                   "`python -m\nexperiments.sweep list` python -m pip\n"
-                  "python -m experiments.runs launch\n")
+                  "python -m experiments.runs launch\n"
+                  "python -m experiments.weights fetch resnet50\n")
   assert commands_without_a_module(page, tmp_path) == [
       "experiments.sweep", "experiments.runs"]

@@ -113,7 +113,7 @@ def arm(network: base.Network, hparams: base.HParams, *, num_domains: int,
   channel (``networks.py`` lines 231-247): the MNIST CNN at 28x28, a Wide
   ResNet at 32x32, the ResNet at 224x224, whose pretrained RGB stem is
   repeated over the channels, the context's taking the red filters
-  (``networks.py`` lines 125-135; ``pretrained.adapt_input_channels``
+  (``networks.py`` lines 125-135; ``weights.convert.adapt_input_channels``
   here); any other size raises
   ``NotImplementedError`` there. The context network keeps the image's size
   (its 5x5 convs are padded by 2), so here ARM runs on every size the model

@@ -1013,32 +1013,35 @@ _POLL_S = {"local": 1.0, "slurm": 30.0}
 def fetch_weights(runs: Sequence[Run]) -> list[str]:
   """Downloads, once and before any run starts, the ImageNet weights that
   the runs still to train start from (``--pretrained imagenet``, the photo
-  datasets' default), so that runs starting at once do not each download
-  them, and a host without network access fails here rather than in every
-  run.
+  datasets' default, or ``imagenet_augmix``), so that runs starting at once
+  do not each download them, and a host without network access fails here
+  rather than in every run.
 
   Returns:
-    The models whose weights are cached now.
+    The models whose weights are cached now (``resnet50``, or
+    ``resnet50 (imagenet_augmix)`` for other weights than torchvision's).
 
   Raises:
     config_lib.UsageError: the weights are neither cached nor downloadable;
       the message says where to put the file, or to pass
       ``--pretrained none``.
   """
-  models = sorted({
-      config.model for config in (
+  weights = sorted({
+      (config.model, config.pretrained) for config in (
           config_lib.Config(**run.args).resolve() for run in runs
           if run.status is not Status.DONE)
-      if config.pretrained == "imagenet"})
-  if models:
+      if config.pretrained in ("imagenet", "imagenet_augmix")})
+  if weights:
     # Imported only here: it imports JAX, which a digits sweep never needs.
-    from experiments import pretrained  # pylint: disable=import-outside-toplevel
-    for model in models:
+    # pylint: disable-next=import-outside-toplevel
+    from experiments.weights import imagenet
+    for model, pretrained in weights:
       try:
-        pretrained.fetch_imagenet(model)
-      except pretrained.WeightsUnavailableError as e:
+        imagenet.fetch_imagenet(model, pretrained)
+      except imagenet.WeightsUnavailableError as e:
         raise config_lib.UsageError(str(e)) from None
-  return models
+  return [model if pretrained == "imagenet" else f"{model} ({pretrained})"
+          for model, pretrained in weights]
 
 
 def _launch(args: argparse.Namespace, runs: Sequence[Run]) -> list[Run]:

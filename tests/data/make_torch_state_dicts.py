@@ -1,4 +1,4 @@
-"""Writes the PyTorch fixtures of tests/experiments/test_pretrained.py.
+"""Writes the PyTorch fixtures of tests/experiments/weights/test_torch_pickle.py.
 
 The project never imports PyTorch: these files were written once, with
 torch 2.14.1 and torchvision 0.29.1 (CPU), by

@@ -105,6 +105,9 @@ def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
        "no such file or directory. Pass imagenet"),
       (["--pretrained", str(params)], f"--init_params {params} instead"),
       (["--pretrained", "imagenet"], "no ImageNet weights of mnist_cnn"),
+      (["--dataset", "PACS", "--model", "resnet18", "--pretrained",
+        "imagenet_augmix"], "no AugMix weights of resnet18; there are of "
+       "resnet50 (pass --model resnet50)"),
       (["--init_params", str(tmp_path / "nope.npz")],
        f"no such file; pass a run's {records.FINAL_PARAMS_FILE}"),
   ]:
@@ -113,6 +116,19 @@ def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+@pytest.mark.parametrize("flags, bn_mode", [
+    (["--pretrained", "imagenet_augmix"], "train"),
+    (["--pretrained", "imagenet_augmix", "--hparams", '{"bn_mode": "frozen"}'],
+     "frozen"),
+    ([], "frozen"), (["--pretrained", "imagenet"], "frozen"),
+    # WILDS trains BatchNorm whatever the weights.
+    (["--dataset", "FMoW", "--model", "resnet50"], "train"),
+])
+def test_augmix_weights_train_batchnorm_as_domainbed_does(flags, bn_mode):
+  config = config_lib.parse_args(["--dataset", "PACS", *flags])
+  assert config.hyperparameters()["bn_mode"] == bn_mode
 
 
 @pytest.mark.parametrize("freq, message", [

@@ -9,7 +9,8 @@ from flax import nnx
 from flax import traverse_util
 
 from experiments import models
-from experiments import pretrained
+from experiments.weights import __main__ as weights_command
+from experiments.weights import convert
 import torch_writer
 
 BLOCKS, GROWTH, STEM = (6, 12, 24, 16), 32, 64
@@ -32,7 +33,7 @@ def fixture_abstract_densenet121():
 def fixture_converted_state():
   """A random torchvision densenet121 state_dict and its conversion."""
   state = torchvision_densenet121_state(num_classes=1000)
-  return state, pretrained.convert_torchvision_densenet121(state)
+  return state, convert.convert_torchvision_densenet121(state)
 
 
 def test_densenet121_has_the_published_parameter_count(abstract_densenet121):
@@ -158,9 +159,9 @@ def test_converted_densenet_matches_a_numpy_forward_pass(
     abstract_densenet121, converted_state, tmp_path):
   state, converted = converted_state
   path = tmp_path / "densenet121.npz"
-  pretrained.save_npz(converted, path)
+  convert.save_npz(converted, path)
   model = _model_with_head(abstract_densenet121, state)
-  pretrained.load_pretrained(model, path)
+  convert.load_pretrained(model, path)
   images = np.random.default_rng(1).normal(size=(2, 32, 32, 3))
   expected = numpy_densenet121_logits(state, images)
   logits = np.asarray(nnx.jit(lambda model, x: model(x))(
@@ -178,7 +179,7 @@ def test_densenet_conversion_reports_wrong_shapes():
   state = torchvision_densenet121_state()
   state["features.norm5.weight"] = np.ones(7, np.float32)
   with pytest.raises(ValueError, match="norm5/scale: expected"):
-    pretrained.convert_torchvision_densenet121(state)
+    convert.convert_torchvision_densenet121(state)
 
 
 def test_convert_cli_recognises_densenet_and_its_old_layer_names(
@@ -193,7 +194,7 @@ def test_convert_cli_recognises_densenet_and_its_old_layer_names(
   assert "features.denseblock1.denselayer1.norm.1.weight" in old
   torch_writer.write_state_dict(tmp_path / "d.pth", old)
   out = tmp_path / "d.npz"
-  assert pretrained.main(["convert", "--in", str(tmp_path / "d.pth"),
+  assert weights_command.main(["convert", "--in", str(tmp_path / "d.pth"),
                           "--out", str(out)]) == 0
   assert "densenet121" in capsys.readouterr().out
   expected = {"/".join(map(str, path)): leaf for path, leaf in

@@ -1,4 +1,4 @@
-"""Tests for experiments.models and experiments.pretrained."""
+"""Tests for experiments.models and experiments.weights.convert."""
 
 import functools
 
@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import safetensors.numpy
 
 from experiments import catalog
 from experiments import models
-from experiments import pretrained
+from experiments.weights import convert
 import torch_writer
 
 FEATURES = {"mnist_cnn": 128, "resnet18": 512, "resnet50": 2048}
@@ -189,8 +190,8 @@ def resnet18_npz(tmp_path_factory):
   """A random torchvision resnet18 state dict and its converted .npz."""
   state_dict = random_state_dict(18)
   path = tmp_path_factory.mktemp("weights") / "resnet18.npz"
-  converted = pretrained.convert_torchvision_state_dict(state_dict, 18)
-  pretrained.save_npz(converted, path)
+  converted = convert.convert_torchvision_state_dict(state_dict, 18)
+  convert.save_npz(converted, path)
   return state_dict, path
 
 
@@ -380,7 +381,7 @@ def test_registry():
 
 def test_convert_torchvision_state_dict_layout(resnet18_npz):
   state_dict, _ = resnet18_npz
-  tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
+  tree = convert.convert_torchvision_state_dict(state_dict, 18)
   assert "fc" not in tree
   assert set(tree["bn1"]) == {"scale", "bias", "mean", "var"}
   np.testing.assert_array_equal(
@@ -407,7 +408,7 @@ def test_converted_conv_matches_oihw_convolution(
 ):
   state_dict, path = resnet18_npz
   model = _build("resnet18")
-  pretrained.load_pretrained(model, path)
+  convert.load_pretrained(model, path)
   conv = model.featurizer  # Walk the torchvision name down the NNX modules.
   for part in name.split("."):
     conv = conv[int(part)] if part.isdigit() else getattr(conv, part)
@@ -421,7 +422,7 @@ def test_load_pretrained_npz_sets_featurizer_and_keeps_head(resnet18_npz):
   state_dict, path = resnet18_npz
   model = _build("resnet18")
   head = nnx.to_pure_dict(nnx.clone(nnx.state(model.head)))
-  pretrained.load_pretrained(model, path)
+  convert.load_pretrained(model, path)
   bn = model.featurizer.layer4[1].bn2
   np.testing.assert_array_equal(
       bn.mean[...], state_dict["layer4.1.bn2.running_mean"]
@@ -444,7 +445,7 @@ def test_load_pretrained_npz_sets_featurizer_and_keeps_head(resnet18_npz):
 def test_load_pretrained_adapts_stem_channels(resnet18_npz, channels):
   state_dict, path = resnet18_npz
   model = _filled("resnet18", channels)
-  pretrained.load_pretrained(model, path)
+  convert.load_pretrained(model, path)
   rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
   kernel = np.asarray(model.featurizer.conv1.kernel[...])
   assert kernel.shape == (7, 7, channels, 64)
@@ -459,7 +460,7 @@ def test_arm_resnet_stem_takes_the_red_filters_for_the_context(resnet18_npz):
   state_dict, path = resnet18_npz
   model = _filled("resnet18", 3, context_net=True)
   assert isinstance(model, models.ContextClassifier)
-  pretrained.load_pretrained(model, path)
+  convert.load_pretrained(model, path)
   rgb = state_dict["conv1.weight"].transpose(2, 3, 1, 0)
   kernel = np.asarray(model.featurizer.conv1.kernel[...])
   assert kernel.shape == (7, 7, 4, 64)
@@ -476,9 +477,9 @@ def _featurizer_state(model):
 def test_orbax_round_trip(tmp_path):
   source = _build("resnet18", bn_mode="train")  # test_train_bn's, too.
   source(_images())  # Moves the BN statistics away from their init.
-  pretrained.save_featurizer(source, tmp_path / "featurizer")
+  convert.save_featurizer(source, tmp_path / "featurizer")
   target = _filled("resnet18", seed=2)
-  pretrained.load_pretrained(target, tmp_path / "featurizer")
+  convert.load_pretrained(target, tmp_path / "featurizer")
   _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
 
 
@@ -488,7 +489,7 @@ def test_orbax_checkpoint_of_an_nnx_state_loads(tmp_path):
   checkpointer.save(tmp_path / "state", nnx.state(source.featurizer, nnx.Param))
   checkpointer.wait_until_finished()
   target = _filled("mnist_cnn", seed=2)
-  pretrained.load_pretrained(target, tmp_path / "state")
+  convert.load_pretrained(target, tmp_path / "state")
   _assert_trees_equal(_featurizer_state(target), _featurizer_state(source))
 
 
@@ -496,19 +497,19 @@ def test_mismatched_weights_raise_clear_errors(resnet18_npz, tmp_path):
   state_dict, path = resnet18_npz
   with pytest.raises(ValueError, match=r"missing[\s\S]*layer1/0/conv3/kernel"):
     # Shapes suffice to detect the mismatch, so the model can stay abstract.
-    pretrained.load_pretrained(_abstract("resnet50"), path)
+    convert.load_pretrained(_abstract("resnet50"), path)
 
-  tree = pretrained.convert_torchvision_state_dict(state_dict, 18)
+  tree = convert.convert_torchvision_state_dict(state_dict, 18)
   tree["layer1"][0]["conv2"]["kernel"] = np.zeros((3, 3, 64, 32), np.float32)
-  pretrained.save_npz(tree, tmp_path / "bad.npz")
+  convert.save_npz(tree, tmp_path / "bad.npz")
   with pytest.raises(ValueError, match=r"shape mismatch.*layer1/0/conv2/kernel"):
-    pretrained.load_pretrained(_build("resnet18"), tmp_path / "bad.npz")
+    convert.load_pretrained(_build("resnet18"), tmp_path / "bad.npz")
 
   incomplete = dict(state_dict)
   del incomplete["layer3.0.bn1.running_mean"]
   incomplete["layer5.0.conv1.weight"] = np.zeros((1, 1, 1, 1), np.float32)
   with pytest.raises(ValueError) as error:
-    pretrained.convert_torchvision_state_dict(incomplete, 18)
+    convert.convert_torchvision_state_dict(incomplete, 18)
   assert "missing (1): layer3/0/bn1/mean" in str(error.value)
   assert "unexpected (1): layer5/0/conv1/kernel" in str(error.value)
 
@@ -516,32 +517,45 @@ def test_mismatched_weights_raise_clear_errors(resnet18_npz, tmp_path):
 def test_missing_file_explains_how_to_get_weights(tmp_path):
   path = tmp_path / "resnet50.npz"
   with pytest.raises(FileNotFoundError, match="IMAGENET1K_V1") as error:
-    pretrained.load_pretrained(_build("mnist_cnn"), path)
+    convert.load_pretrained(_build("mnist_cnn"), path)
   assert str(path) in str(error.value)
-  assert "experiments.pretrained convert" in str(error.value)
+  assert "experiments.weights convert" in str(error.value)
 
 
 @pytest.mark.parametrize("depth", [18, 50])
 def test_infer_depth(depth):
   shapes = torchvision_resnet_shapes(depth)
-  assert pretrained._infer_depth(shapes) == depth
+  assert convert._infer_depth(shapes) == depth
 
 
 def test_load_pretrained_reads_a_torchvision_pth(resnet18_npz, tmp_path):
-  # The .pth is read without torch (experiments.pretrained's reader, tested
-  # in test_pretrained.py) and converted as the .npz was.
+  # The .pth is read without torch (experiments.weights.torch_pickle, tested
+  # in test_torch_pickle.py) and converted as the .npz was.
   state_dict, npz = resnet18_npz
   torch_writer.write_state_dict(tmp_path / "resnet18.pth", state_dict)
   # Two different models, so that a loader that left either alone would
   # show.
   from_pth, from_npz = _build("resnet18"), _filled("resnet18", seed=2)
-  pretrained.load_pretrained(from_pth, tmp_path / "resnet18.pth")
-  pretrained.load_pretrained(from_npz, npz)
+  convert.load_pretrained(from_pth, tmp_path / "resnet18.pth")
+  convert.load_pretrained(from_npz, npz)
   _assert_trees_equal(_featurizer_state(from_pth),
                       _featurizer_state(from_npz))
   np.testing.assert_array_equal(
       from_pth.featurizer.conv1.kernel[...],
       state_dict["conv1.weight"].transpose(2, 3, 1, 0))
+
+
+def test_load_pretrained_reads_timms_safetensors(resnet18_npz, tmp_path):
+  # timm names a ResNet's tensors as torchvision does (test_convert.py
+  # checks ResNet-50's against timm's architecture), and publishes them as
+  # safetensors: such a file loads as the .npz does.
+  state_dict, npz = resnet18_npz
+  safetensors.numpy.save_file(state_dict, tmp_path / "model.safetensors")
+  from_timm, from_npz = _build("resnet18"), _filled("resnet18", seed=2)
+  convert.load_pretrained(from_timm, tmp_path / "model.safetensors")
+  convert.load_pretrained(from_npz, npz)
+  _assert_trees_equal(_featurizer_state(from_timm),
+                      _featurizer_state(from_npz))
 
 
 @pytest.mark.parametrize("channels, size", [(1, 7), (3, 8)])

@@ -25,8 +25,8 @@ from experiments.data import pipeline as input_pipeline
 from experiments.runs import records
 from experiments import training
 from test_models import random_state_dict
-from test_pretrained import fixture_server  # pylint: disable=unused-import
-from test_pretrained import serve_weights
+from test_imagenet import fixture_server  # pylint: disable=unused-import
+from test_imagenet import serve_weights
 import torch_writer
 from test_train import kill_at_first_checkpoint, run_here
 

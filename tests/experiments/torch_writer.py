@@ -20,7 +20,7 @@ files of 2017 (``densenet121-a639ec97.pth``) may hold instead:
 * ``rebuild="_rebuild_tensor"``: tensors as torch < 0.4 pickled them,
   ``torch._utils._rebuild_tensor(storage, offset, size, stride)``.
 
-What ``experiments.pretrained.read_torch_state_dict`` reads is checked on
+What ``experiments.weights.torch_pickle.read_torch_state_dict`` reads is checked on
 files that PyTorch itself wrote (tests/data/); this writer is checked by
 reading its files back.
 """

@@ -653,12 +653,13 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
     tmp_path, train_command, monkeypatch, capsys):
   # Nothing listens on the weights' URL: the sweep stops before any run
   # starts, with the download's message, instead of failing every run.
-  from experiments import pretrained  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from experiments.weights import imagenet
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-  monkeypatch.setenv(pretrained.URL_VARIABLE, f"http://127.0.0.1:{port}/m")
-  monkeypatch.setenv(pretrained.DIR_VARIABLE, str(tmp_path / "cache"))
+  monkeypatch.setenv(imagenet.URL_VARIABLE, f"http://127.0.0.1:{port}/m")
+  monkeypatch.setenv(imagenet.DIR_VARIABLE, str(tmp_path / "cache"))
   flags = ["--datasets", "PACS", "--algorithms", "ERM", "--test_envs", "0",
            "--n_hparams", "1", "--n_trials", "2", "--steps", "1",
            "--output_dir", str(tmp_path / "sweep"),
@@ -674,7 +675,7 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   # not check stops the sweep; one of a name of its own hash is used.
   cached.write_bytes(b"cached")
   assert sweep.main(["launch", *flags]) == 2
-  assert "experiments.pretrained fetch resnet50" in capsys.readouterr().err
+  assert "experiments.weights fetch resnet50" in capsys.readouterr().err
   cached = cached.rename(cached.with_name(
       f"resnet50-{hashlib.sha256(b'cached').hexdigest()[:8]}.pth"))
   monkeypatch.setitem(catalog.MODELS, "resnet50", dataclasses.replace(
