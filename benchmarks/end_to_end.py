@@ -16,7 +16,7 @@ Both algorithms train on the same batch, the default ``batch_size`` of
 PGrad-B on the dataset (33 images of each of PACS's 3 training domains, 63 of
 RotatedDigits' 5), and PGrad-B with its default ``B`` and ``k``. Each run is
 evaluated every ``--checkpoint-freq`` steps; its records
-(`experiments.runs.records`) give
+(`experiments.rundir.records`) give
 
 * the steady step time: the mean ``step_time`` of every record but the
   first (whose interval holds the start-up), weighted by its steps;
@@ -71,7 +71,7 @@ from benchmarks import step_time
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import hparams_registry
-from experiments.runs import records as records_lib
+from experiments.rundir import records as records_lib
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = ("mnist_cnn", "resnet18", "resnet50")

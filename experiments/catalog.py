@@ -122,7 +122,7 @@ class AlgorithmEntry(registry.Entry):
       algorithm's model needs (ARM's ``context_net``).
     data_parallel: its update keeps every domain's batch split over an
       Explicit ``data`` mesh axis, so ``--devices`` can split it
-      (``training.Sharder``). The others pool or re-slice the batch in ways
+      (``training.sharding.Sharder``). The others pool or re-slice the batch in ways
       that the axis cannot carry.
     family: the algorithm whose hparams blocks it takes, as DomainBed's
       subclasses have their base class's hparams: ``"PGrad"`` for the

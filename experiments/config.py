@@ -8,27 +8,18 @@ Everything a run reads is resolved and checked once, into a frozen
 `RunSpec` (``experiments.train.resolve_run``): the flags and hyperparameters
 here (`parse_flags`), then its run directory, then its data.
 
-A run directory belongs to one configuration: the run writes its resolved
-arguments and hyperparameters to its ``config.json``
-(`experiments.runs.records` describes the run directory), and a later run in
-the same directory resumes only if its own are the same and its records check
-(`claim_run_directory`).
-The default directory is ``runs/<dataset>-<algorithm>-test<envs>-<hash>``, the
-hash being that of the resolved arguments, so every configuration gets its
-own.
+`Config.identity` is what a run directory belongs to (`experiments.rundir`
+is the run directory's contract), and names the default directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import textwrap
 import types
 import typing
@@ -41,7 +32,8 @@ from experiments import catalog
 from experiments import hparams_registry
 from experiments.data import datasets
 from experiments.errors import UsageError
-from experiments.runs import records
+from experiments.rundir import claim
+from experiments.rundir import records
 
 # Where runs go when no --output_dir is given, one folder per configuration.
 DEFAULT_RUNS_DIR = Path("runs")
@@ -238,7 +230,7 @@ class Config:
     The algorithm cuts every domain's ``batch_size`` examples into equal
     chunks (PGrad's ``B``, ``catalog.AlgorithmEntry.batch_chunks``), and a
     step on several ``devices`` splits each chunk over them on a data axis
-    (`training.Sharder`, docs/scaling.md).
+    (`training.sharding.Sharder`, docs/scaling.md).
 
     Raises:
       UsageError: the batch is no multiple of the chunks, or the algorithm
@@ -380,17 +372,6 @@ def compile_cache_path(flag: str | None) -> Path | None:
   return Path(cache_home) / COMPILE_CACHE_SUBDIR
 
 
-def _write_in(directory: Path) -> None:
-  """Writes a file in ``directory`` and deletes it: a real write, which
-  access checks miss (root, read-only mounts).
-
-  Raises:
-    OSError: the directory does not take a new file.
-  """
-  with tempfile.TemporaryFile(dir=directory):
-    pass
-
-
 def checked_compile_cache(flag: str | None) -> Path | None:
   """`compile_cache_path`, created and written to once, so that a run that
   cannot keep its programs there is told before it trains, not by JAX's
@@ -409,7 +390,7 @@ def checked_compile_cache(flag: str | None) -> Path | None:
     return None
   try:
     path.mkdir(parents=True, exist_ok=True)
-    _write_in(path)
+    claim.write_in(path)
   except OSError as e:
     reason = e.strerror or str(e)
     if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
@@ -526,7 +507,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One run, every setting resolved and checked once
-  (``experiments.train.resolve_run``); `training.train` reads only this.
+  (``experiments.train.resolve_run``); `training.loop.train` reads only this.
 
   Attributes:
     config: the configuration asked for, resolved: its identity names the
@@ -538,7 +519,7 @@ class RunSpec:
       (``train.wilds_protocol``: held-out splits and steps).
     train_domains: the domains it trains on: the others are held out.
     resume: whether ``config.output_dir`` holds this run, to go on with
-      (`claim_run_directory`).
+      (``rundir.claim.claim_run_directory``).
     dataset: its data, as read (``datasets.MultiDomainDataset``): WILDS's
       protocol and the held-out domains follow from them.
     fingerprint: the data's (``datasets.fingerprint``), which the run
@@ -564,41 +545,7 @@ class RunSpec:
                        types.MappingProxyType(dict(self.hparams)))
 
 
-def _differences(
-    ours: Mapping[str, Any], theirs: Mapping[str, Any], prefix: str = ""
-) -> list[str]:
-  """The keys whose values differ, as ``key: ours here, theirs there``."""
-  return [f"{prefix}{key}: {ours.get(key)!r} here, {theirs.get(key)!r} there"
-          for key in sorted(ours.keys() | theirs.keys())
-          if ours.get(key) != theirs.get(key)]
-
-
-def run_record(config: Config, hparams: Mapping[str, Any],
-               weights: Mapping[str, str] | None = None) -> dict[str, Any]:
-  """What ``config.json`` holds: the identity of the run, as JSON values,
-  and the ``weights`` it starts from (`RunSpec.weights`), if any."""
-  record = {"args": config.identity(), "hparams": dict(hparams)}
-  if weights is not None:
-    record["weights"] = dict(weights)
-  return json.loads(json.dumps(record))
-
-
-def _check_writable(output_dir: Path) -> None:
-  """Refuses an output directory that the run could not write, before any
-  work: the directory, or else its nearest existing parent, must be a
-  directory that takes a new file."""
-  existing = next(p for p in (output_dir, *output_dir.parents) if p.exists())
-  if not existing.is_dir():
-    raise UsageError(f"--output_dir {output_dir}: {existing} is a file; pass "
-                     "a directory.")
-  try:
-    _write_in(existing)
-  except OSError as e:
-    raise UsageError(f"--output_dir {output_dir}: cannot write in {existing} "
-                     f"({e.strerror}); pass a writable --output_dir.") from None
-
-
-def _check_outside_data(config: Config) -> None:
+def check_outside_data(config: Config) -> None:
   """Refuses an output directory inside a folder dataset's folder, before
   anything is written: the run's files would be read as the dataset's (an
   unexpected folder), and every later run on the data would stop on them."""
@@ -613,168 +560,3 @@ def _check_outside_data(config: Config) -> None:
         f"--output_dir {config.output_dir} is inside {config.dataset}'s "
         f"folder {data}, where its files would be read as the dataset's; "
         "pass an --output_dir outside it.")
-
-
-class RunDirectoryLock:
-  """Keeps two processes from training one run directory at once (a sweep
-  launched again while its jobs still run, one command run twice), which
-  would interleave their checkpoints and records.
-
-  `acquire` takes an exclusive ``flock`` on the directory's
-  `records.LOCK_FILE`; the kernel (or the network file system's lock
-  service) ends it with the process, however the process ends, so a killed
-  or preempted run leaves no stale lock. As a context manager, the lock, if
-  taken, is released on exit.
-  """
-
-  def __init__(self, output_dir: str | Path):
-    self.output_dir = Path(output_dir)
-    self._file = None
-
-  def acquire(self) -> None:
-    """Takes the lock; the directory must exist.
-
-    Raises:
-      UsageError: another process holds it. A file system without locks
-        gets a warning instead, and no lock.
-    """
-    file = open(self.output_dir / records.LOCK_FILE, "a")
-    try:
-      fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      file.close()
-      raise UsageError(
-          f"{self.output_dir}: another process is training this run now. "
-          "Wait for it to end, or stop it, then run the same command to go "
-          "on from its last checkpoint.") from None
-    except OSError as e:  # No locks on this file system.
-      file.close()
-      print(f"Warning: cannot lock {self.output_dir} ({e.strerror or e}): "
-            "another process training this run at the same time would not "
-            "be stopped.", file=sys.stderr)
-      return
-    self._file = file
-
-  def release(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
-
-  def __enter__(self) -> RunDirectoryLock:
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    self.release()
-
-
-def read_checked_run(output_dir: str | Path, **checkpoint: int | None
-                     ) -> records.RunRecords:
-  """`records.read_run`, with damaged records a usage error naming the fix.
-
-  Args:
-    output_dir: the run directory.
-    **checkpoint: ``checkpoint_step``, as `records.read_run` takes it.
-
-  Raises:
-    UsageError: the records are damaged.
-  """
-  try:
-    return records.read_run(output_dir, **checkpoint)
-  except records.DamagedRunError as e:
-    raise UsageError(f"{e}. Train it again from scratch: the same command "
-                     "with --overwrite.") from None
-
-
-def report_finished_run(output_dir: str | Path) -> records.Record | None:
-  """Prints the result of the run in ``output_dir`` if it is finished
-  (`records.is_done`), as the train command prints it again, and returns
-  its last record; returns None for a run not finished, printing nothing.
-
-  It imports no JAX, so that the command prints a finished run's result
-  without the seconds of importing the training loop.
-
-  Raises:
-    UsageError: the run is finished but its records are damaged
-      (`read_checked_run`); nothing is printed.
-  """
-  if not records.is_done(output_dir):
-    return None
-  record = read_checked_run(output_dir).records[-1]
-  print("Already finished.", file=sys.stderr)
-  print_result(record, output_dir)
-  return record
-
-
-def print_result(record: records.Record, output_dir: str | Path) -> None:
-  """Prints a run's result, its last ``record``: the final line on stdout,
-  then on stderr a warning where its losses are not finite
-  (`records.divergence_warning`)."""
-  print(records.final_line(record, output_dir))
-  if (warning := records.divergence_warning(record)) is not None:
-    print(warning, file=sys.stderr)
-
-
-def claim_run_directory(config: Config, hparams: Mapping[str, Any]) -> bool:
-  """Whether to resume the run in ``config.output_dir``; refuses another's.
-
-  With ``overwrite``, deletes the run's files there (`records.RUN_FILES` and
-  its config file; other files stay); nothing is deleted otherwise. Creates
-  nothing: the run creates the directory when it first writes to it.
-
-  Args:
-    config: the resolved configuration.
-    hparams: its hyperparameters.
-
-  Returns:
-    True when the directory holds a run of the same configuration, False when
-    there is nothing to resume (no directory, none of a run's files, or
-    ``overwrite``).
-
-  Raises:
-    UsageError: the directory is inside the dataset's folder, or cannot be
-      written, or holds a run of another configuration, or run files
-      without a config file, and ``overwrite`` is off.
-  """
-  output_dir = Path(config.output_dir)
-  _check_outside_data(config)
-  _check_writable(output_dir)
-  if config.overwrite:
-    if (output_dir / records.LOCK_FILE).exists():
-      # Not from under a process that trains there.
-      with RunDirectoryLock(output_dir) as lock:
-        lock.acquire()
-    for name in (records.CONFIG_FILE, *records.RUN_FILES):
-      path = output_dir / name
-      if path.is_dir():
-        shutil.rmtree(path)
-      elif path.exists():
-        path.unlink()
-      else:
-        continue
-      print(f"Deleted {path} (--overwrite).", file=sys.stderr)
-    return False
-  config_path = output_dir / records.CONFIG_FILE
-  ways_out = ("Pass another --output_dir (or none: each configuration has "
-              "its own default), or --overwrite to delete that run and start "
-              "over.")
-  if config_path.exists():
-    try:
-      stored = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-      raise UsageError(f"{config_path} is not JSON ({e}): a damaged run of "
-                       f"unknown configuration. {ways_out}") from None
-    ours = run_record(config, hparams)
-    differences = (_differences(ours["args"], stored.get("args", {})) +
-                   _differences(ours["hparams"], stored.get("hparams", {}),
-                                "hparams."))
-    if not differences:
-      return True
-    raise UsageError(
-        f"{output_dir} holds a run of another configuration; differing "
-        f"keys:\n  " + "\n  ".join(differences) + f"\n{ways_out}")
-  found = [name for name in records.RUN_FILES if (output_dir / name).exists()]
-  if found:
-    raise UsageError(f"{output_dir} holds {', '.join(found)} but no "
-                     f"{records.CONFIG_FILE}: a run of unknown configuration. "
-                     f"{ways_out}")
-  return False

@@ -9,8 +9,7 @@ The protocol is DomainBed's (Gulrajani & Lopez-Paz, ICLR 2021): a fraction
 validation and the rest is the "in" split; every step samples one batch per
 training domain from its "in" split, with replacement. Every
 ``checkpoint_freq`` steps and at the end, the run evaluates every domain and
-appends a record of it to its results file (`experiments.runs.records`
-describes the run directory and the records). The held-out domains'
+appends a record of it to its results file. The held-out domains'
 accuracy is their ``in`` split's, as DomainBed reports; the run ends by
 printing the last step's, which no model selection has chosen.
 
@@ -22,58 +21,23 @@ metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 ``env{i}_in_worst_r`` for PovertyMap's regression, ``env{i}_in_acc`` and
 ``env{i}_in_worst_acc`` (worst region) for FMoW.
 
-Every evaluation is followed by an Orbax checkpoint (the last two are kept) of
-the params, BatchNorm statistics, algorithm state, step and data iterator. The
-same command resumes a killed or stopped run from its last checkpoint and
-finishes with bit-for-bit the same params as an uninterrupted run; a record
-newer than the checkpoint is dropped and recomputed.
-
-SIGINT (Ctrl-C) and SIGTERM (e.g. SLURM's preemption, or its time limit)
-lose no work: the run finishes its step, evaluates and checkpoints it, and
-exits with status 130 or 143, saying where the rerun resumes; a second
-signal stops it at once, from the last checkpoint. The loop is never more
-than one step ahead of the device, so that step is at most the one after
-the step running when the signal came; a signal before the first step, or
-once a step is checkpointed, stops the run there. Between the
-``checkpoint_freq`` steps, the record of such an interrupt is marked
-``"interrupted"`` (the signal's name) and holds the metrics summed since
-the previous record; the run resumed from it sums on, then deletes that
-checkpoint and record, so that its records and params are those of a run
-never interrupted. The interrupt evaluates, as every checkpoint does, so
-that the record of a run left interrupted reads as any other: ask the
-scheduler for the signal at least two steps and an evaluation before the end
-(SLURM: ``--signal=TERM@<seconds>``, its default grace period being 30 s).
-
-Records that contradict themselves or the checkpoints (which no run, even
-killed, leaves) are refused with exit status 2 before anything else, as is a
-finished run's; the same command with ``--overwrite`` trains again from
-scratch. At the end the run writes its final params and its ``done`` file; the
-same command then prints its result again, without importing JAX.
-
-The output directory belongs to one configuration, recorded in its config
-file before the run writes anything else there: at the first evaluation, or
-with ``--trajectory_freq`` at the step-0 snapshot. The directory is created
-then, so a run failing earlier leaves nothing, and a run killed later leaves
-a directory that the same command resumes. A run of another configuration
-there, or a directory that cannot be written, is refused before any work,
-with exit status 2, unless ``--overwrite`` (see `experiments.config`).
-
-With ``trajectory_freq`` N > 0, the params after every N-th step (and at
-step 0) are saved flattened as float32 snapshots (see
-`training.save_trajectory_point`), for the trajectory plots of
-``experiments.analysis.claims``.
-A resumed run rewrites the snapshots after its checkpoint with the same values.
+The run directory (its files, records, checkpoints, what a killed or
+interrupted run leaves, and when a directory is refused) is
+`experiments.rundir`'s contract. The command exits with status 2 and a
+message, no traceback, on a run that cannot run (`errors.UsageError`), and
+with 128 + the signal's number on SIGINT or SIGTERM, after saying where a
+rerun resumes.
 
 With ``--devices`` N > 1, every domain's batch is split over N devices on a
-``data`` mesh axis and the train state is replicated (`training.Sharder`);
-the batch must divide, and the algorithm must keep it split
+``data`` mesh axis and the train state is replicated
+(`training.sharding.Sharder`); the batch must divide, and the algorithm must keep it split
 (``catalog.AlgorithmEntry.data_parallel``).
 
 Every setting is resolved and checked once, before JAX is imported (the
 training loop is in `experiments.training`), into the frozen
 `config.RunSpec` that the loop reads (`resolve_run`): a bad name or value
 is refused at once, and a finished run's result is printed then
-(`config.report_finished_run`), JAX never imported.
+(`rundir.claim.report_finished_run`), JAX never imported.
 """
 
 
@@ -93,7 +57,8 @@ import numpy as np
 from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
-from experiments.runs import records
+from experiments.rundir import claim
+from experiments.rundir import records
 from experiments.data import wilds
 
 
@@ -103,7 +68,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
 
   In turn: the flags and hyperparameters (`config.parse_flags`, which exits
   with status 2 and a usage message on a mistake), the run directory
-  (`config.claim_run_directory`), the data, from which WILDS's protocol
+  (`rundir.claim.claim_run_directory`), the data, from which WILDS's protocol
   (`wilds_protocol`) and the held-out domains follow, then the featurizer
   weights the run starts from (`_checked_weights`), before any model is
   built.
@@ -122,7 +87,9 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
       what ``--overwrite`` deletes, and weights fetched into their cache).
   """
   config, hparams = config_lib.parse_flags(argv)
-  resume = config_lib.claim_run_directory(config, hparams)
+  config_lib.check_outside_data(config)
+  resume = claim.claim_run_directory(config.output_dir, config.identity(),
+                                     hparams, overwrite=config.overwrite)
   try:
     dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                    seed=config.trial_seed)
@@ -288,12 +255,13 @@ def _run(argv: Sequence[str] | None) -> int:
   try:
     spec = resolve_run(argv)
     # A finished run's result needs no JAX, whose import takes seconds.
-    if spec.resume and config_lib.report_finished_run(
+    if spec.resume and claim.report_finished_run(
         spec.config.output_dir) is not None:
       return 0
     # Imported once the run is resolved and to be trained.
-    from experiments import training  # pylint: disable=import-outside-toplevel
-    training.train(spec)
+    # pylint: disable-next=import-outside-toplevel
+    from experiments.training import loop
+    claim.print_result(loop.train(spec), spec.config.output_dir)
   except config_lib.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2

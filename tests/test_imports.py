@@ -205,7 +205,7 @@ def test_a_lower_package_importing_the_run_is_seen():
            "experiments.models": ["experiments.training.loop"],
            "experiments.weights.convert": ["experiments.data.datasets"],
            "experiments.train": ["experiments.data.datasets"],
-           "experiments.database": ["experiments.runs.records"]}
+           "experiments.database": ["experiments.rundir.records"]}
   assert lower_package_violations(graph) == {
       "experiments.data.datasets": ["experiments.config"],
       "experiments.models": ["experiments.training.loop"]}

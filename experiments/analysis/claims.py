@@ -13,7 +13,7 @@ Each claim becomes one number per algorithm in ``claims.json`` and one figure
   by PCA and by t-SNE, and the length and straightness of each path
   (`path_lengths`). `project_paths` reads the snapshots once into a
   `ProjectedPath` per run, which is also what a study's pack keeps in
-  their place (`experiments.runs.records.pack_runs`).
+  their place (`experiments.rundir.pack.pack_runs`).
 * Bottom eigenvectors (its Q5, appendix A.7): the mean training loss of
   ``PGrad-Bottom`` against ``PGrad`` over training, and its relative change
   (`loss_changes`).
@@ -50,7 +50,7 @@ import numpy as np
 
 from experiments.analysis.model_selection import by_run, group_by
 from experiments.catalog import TRAJECTORY_ALGORITHMS
-from experiments.runs.records import Record, env_key, held_out_env, train_envs
+from experiments.rundir.records import Record, env_key, held_out_env, train_envs
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 BOTTOM_ALGORITHMS = ("PGrad", "PGrad-Bottom")

@@ -1,6 +1,6 @@
 """DomainBed's model selection over the records of a sweep.
 
-A *record* is one evaluation of a run (`experiments.runs.records`): the run's
+A *record* is one evaluation of a run (`experiments.rundir.records`): the run's
 ``args`` and ``hparams`` plus the accuracies of every domain ``i``,
 ``env{i}_in_acc`` and ``env{i}_out_acc``. A *run* is one
 ``(dataset, algorithm, test env, hparams_seed, trial_seed)`` training job.
@@ -27,7 +27,7 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from experiments.runs.records import Record, env_key, held_out_env, train_envs
+from experiments.rundir.records import Record, env_key, held_out_env, train_envs
 
 
 class RunAccuracy(NamedTuple):

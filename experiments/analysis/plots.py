@@ -1,6 +1,6 @@
 """The report's figures: training dynamics, and the paper's claims.
 
-Every training-dynamics function takes records (see `experiments.runs.records`)
+Every training-dynamics function takes records (see `experiments.rundir.records`)
 of one dataset and held-out domain and writes one PNG, titled with the
 dataset and the held-out domain; `plot_claims` draws what
 `experiments.analysis.claims` measures. Domains are named as
@@ -27,7 +27,7 @@ from PIL import Image
 from experiments import catalog
 from experiments.analysis import claims
 from experiments.analysis.model_selection import by_run, group_by
-from experiments.runs.records import Record, env_key, held_out_env, train_envs
+from experiments.rundir.records import Record, env_key, held_out_env, train_envs
 
 # Every figure's resolution, and the most colours of its PNG (`save`).
 DPI = 120

@@ -22,7 +22,7 @@ writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
 the paper's claims measured by `experiments.analysis.claims` to
 ``results/digits/claims/`` (``claims.json`` and a PNG per figure). The runs
 are read from their directories and from packs (``runs.jsonl.gz``,
-`experiments.runs.records.pack_runs`), as a committed study keeps them.
+`experiments.rundir.pack.pack_runs`), as a committed study keeps them.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from experiments.analysis import claims as claims_lib
 from experiments.runs import convergence
 from experiments.analysis import model_selection
 from experiments.analysis import plots
-from experiments.runs import records as records_lib
+from experiments.rundir import pack
+from experiments.rundir import records as records_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
-from experiments.runs.records import Record
+from experiments.rundir.records import Record
 
 PLOTS_DIR = "plots"
 # The runs whose training curves are plotted: DomainBed's default hparams.
@@ -465,7 +466,7 @@ def claims_section(
     runs: the sweep's runs (directories or packed) with their records.
     output_dir: the report's directory.
     packed_paths: what the packed runs among ``runs`` keep of their params
-      snapshots (`records_lib.SweepRecords.trajectories`); the others'
+      snapshots (`pack.SweepRecords.trajectories`); the others'
       snapshots are read from their directories.
 
   Returns:
@@ -519,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument(
       "--input_dir", required=True,
       help=f"Searched recursively for runs' {records_lib.RESULTS_FILE} files "
-      f"and for packed runs ({records_lib.PACK_FILE}).")
+      f"and for packed runs ({pack.PACK_FILE}).")
   parser.add_argument("--output_dir", required=True)
   parser.add_argument(
       "--hparams_seeds", type=int, nargs="+", metavar="SEED",
@@ -531,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if not Path(args.input_dir).is_dir():
     parser.error(f"--input_dir {args.input_dir}: no such directory.")
 
-  found = records_lib.load_runs(args.input_dir)
+  found = pack.load_runs(args.input_dir)
   for run_dir, why in found.skipped.items():
     print(f"Skipped {run_dir}, its records damaged: {why}.", file=sys.stderr)
   runs = found.runs
@@ -543,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{', '.join(map(str, sorted(set(args.hparams_seeds))))})")
   records = [record for run in runs.values() for record in run]
   if not records:
-    print(f"No {records_lib.RESULTS_FILE} or {records_lib.PACK_FILE} records "
+    print(f"No {records_lib.RESULTS_FILE} or {pack.PACK_FILE} records "
           f"under {args.input_dir}{scope}.", file=sys.stderr)
     return 1
   if found.skipped:

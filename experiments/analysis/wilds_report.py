@@ -19,7 +19,7 @@ import numpy as np
 
 from experiments import catalog
 from experiments.analysis import model_selection
-from experiments.runs.records import Record, env_key
+from experiments.rundir.records import Record, env_key
 
 # Dataset -> (the selection metric's suffix, its scale in the table, label).
 METRICS = {"FMoW": ("acc", 100.0, "Accuracy (%)"),

@@ -36,7 +36,7 @@ brightness, contrast and colour blends for the first three factors (here
 channel of Pillow's HSV image by ``uint8(255 * hue)`` levels (modulo 256);
 ``convert("L")`` for grayscale. ``ToTensor`` and ``Normalize`` come last,
 in the training step: the augmented photos are uint8 bytes until then
-(`experiments.training.normalized`, equal to `datasets.normalize`).
+(`experiments.training.steps.normalized`, equal to `datasets.normalize`).
 
 The random draws come from a NumPy Generator rather than torch's and Python's
 generators, so the same image gets other crops than in DomainBed, drawn from
@@ -217,7 +217,7 @@ def apply(image: Image.Image, augmentation: PhotoAugmentation,
   Returns:
     The uint8 ``(size, size, 3)`` pixels, not yet normalised: batches cross
     to the device as bytes, and the training step normalises them
-    (`experiments.training.normalized`, equal to `datasets.normalize`).
+    (`experiments.training.steps.normalized`, equal to `datasets.normalize`).
   """
   top, left, height, width = augmentation.crop
   pixels = np.asarray(image.crop((left, top, left + width, top + height))

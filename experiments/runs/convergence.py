@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments.runs.records import Record, env_key, train_envs
+from experiments.rundir.records import Record, env_key, train_envs
 
 WINDOW = 0.2  # The last fifth of the steps.
 

@@ -6,7 +6,7 @@ can differ in their last digits from one kind of CPU to another; a release
 of JAX or of the packages around it (`PACKAGES`), another backend or other
 ``XLA_FLAGS`` can change them too.
 `describe` says all of that about the process calling it, for the run to
-keep beside its records (`experiments.runs.records.ENVIRONMENT_FILE`), so
+keep beside its records (`experiments.rundir.records.ENVIRONMENT_FILE`), so
 that a difference found on retraining can be read against the machines. It
 names no host, user or path.
 

@@ -12,7 +12,7 @@ listed (`experiments.runs.sweep`'s flags, or a study config's ``runs``):
         --longer_steps 16000
 
 ``reproduce`` retrains a sample of the finished runs (in their directories
-or packed: `experiments.runs.records.finished_records`) from scratch in a
+or packed: `experiments.rundir.pack.finished_records`) from scratch in a
 scratch directory, one per ``(dataset, algorithm, hparams_seed, trial_seed)``
 (the run holding out the lowest domain), ``--jobs`` at a time, and checks
 that every record comes out equal to the committed one, timing excepted. It
@@ -22,7 +22,7 @@ sampled run's time stands for the other held-out domains of its group.
 
 Floating-point results change with the processor and the package versions,
 so the report says where each run trained and where it trained again (the
-runs' environment files, `experiments.runs.records.ENVIRONMENT_FILE`). Where
+runs' environment files, `experiments.rundir.records.ENVIRONMENT_FILE`). Where
 the two are the same, a run must come out equal, bit for bit. Where they
 differ, or the run did not record where it trained, a run whose records
 differ is judged against the spread of its cell's committed trials
@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING, Any
 
 from experiments.runs import convergence
 from experiments.runs import environment
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 
 if TYPE_CHECKING:
   from experiments.runs import sweep
@@ -318,7 +319,7 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     start = time.monotonic()
     returncode = copy.train()
     seconds = time.monotonic() - start
-    committed = records.finished_records(run.output_dir)
+    committed = pack.finished_records(run.output_dir)
     retrained = None if returncode else records.read_run(
         copy.output_dir).records
     difference = (f"exit status {returncode}" if returncode else
@@ -326,7 +327,7 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     noise = None
     if difference is not None and retrained:
       trials = [finished for trial in cells[_cell(run)] if (
-          finished := records.finished_records(trial.output_dir))]
+          finished := pack.finished_records(trial.output_dir))]
       try:
         noise = judge_noise(reported_numbers(retrained),
                             reported_numbers(committed),
@@ -336,7 +337,7 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     result = {"run": run.output_dir.name, "group": list(group(run)),
               "equal": difference is None, "difference": difference,
               "exit_status": returncode, "seconds": round(seconds, 1),
-              "trained_on": records.run_environment(run.output_dir),
+              "trained_on": pack.run_environment(run.output_dir),
               "retrained_on": records.read_environment(copy.output_dir),
               "noise": noise}
     return {**result, "verdict": verdict(result)}
@@ -551,7 +552,7 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
                        output_dir: str | Path,
                        lock: tuple[str, dict[str, str]] | None) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
-            if records.finished_records(run.output_dir) is not None]
+            if pack.finished_records(run.output_dir) is not None]
   if not chosen:
     draws = ("" if args.hparams_seeds is None else
              f" with hparams_seed in {args.hparams_seeds}")
@@ -602,10 +603,10 @@ def _longer_command(parser: argparse.ArgumentParser,
                      **{name: getattr(args, name) for name in _LONGER_FLAGS})
   except ValueError as e:
     parser.error(str(e))
-  if records.finished_records(run.output_dir) is None:
+  if pack.finished_records(run.output_dir) is None:
     print(f"Training {run}.")
     if returncode := run.train():
       print(f"Failed (see {run.log_file}).", file=sys.stderr)
       return returncode
-  print(describe_ends(records.finished_records(run.output_dir), args.every))
+  print(describe_ends(pack.finished_records(run.output_dir), args.every))
   return 0

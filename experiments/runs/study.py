@@ -21,7 +21,7 @@ converged DomainBed-protocol study of the embedded digits,
 Runs are launched in the study's order. They live in
 ``<output_dir>/<md5 of their args>``. ``pack`` writes the finished ones, and
 those of the longer command, to one compressed file in each directory
-(``runs.jsonl.gz``, `experiments.runs.records.pack_runs`): every run's config and
+(``runs.jsonl.gz``, `experiments.rundir.pack.pack_runs`): every run's config and
 records, where it trained if it recorded that, and for the runs that saved
 params snapshots what the paper's claims read of them
 (`experiments.analysis.claims.ProjectedPath`). The packs are
@@ -50,7 +50,8 @@ from pathlib import Path
 from types import ModuleType
 
 from experiments.runs import environment
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 from experiments.runs import rerun
 from experiments import studies
 from experiments.runs import sweep
@@ -87,7 +88,7 @@ def study_lock(study: ModuleType) -> tuple[str, dict[str, str]] | None:
 
 
 def pack(directory: Path) -> int:
-  """Packs the finished runs in ``directory`` (`records.pack_runs`), with
+  """Packs the finished runs in ``directory`` (`pack.pack_runs`), with
   what the paper's claims read of their params snapshots in place of these
   (`experiments.analysis.claims.project_paths`), and says what it packed.
 
@@ -98,19 +99,19 @@ def pack(directory: Path) -> int:
   # analysis.
   from experiments.analysis import claims  # pylint: disable=import-outside-toplevel
   snapshots = {}
-  for run_dir in records.finished_run_dirs(directory):
+  for run_dir in pack.finished_run_dirs(directory):
     if files := records.trajectory_files(run_dir):
       try:
         snapshots[run_dir] = (records.read_run(run_dir).records[0], files)
       except records.DamagedRunError:
         continue  # pack_runs says why it leaves the run out.
   paths = claims.project_paths(snapshots)
-  packed, skipped = records.pack_runs(
+  packed, skipped = pack.pack_runs(
       directory, {run_dir.name: path.to_json()
                   for run_dir, path in paths.items()})
   for run_dir, why in skipped.items():
     print(f"Left out {run_dir}: {why}.", file=sys.stderr)
-  print(f"Packed {len(packed)} runs in {directory / records.PACK_FILE}.")
+  print(f"Packed {len(packed)} runs in {directory / pack.PACK_FILE}.")
   return len(skipped)
 
 
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="launch (default): train every run not done; "
                       "list: the status of every run; pack: write the done "
                       "runs, and the longer command's, to one compressed "
-                      f"file, {records.PACK_FILE}, in their directory; "
+                      f"file, {pack.PACK_FILE}, in their directory; "
                       "reproduce: retrain a sample of the done runs and "
                       "compare their records; longer: train one run for "
                       "more steps and say when it plateaus.")

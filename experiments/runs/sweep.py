@@ -9,9 +9,9 @@ the run's identity, as in DomainBed.
 The sweep is resumable: a run directory holding a ``done`` file is skipped, and
 one without is launched again (training resumes from its last checkpoint), so
 a killed sweep is restarted with the same command. A run packed in the output
-directory's ``runs.jsonl.gz`` (`experiments.runs.records.pack_runs`, how a study is
+directory's ``runs.jsonl.gz`` (`experiments.rundir.pack.pack_runs`, how a study is
 committed) is done too. A run whose records fail
-`experiments.runs.records.read_run` (damage that no run leaves, even killed) is
+`experiments.rundir.records.read_run` (damage that no run leaves, even killed) is
 neither skipped as done nor launched: it is listed as damaged with the
 reason, and ``delete_incomplete`` deletes it with the incomplete runs.
 
@@ -82,7 +82,8 @@ import tqdm
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import hparams_registry
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 from experiments.runs import rerun
 
 # The datasets that ship with the code, so a default sweep needs no downloads.
@@ -144,8 +145,8 @@ class Run:
   def status(self) -> Status:
     """Read from the directory now, so it follows the run's progress; a
     packed run whose directory holds no records is done
-    (`records.packed_run`)."""
-    if records.packed_run(self.output_dir) is not None:
+    (`pack.packed_run`)."""
+    if pack.packed_run(self.output_dir) is not None:
       return Status.DONE
     if not self.output_dir.exists():
       return Status.NOT_STARTED

@@ -21,10 +21,14 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments import hparams_registry
-from experiments.runs import records
+from experiments.rundir import records
 from experiments.runs import sweep
 from experiments import train
-from experiments import training
+from experiments.rundir import claim
+from experiments.training import evaluate
+from experiments.training import loop
+from experiments.training import sharding
+from experiments.training import steps as train_steps
 from test_train import REPO, read_records, run_here
 
 
@@ -97,7 +101,7 @@ def test_pretrained_defaults_follow_the_references(flags, pretrained,
 
 def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
                                                             capsys):
-  params = tmp_path / "final_params.npz"  # A run's, as training.save_params.
+  params = tmp_path / "final_params.npz"  # A run's, as checkpoints.save_params.
   np.savez(params, **{"params/head/bias": np.zeros(3),
                       "stats/featurizer/bn1/mean": np.zeros(3)})
   for flags, message in [
@@ -335,7 +339,7 @@ def _write_run_config(output_dir, flags):
   config = config_lib.parse_args([*flags, "--output_dir", str(output_dir)])
   output_dir.mkdir(parents=True)
   (output_dir / records.CONFIG_FILE).write_text(json.dumps(
-      config_lib.run_record(config, config.hyperparameters())))
+      claim.run_record(config.identity(), config.hyperparameters())))
 
 
 def test_a_directory_of_another_configuration_is_refused(
@@ -356,7 +360,9 @@ def test_a_directory_of_another_configuration_is_refused(
   # The same configuration (wherever its data is) resumes.
   config = config_lib.parse_args(["--seed", "3", "--output_dir", str(run),
                                   "--data_dir", "elsewhere"])
-  assert config_lib.claim_run_directory(config, config.hyperparameters())
+  assert claim.claim_run_directory(
+      config.output_dir, config.identity(), config.hyperparameters(),
+      overwrite=config.overwrite)
 
   # Run files without a config.json: a run of unknown configuration.
   legacy = tmp_path / "legacy"
@@ -402,7 +408,7 @@ def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
   for owner, name in ((config_lib.Config, "resolve"),
                       (config_lib.Config, "hyperparameters"),
                       (config_lib.Config, "check_batch_split"),
-                      (config_lib, "claim_run_directory"),
+                      (claim, "claim_run_directory"),
                       (datasets, "get_dataset"), (train, "wilds_protocol")):
     monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
   run = tmp_path / "run"
@@ -421,12 +427,12 @@ def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
   assert not run.exists()
   # Training resolves nothing again: it reads the spec.
   resolved.clear()
-  record = training.train(spec)
+  record = loop.train(spec)
   assert resolved == []
   assert record["hparams"] == dict(spec.hparams)
   assert record["args"] == spec.protocol.record_args()
   assert json.loads((run / records.CONFIG_FILE).read_text()) == (
-      config_lib.run_record(spec.config, spec.hparams))
+      claim.run_record(spec.config.identity(), spec.hparams))
 
 
 def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(
@@ -438,7 +444,7 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(
   def failing_step(*args):
     raise RuntimeError("the step failed")
 
-  monkeypatch.setattr(training, "make_train_step", failing_step)
+  monkeypatch.setattr(train_steps, "make_train_step", failing_step)
   with pytest.raises(RuntimeError, match="the step failed"):
     train.main(["--dataset", "ColoredDigits", "--algorithm", "ERM"])
   assert list(tmp_path.iterdir()) == []
@@ -462,10 +468,10 @@ def test_evaluation_batches_are_no_larger_than_the_splits():
     # Correct exactly when the image's value is even.
     return np.where(value % 2 == 0, labels, 1 - labels), value
 
-  state = training.TrainState(0, None, None, None)
+  state = train_steps.TrainState(0, None, None, None)
   config = config_lib.Config(loss_examples=4, num_workers=0)
-  results = training.evaluate(eval_step, state, dataset, sets, config,
-                              training.Sharder())
+  results = evaluate.evaluate(eval_step, state, dataset, sets, config,
+                              sharding.Sharder())
   assert set(shapes) == {9}  # The largest split, not the flag's 256.
   assert results["env0_in_acc"] == 5 / 9  # 0, 2, 4, 6, 8 of 0..8.
   assert results["env0_out_acc"] == 1 / 3  # 10 of 9, 10, 11.
@@ -486,7 +492,9 @@ def test_overwrite_deletes_the_run_files_only(tmp_path):
   (run / "notes.txt").write_text("mine")
   config = config_lib.parse_args(["--seed", "4", "--overwrite",
                                   "--output_dir", str(run)])
-  assert not config_lib.claim_run_directory(config, config.hyperparameters())
+  assert not claim.claim_run_directory(
+      config.output_dir, config.identity(), config.hyperparameters(),
+      overwrite=config.overwrite)
   assert [p.name for p in run.iterdir()] == ["notes.txt"]
 
 

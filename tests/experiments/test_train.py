@@ -30,9 +30,17 @@ from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.runs import convergence
 from experiments.runs import environment
-from experiments.runs import records
+from experiments.rundir import records
 from experiments import train
-from experiments import training
+from experiments.rundir import checkpoints
+from experiments.rundir import claim
+from experiments.training import compile_cache
+from experiments.training import evaluate
+from experiments.training import interrupts
+from experiments.training import loop
+from experiments.training import progress
+from experiments.training import sharding
+from experiments.training import steps as train_steps
 from test_model_selection import make_record
 
 
@@ -262,7 +270,7 @@ def test_stops_at_reads_the_records_at_check_steps_only():
   def stops(step, check_freq):
     config = config_lib.Config(steps=1000, checkpoint_freq=100,
                                plateau_check_freq=check_freq)
-    return training.stops_at(config, run[:step // 100], step)
+    return loop.stops_at(config, run[:step // 100], step)
   # 200: 0.4 -> 0.9 over the window (it reaches back to step 100); 300 and
   # 400: no move.
   assert [stops(s, 100) for s in (100, 200, 300, 400)] == [
@@ -274,8 +282,8 @@ def test_stops_at_reads_the_records_at_check_steps_only():
 # Prepended to a train command: records how the first training batch is
 # laid out on the devices, as placed and as the step's program types it.
 _RECORD_BATCH_LAYOUT = """import json, jax
-from experiments import training
-place = training.Sharder.batch
+from experiments.training import sharding
+place = sharding.Sharder.batch
 def place_and_record(self, batch, axis):
   placed = place(self, batch, axis)
   if axis == 1 and not place_and_record.done:
@@ -288,7 +296,7 @@ def place_and_record(self, batch, axis):
     place_and_record.done = True
   return placed
 place_and_record.done = False
-training.Sharder.batch = place_and_record
+sharding.Sharder.batch = place_and_record
 """
 
 
@@ -377,13 +385,13 @@ def test_trajectory_snapshots_every_n_steps_end_at_the_final_params(
 # params snapshot is on disk, before its first step (and checkpoint).
 _DIE_AFTER_FIRST_SNAPSHOT = """\
 import os, signal
-from experiments import training
-save = training.save_trajectory_point
+from experiments.rundir import checkpoints
+save = checkpoints.save_trajectory_point
 def save_then_die(output_dir, step, params):
   save(output_dir, step, params)
   if step == 0:
     os.kill(os.getpid(), signal.SIGKILL)
-training.save_trajectory_point = save_then_die
+checkpoints.save_trajectory_point = save_then_die
 """
 
 
@@ -436,9 +444,10 @@ def test_a_finished_run_prints_its_result_again_and_writes_nothing(
       "held-out domains' in splits; no model selection): "
       f"{held_out}. Run directory: {reference}\n")
   assert _files(reference) == before
-  # The training loop, called on the finished run, says the same.
-  assert training.train(train.resolve_run(_flags(reference))) == last
-  assert capsys.readouterr() == (out, err)
+  # The training loop, called on the finished run, returns its last
+  # record, and prints nothing: the command prints.
+  assert loop.train(train.resolve_run(_flags(reference))) == last
+  assert capsys.readouterr() == ("", "")
   assert _files(reference) == before
 
 
@@ -461,7 +470,7 @@ def test_a_finished_runs_result_is_printed_without_importing_jax(reference):
   assert "experiments.config" in imported, again.stderr
   needless = sorted(name for name in imported
                     if name.split(".")[0] in ("jax", "jaxlib")
-                    or name == "experiments.training")
+                    or name.startswith("experiments.training"))
   assert not needless, needless[:10]
 
 
@@ -554,7 +563,7 @@ def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
   run = records.read_run(output_dir)
   assert run.checkpoint_step == FREQ and run.unsaved == 0
   # At a checkpoint already: its record is the schedule's.
-  assert training.INTERRUPT_KEY not in run.records[-1]
+  assert checkpoints.INTERRUPT_KEY not in run.records[-1]
 
 
 # Prepended to a train command: the run sends itself SIG once its training
@@ -562,15 +571,15 @@ def test_ctrl_c_stops_at_a_checkpoint_that_the_same_command_resumes(tmp_path):
 # checked for signals yet), so that the signal lands within that step.
 _SIGNAL_IN_STEP = """\
 import os
-from experiments import training
-add = training.MetricMeter.add
+from experiments.training import evaluate
+add = evaluate.MetricMeter.add
 calls = []
 def add_and_signal(self, metrics):
   add(self, metrics)
   calls.append(1)
   if len(calls) == {calls}:
     os.kill(os.getpid(), {sig})
-training.MetricMeter.add = add_and_signal
+evaluate.MetricMeter.add = add_and_signal
 """
 
 
@@ -591,7 +600,7 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
   assert run.checkpoint_step == stop and run.unsaved == 0
   assert [r["step"] for r in run.records] == [FREQ, stop]
   interrupt = run.records[-1]
-  assert interrupt[training.INTERRUPT_KEY] == sig.name
+  assert interrupt[checkpoints.INTERRUPT_KEY] == sig.name
   # A whole record, evaluated, as any reader of the records expects.
   assert 0 <= interrupt["env0_in_acc"] <= 1
 
@@ -621,8 +630,8 @@ def test_a_signal_between_checkpoints_saves_the_step_and_resumes_exactly(
 # about 6 CPU-seconds).
 _LAGGING_STEPS = """\
 import jax, jax.numpy as jnp
-from experiments import training
-make_train_step = training.make_train_step
+from experiments.training import steps as train_steps
+make_train_step = train_steps.make_train_step
 def busy(_):
   matrix = jnp.full(({size}, {size}), 1 / {size}, jnp.float32)
   return jax.lax.fori_loop(0, {rounds}, lambda _, m: jnp.tanh(m @ m),
@@ -649,15 +658,16 @@ def make_lagging_step(algorithm, key):
 # by then.
 _SIGNAL_WHILE_THE_DEVICE_LAGS = _LAGGING_STEPS + """\
 import os, threading
-training.make_train_step = make_lagging_step
-add = training.MetricMeter.add
+from experiments.training import evaluate
+train_steps.make_train_step = make_lagging_step
+add = evaluate.MetricMeter.add
 calls = []
 def add_and_signal_later(self, metrics):
   add(self, metrics)
   calls.append(1)
   if len(calls) == {calls}:
     threading.Timer({delay}, os.kill, (os.getpid(), {sig})).start()
-training.MetricMeter.add = add_and_signal_later
+evaluate.MetricMeter.add = add_and_signal_later
 """
 
 
@@ -712,9 +722,9 @@ def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
 
   interval = []  # The metrics of the steps since the last evaluation.
   shown = []  # (steps counted, steps ended) as the bar was updated.
-  add, training_shown, results = (training.MetricMeter.add,
-                                  training._Screen.training,
-                                  training._Screen.results)
+  add, training_shown, results = (evaluate.MetricMeter.add,
+                                  progress.Screen.training,
+                                  progress.Screen.results)
 
   def add_and_keep(self, metrics):
     interval.append(metrics)
@@ -729,11 +739,11 @@ def test_the_bar_counts_only_the_steps_that_have_ended(tmp_path, capsys,
     interval.clear()
     results(self, record, test_envs)
 
-  monkeypatch.setattr(training, "make_train_step",
+  monkeypatch.setattr(train_steps, "make_train_step",
                       lagging["make_lagging_step"])
-  monkeypatch.setattr(training.MetricMeter, "add", add_and_keep)
-  monkeypatch.setattr(training._Screen, "training", show)
-  monkeypatch.setattr(training._Screen, "results", evaluated)
+  monkeypatch.setattr(evaluate.MetricMeter, "add", add_and_keep)
+  monkeypatch.setattr(progress.Screen, "training", show)
+  monkeypatch.setattr(progress.Screen, "results", evaluated)
   finished = run_here(_flags(tmp_path / "run"), capsys)
   assert finished.returncode == 0, finished.stderr
   assert len(shown) == STEPS
@@ -760,7 +770,7 @@ module.{function} = signal_and_call
 
 @pytest.mark.parametrize("module, function", [
     ("experiments.data.pipeline", "make_train_iterator"),  # Setting up.
-    ("experiments.training", "_compile_while_reading"),  # Compiling.
+    ("experiments.training.steps", "compile_while_reading"),  # Compiling.
 ])
 def test_a_signal_before_the_first_step_stops_there(tmp_path, module,
                                                      function):
@@ -819,7 +829,7 @@ def test_a_signal_the_run_was_started_ignoring_stays_ignored():
                                            signal.default_int_handler),
               signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_IGN)}
   try:
-    with training._StopRequests():
+    with interrupts.StopRequests():
       assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
       assert signal.getsignal(signal.SIGINT) not in (
           signal.SIG_IGN, signal.default_int_handler)
@@ -835,14 +845,14 @@ def test_the_step_normalises_uint8_photos_as_the_host_does():
   levels = np.arange(256, dtype=np.uint8)
   pixels = np.stack([levels, levels[::-1], np.roll(levels, 85)], axis=-1)
   images = pixels.reshape(2, 2, 8, 8, 3)
-  got = np.asarray(jax.jit(training.normalized)(images))
+  got = np.asarray(jax.jit(train_steps.normalized)(images))
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, datasets.normalize(images))
   # torchvision's ToTensor and Normalize, in float64: float32 rounding.
   expected = (images / 255.0 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
   np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
   floats = np.linspace(-1, 1, 12, dtype=np.float32).reshape(1, 1, 2, 2, 3)
-  assert training.normalized(floats) is floats
+  assert train_steps.normalized(floats) is floats
 
 
 def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
@@ -871,7 +881,7 @@ def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
   output_dir = tmp_path / "run"
   output_dir.mkdir()
   flags = [*_flags(output_dir), "--num_workers", "0"]
-  with config_lib.RunDirectoryLock(output_dir) as other:
+  with claim.RunDirectoryLock(output_dir) as other:
     other.acquire()
     # A fresh run finds out when it would start the directory.
     fresh = run_here(flags, capsys)
@@ -887,7 +897,7 @@ def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
   shutil.rmtree(output_dir / records.CHECKPOINT_DIR / str(STEPS))
   (output_dir / "done").unlink()
   files = sorted(p.name for p in output_dir.iterdir())
-  with config_lib.RunDirectoryLock(output_dir) as other:
+  with claim.RunDirectoryLock(output_dir) as other:
     other.acquire()
     # A run to resume, at once; and --overwrite deletes nothing from under
     # the other process.
@@ -961,12 +971,12 @@ def test_the_compile_cache_keeps_every_program_unless_the_user_says(
   before = {option: getattr(jax.config, option) for option in options}
   try:
     if user_threshold is None:
-      monkeypatch.delenv(training.COMPILE_TIME_ENV, raising=False)
+      monkeypatch.delenv(compile_cache.COMPILE_TIME_ENV, raising=False)
     else:
       # JAX reads the variable when it starts; a run started so has it.
-      monkeypatch.setenv(training.COMPILE_TIME_ENV, user_threshold)
+      monkeypatch.setenv(compile_cache.COMPILE_TIME_ENV, user_threshold)
       jax.config.update(name, float(user_threshold))
-    training.use_compile_cache(tmp_path)
+    compile_cache.use_compile_cache(tmp_path)
     assert jax.config.jax_compilation_cache_dir == str(tmp_path)
     assert getattr(jax.config, name) == (
         0 if user_threshold is None else float(user_threshold))
@@ -995,8 +1005,8 @@ def test_the_step_compiles_while_the_first_batch_is_read():
     return "the first batch"
 
   example = {"image": np.zeros((4, 4, 1), np.float32)}
-  compile_time, first_batch_time, batch = training._compile_while_reading(
-      jax.jit(step), np.zeros((), np.float32), training.Sharder(1), example,
+  compile_time, first_batch_time, batch = train_steps.compile_while_reading(
+      jax.jit(step), np.zeros((), np.float32), sharding.Sharder(1), example,
       (2, 3), read_first_batch)
   assert batch == "the first batch"
   # The read's own time is what the record gives.
@@ -1006,9 +1016,9 @@ def test_the_step_compiles_while_the_first_batch_is_read():
 
 def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):
   config = config_lib.parse_args(["--dataset", "PACS", "--model", "resnet18"])
-  training._warn_if_long(training.ESTIMATE_WARNED_SECONDS, config)
+  progress.warn_if_long(progress.ESTIMATE_WARNED_SECONDS, config)
   assert capsys.readouterr().err == ""
-  training._warn_if_long(2.5 * 3600, config)
+  progress.warn_if_long(2.5 * 3600, config)
   assert ("Warning: resnet18 on PACS takes about 2.5 h more on this CPU"
           in capsys.readouterr().err)
 
@@ -1051,6 +1061,6 @@ def test_start_line_says_how_the_input_is_read():
   config = config_lib.parse_args(["--num_workers", "2", "--steps", "5",
                                   "--output_dir", "r"]).resolve()
   digits = datasets.get_dataset("RotatedDigits")
-  assert training.start_line(config, digits, augmented=False) == (
+  assert progress.start_line(config, digits, augmented=False) == (
       "5 steps, a checkpoint every 50; 28x28x1 images, augmentation off, "
       "no input workers (arrays in memory); run directory r.")

@@ -13,7 +13,7 @@ from benchmarks import input_pipeline as input_benchmark
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import photo_datasets
-from experiments.runs import records
+from experiments.rundir import records
 from experiments import train
 from test_photo_datasets import truncate_photo
 

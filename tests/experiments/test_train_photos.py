@@ -22,8 +22,10 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
-from experiments.runs import records
-from experiments import training
+from experiments.rundir import records
+from experiments.training import evaluate
+from experiments.training import sharding
+from experiments.training import steps as train_steps
 from test_models import random_state_dict
 from test_imagenet import fixture_server  # pylint: disable=unused-import
 from test_imagenet import serve_weights
@@ -184,9 +186,9 @@ def test_evaluation_augments_the_training_domains_only(data_dir):
       seen.append(np.asarray(images))
       return jnp.zeros(len(labels), jnp.int32), jnp.zeros(len(labels))
 
-    state = training.TrainState(jnp.int32(step), None, None, None)
-    training.evaluate(eval_step, state, dataset, sets, config,
-                      training.Sharder(), augment)
+    state = train_steps.TrainState(jnp.int32(step), None, None, None)
+    evaluate.evaluate(eval_step, state, dataset, sets, config,
+                      sharding.Sharder(), augment)
     # Batches of 5 (the largest split has 8 images), in order of domain
     # and split; the padding of a last batch is dropped.
     sizes = [len(s) for domain in sets for s in domain.values()]
@@ -230,7 +232,7 @@ def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
                                   str(data_dir)])
   hparams = config.hyperparameters()
   dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir)
-  model = training.build_model(config, dataset, hparams)
+  model = train_steps.build_model(config, dataset, hparams)
   assert "Featurizer weights from" in capsys.readouterr().err
   assert len(server.requests) == 1
   assert (config.model, config.algorithm, config.pretrained) == (
@@ -248,5 +250,5 @@ def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
       augment.dataset, [1, 2, 3], splits, batch_size=hparams["batch_size"],
       seed=config.seed, num_workers=0, transform=augment.transform))
   assert batch["image"].shape == (3, 33, 224, 224, 3)
-  # Normalised in the training step (training.normalized).
+  # Normalised in the training step (train_steps.normalized).
   assert batch["image"].dtype == np.uint8

@@ -15,7 +15,8 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments import train
-from experiments import training
+from experiments.training import loop
+from experiments.training import steps as train_steps
 from experiments.data import wilds
 from test_train import kill_at_first_checkpoint, run_here
 import wilds_data
@@ -57,7 +58,7 @@ def fixture_pgrad_run(tmp_path_factory):
   output_dir = tmp_path_factory.mktemp("pgrad") / "run"
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(wilds, "POVERTY_ID_EVAL_SIZE", ID_EVAL_SIZE)
-    record = training.train(train.resolve_run(
+    record = loop.train(train.resolve_run(
         _pgrad_flags(data, output_dir, 0)))
   return data, output_dir, record
 
@@ -95,7 +96,7 @@ def test_poverty_map_evaluates_images_without_augmentation(tmp_path,
     # output can show.
     hparams = {"lr": 1e-30, "batch_size": 4, "domains_per_step": 3,
                "data_augmentation": data_augmentation}
-    record = training.train(train.resolve_run([
+    record = loop.train(train.resolve_run([
         "--dataset", "PovertyMap", "--algorithm", "ERM", "--data_dir",
         str(tmp_path / "data"), "--output_dir",
         str(tmp_path / str(data_augmentation)), "--steps", "1",
@@ -116,7 +117,7 @@ def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
   with pytest.raises(config_lib.UsageError, match="regression"):
-    training.train(train.resolve_run([
+    loop.train(train.resolve_run([
         "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
         "--output_dir", str(tmp_path / "run"), "--steps", "4",
         "--checkpoint_freq", "2", "--plateau_check_freq", "2", *NO_WORKERS]))
@@ -157,7 +158,7 @@ def test_poverty_maps_network_starts_from_scratch_unwarned(
   config = config_lib.parse_args(["--dataset", "PovertyMap", "--data_dir",
                                   str(tmp_path)])
   assert (config.model, config.pretrained) == ("resnet18", None)
-  training.build_model(config, datasets.get_dataset("PovertyMap",
+  train_steps.build_model(config, datasets.get_dataset("PovertyMap",
                                                     data_dir=tmp_path),
                        config.hyperparameters())
   assert capsys.readouterr().err == ""
@@ -169,11 +170,11 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
            "--checkpoint_freq", "2", *NO_WORKERS]
   domains = '"domains_per_step": 2, "batch_size": 2'
-  erm = training.train(train.resolve_run([
+  erm = loop.train(train.resolve_run([
       *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
       "--hparams", "{" + domains + "}"]))
   assert erm["hparams"]["lr"] == 1e-4
-  pgrad = training.train(train.resolve_run([
+  pgrad = loop.train(train.resolve_run([
       *flags, "--algorithm", "PGrad", "--output_dir", str(tmp_path / "pgrad"),
       "--init_params", str(tmp_path / "erm" / "final_params.npz"),
       "--hparams", "{" + domains + "}"]))
@@ -183,7 +184,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   for key in ("acc", "worst_acc"):
     assert 0 <= pgrad[f"env{val}_in_{key}"] <= 1
   with pytest.raises(ValueError, match="does not fit the model"):
-    training.train(train.resolve_run([
+    loop.train(train.resolve_run([
         *flags[:-2], "--model", "resnet18", "--algorithm", "PGrad",
         "--output_dir", str(tmp_path / "bad"), "--init_params",
         str(tmp_path / "erm" / "final_params.npz")]))

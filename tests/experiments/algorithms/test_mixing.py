@@ -9,7 +9,8 @@ from flax import nnx
 from experiments import algorithms
 from experiments import models
 from experiments import train
-from experiments import training
+from experiments.training import loop
+from experiments.training import steps as train_steps
 import oracle
 from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS, Flatten
 from test_algorithms import NormalizedPixels, numpy_running_stats
@@ -177,7 +178,7 @@ def test_arm_matches_a_numpy_model_of_domainbed():
   # Logits up to 2: measured 2e-7 apart; 10x margin.
   np.testing.assert_allclose(outputs[:70], want_outputs, rtol=0, atol=3e-6)
   # The training loop's evaluation step predicts by it.
-  eval_step = training.make_eval_step(network, algorithm.predict)
+  eval_step = train_steps.make_eval_step(network, algorithm.predict)
   predictions, _ = eval_step(params, stats, images, jnp.zeros(72, jnp.int32),
                              70)
   np.testing.assert_array_equal(predictions[:70],
@@ -194,7 +195,7 @@ def test_arm_needs_its_context_network():
 
 
 def test_arm_trains_and_evaluates_through_the_training_loop(tmp_path):
-  record = training.train(train.resolve_run([
+  record = loop.train(train.resolve_run([
       "--dataset", "RotatedDigits", "--algorithm", "ARM", "--test_envs", "0",
       "--steps", "4", "--checkpoint_freq", "2", "--eval_examples", "70",
       "--eval_batch_size", "72", "--output_dir", str(tmp_path / "run"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.analysis import model_selection as ms
-from experiments.runs import records as records_lib
+from experiments.rundir import pack
 
 
 def make_record(dataset, algorithm, test_env, hparams_seed, trial_seed, step,
@@ -104,7 +104,7 @@ def test_selected_accuracies_from_results_files(tmp_path, method):
   # A truncated last line, as a killed run leaves, is skipped.
   with open(next(tmp_path.glob("*/results.jsonl")), "a") as f:
     f.write('{"args": {"dat')
-  records = records_lib.load_runs(tmp_path).records
+  records = pack.load_runs(tmp_path).records
   assert len(records) == 12
 
   selected = ms.selected_accuracies(records, method)

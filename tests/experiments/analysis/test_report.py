@@ -20,7 +20,8 @@ from experiments.runs import convergence
 from experiments.analysis import claims as claims_lib
 from experiments.analysis import model_selection
 from experiments.analysis import plots
-from experiments.runs import records as records_lib
+from experiments.rundir import pack
+from experiments.rundir import records as records_lib
 from experiments.analysis import report
 from experiments.runs import study
 from experiments.runs import sweep
@@ -403,7 +404,7 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
   # not drawn a second time.
   _build_figures_only(monkeypatch)
   written, skipped = report.write_plots(
-      records_lib.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
+      pack.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
       tmp_path / "out" / "plots")
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
@@ -541,7 +542,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   assert "(plots/ColoredDigits_env0_loss.png)" in text
 
   # The training table: a row per algorithm, each over its one run.
-  records = records_lib.load_runs(tiny_sweep).records
+  records = pack.load_runs(tiny_sweep).records
   training = text.split("## Training\n")[1].split("\n## ")[0]
   table = [line for line in training.splitlines() if line.startswith("|")]
   rows = [line.split("|")[1:-1] for line in table[2:]]  # Header, alignment.
@@ -652,7 +653,7 @@ def test_the_report_of_a_packed_sweep_is_its_directories_report(
   shutil.copytree(tiny_sweep, packed)
   assert study.pack(packed) == 0
   assert f"Packed {len(TINY_ALGORITHMS)} runs" in capsys.readouterr().out
-  run_dirs = records_lib.finished_run_dirs(packed)
+  run_dirs = pack.finished_run_dirs(packed)
   trajectory_dirs = [d for d in run_dirs if records_lib.trajectory_files(d)]
   assert len(trajectory_dirs) == len(catalog.TRAJECTORY_ALGORITHMS)
   for run_dir in run_dirs:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 from test_model_selection import make_record
 
 STEPS = (2, 4, 6)
@@ -166,7 +167,7 @@ def test_load_runs_skips_damaged_runs_and_says_why(tmp_path):
   empty = tmp_path / "sweep" / "c"  # Killed before its first record.
   empty.mkdir()
   results(empty).write_text('{"step"')
-  found = records.load_runs(tmp_path / "sweep")
+  found = pack.load_runs(tmp_path / "sweep")
   assert list(found.runs) == [good]
   assert [r["step"] for r in found.records] == list(STEPS)
   assert list(found.skipped) == [damaged]
@@ -203,12 +204,12 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
   damaged = make_finished(sweep, "damaged")
   results(damaged).write_text("".join(reversed(lines(damaged))))
   path = {"lengths": {"length": 0.1}, "projections": {}, "projected_with": []}
-  packed, skipped = records.pack_runs(sweep, {"b": path})
+  packed, skipped = pack.pack_runs(sweep, {"b": path})
   assert packed == ["a", "b"]
   assert list(skipped) == [damaged]
   assert "is of step 4, after step 6" in skipped[damaged]
-  pack = sweep / records.PACK_FILE
-  data = pack.read_bytes()
+  pack_file = sweep / pack.PACK_FILE
+  data = pack_file.read_bytes()
   # No time stamp or file name in the gzip header: the same runs give the
   # same bytes.
   assert data[4:8] == b"\0\0\0\0" and data[3] == 0
@@ -218,7 +219,7 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
   assert packed_lines[0] == json.dumps(
       {"run": "a", "config": json.loads((a / records.CONFIG_FILE).read_text()),
        "records": records.read_run(a).records})
-  found = records.read_pack(sweep)
+  found = pack.read_pack(sweep)
   assert list(found) == ["a", "b"]
   assert found["b"].records == records.read_run(b).records
   assert found["b"].config == json.loads((b / records.CONFIG_FILE).read_text())
@@ -229,48 +230,48 @@ def test_a_pack_holds_every_finished_run_exactly_and_the_same_bytes(
   # Packed again after the directories are gone: the same bytes.
   for run_dir in (a, b):
     shutil.rmtree(run_dir)
-  assert records.pack_runs(sweep, {})[0] == ["a", "b"]
-  assert pack.read_bytes() == data
+  assert pack.pack_runs(sweep, {})[0] == ["a", "b"]
+  assert pack_file.read_bytes() == data
   # A packed run is finished, with its records, where no directory is.
-  assert records.packed_run(a).records == found["a"].records
-  assert records.finished_records(b) == found["b"].records
-  assert records.run_environment(b) == [MACHINE]
-  assert records.run_environment(a) is None
-  assert records.finished_records(sweep / "unfinished") is None
-  assert records.finished_records(sweep / "absent") is None
+  assert pack.packed_run(a).records == found["a"].records
+  assert pack.finished_records(b) == found["b"].records
+  assert pack.run_environment(b) == [MACHINE]
+  assert pack.run_environment(a) is None
+  assert pack.finished_records(sweep / "unfinished") is None
+  assert pack.finished_records(sweep / "absent") is None
 
 
 def test_a_run_directory_replaces_its_packed_run(tmp_path):
   sweep = tmp_path / "sweep"
   make_finished(sweep, "a")
-  records.pack_runs(sweep, {})
+  pack.pack_runs(sweep, {})
   # Trained again: the directory's records are the run's, done or not.
   shutil.rmtree(sweep / "a")
   again = make_run(sweep / "a", steps=(2,), checkpoints=None, done=False)
-  assert records.packed_run(again) is None
-  assert records.finished_records(again) is None
-  found = records.load_runs(sweep)
+  assert pack.packed_run(again) is None
+  assert pack.finished_records(again) is None
+  found = pack.load_runs(sweep)
   assert found.runs == {again: records.read_run(again).records}
   # Finished, it replaces the packed run in the pack too.
   records.mark_done(again)
   records.write_config(again, {"args": {}, "hparams": {}})
-  records.pack_runs(sweep, {})
-  assert [r["step"] for r in records.read_pack(sweep)["a"].records] == [2]
+  pack.pack_runs(sweep, {})
+  assert [r["step"] for r in pack.read_pack(sweep)["a"].records] == [2]
 
 
 def test_load_runs_reads_packs_at_any_depth_in_path_order(tmp_path):
   nested = tmp_path / "sweep" / "nested"
   make_finished(nested, "b")
   make_finished(nested, "d")
-  records.pack_runs(nested, {"d": {"lengths": {}}})
+  pack.pack_runs(nested, {"d": {"lengths": {}}})
   for name in ("b", "d"):
     shutil.rmtree(nested / name)
   make_finished(tmp_path / "sweep", "a")
   c = make_finished(nested, "c")  # A directory beside the pack.
-  found = records.load_runs(tmp_path / "sweep")
+  found = pack.load_runs(tmp_path / "sweep")
   assert list(found.runs) == [tmp_path / "sweep" / "a", nested / "b", c,
                               nested / "d"]
-  assert found.runs[nested / "b"] == records.read_pack(nested)["b"].records
+  assert found.runs[nested / "b"] == pack.read_pack(nested)["b"].records
   assert found.trajectories == {nested / "d": {"lengths": {}}}
   assert found.skipped == {}
 

@@ -13,7 +13,8 @@ import numpy as np
 import scipy.stats
 
 from experiments.runs import environment
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 from experiments.runs import rerun
 from experiments.runs import study
 from experiments.runs import sweep
@@ -91,10 +92,10 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   # Packed, as a study is committed, the run is compared with the same
   # records, and says where it trained.
   committed = records.read_run(run.output_dir).records
-  records.pack_runs(run.output_dir.parent, {})
+  pack.pack_runs(run.output_dir.parent, {})
   shutil.rmtree(run.output_dir)
-  assert records.finished_records(run.output_dir) == committed
-  assert records.run_environment(run.output_dir) == [trained]
+  assert pack.finished_records(run.output_dir) == committed
+  assert pack.run_environment(run.output_dir) == [trained]
   assert run.status is sweep.Status.DONE
 
   # A committed record changed afterwards is found.

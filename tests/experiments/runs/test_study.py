@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from experiments.runs import records
+from experiments.rundir import pack
+from experiments.rundir import records
 from experiments.runs import study
 from experiments.runs import sweep
 from experiments.studies import digits
@@ -54,8 +55,8 @@ def test_a_packed_study_needs_no_run_directories(tmp_path, capsys,
   assert study.main(["--output_dir", str(tmp_path / "study")]) == 0
   assert f"{len(runs)} runs: {len(runs)} done" in capsys.readouterr().out
   assert sorted(p.name for p in (tmp_path / "study").iterdir()) == [
-      records.PACK_FILE]
-  assert records.read_pack(tmp_path / "study_longer")["run"].records == [
+      pack.PACK_FILE]
+  assert pack.read_pack(tmp_path / "study_longer")["run"].records == [
       {"step": 2}]
 
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from experiments import config as config_lib
-from experiments.runs import records
+from experiments.rundir import claim
+from experiments.rundir import pack
+from experiments.rundir import records
 from experiments.runs import rerun
 from experiments.runs import sweep
 from experiments.studies import digits
@@ -60,15 +62,15 @@ def _committed(results_dir):
   directory each stands for, to its config.json."""
   root = RESULTS / results_dir
   found = {root / name: run.config
-           for name, run in records.read_pack(root).items()}
-  assert found, f"no committed runs in {root / records.PACK_FILE}"
+           for name, run in pack.read_pack(root).items()}
+  assert found, f"no committed runs in {root / pack.PACK_FILE}"
   return found
 
 
 def _resolved(run):
   """The config.json that `experiments.train` writes for ``run``."""
   config = config_lib.parse_args(run.command("train")[1:])
-  return config_lib.run_record(config, config.hyperparameters())
+  return claim.run_record(config.identity(), config.hyperparameters())
 
 
 @pytest.mark.parametrize("results_dir", ["study", "study_longer"])
@@ -97,7 +99,7 @@ def test_the_committed_study_is_every_run_done_and_no_params():
   runs = digits.runs(str(RESULTS / "study"))
   assert all(run.status is sweep.Status.DONE for run in runs)
   assert {run.output_dir.name for run in runs} == set(
-      records.read_pack(RESULTS / "study"))
+      pack.read_pack(RESULTS / "study"))
   tracked = subprocess.run(["git", "ls-files", "results"], cwd=RESULTS.parent,
                            check=True, capture_output=True, text=True).stdout
   assert tracked, "results/ is not tracked"
@@ -114,7 +116,7 @@ def test_a_committed_pack_packs_again_to_the_same_bytes(results_dir,
   # every packed run is written again as it was read, byte for byte,
   # whatever the pack's format gained since (its runs predate environment
   # files).
-  committed = RESULTS / results_dir / records.PACK_FILE
-  shutil.copy(committed, tmp_path / records.PACK_FILE)
-  records.pack_runs(tmp_path, {})
-  assert (tmp_path / records.PACK_FILE).read_bytes() == committed.read_bytes()
+  committed = RESULTS / results_dir / pack.PACK_FILE
+  shutil.copy(committed, tmp_path / pack.PACK_FILE)
+  pack.pack_runs(tmp_path, {})
+  assert (tmp_path / pack.PACK_FILE).read_bytes() == committed.read_bytes()

@@ -23,6 +23,7 @@ from benchmarks import input_pipeline as input_benchmark
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import train
+from experiments.rundir import claim
 from experiments.weights import __main__ as weights_command
 from experiments.weights import imagenet
 from test_models import random_state_dict
@@ -341,7 +342,7 @@ def test_a_run_records_the_name_and_sha256_of_its_weights(
   assert runs["none"].weights is None
   # What the config file holds; without weights, what it held before.
   for spec in runs.values():
-    record = config_lib.run_record(spec.config, spec.hparams, spec.weights)
+    record = claim.run_record(spec.config.identity(), spec.hparams, spec.weights)
     assert record.get("weights") == spec.weights
     assert set(record) == {"args", "hparams"} | (
         {"weights"} if spec.weights else set())
@@ -392,7 +393,8 @@ def test_pretrained_none_builds_from_scratch_without_a_download(
                      f"http://127.0.0.1:{_free_port()}/models")
   monkeypatch.setenv(imagenet.DIR_VARIABLE, str(tmp_path / "cache"))
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from experiments import training  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from experiments.training import steps as train_steps
   # pylint: disable-next=import-outside-toplevel
   from experiments.data import datasets
   config = config_lib.parse_args([*PACS_FLAGS, "--data_dir", str(data_dir),
@@ -402,7 +404,7 @@ def test_pretrained_none_builds_from_scratch_without_a_download(
       datasets.get_dataset("PACS", data_dir=data_dir), 32)
   # Built abstractly, as shapes: drawing its initial weights takes a second,
   # and what the build says (or fetches) does not depend on them.
-  nnx.eval_shape(lambda: training.build_model(config, dataset,
+  nnx.eval_shape(lambda: train_steps.build_model(config, dataset,
                                               config.hyperparameters()))
   assert capsys.readouterr().err == ""
   assert not (tmp_path / "cache").exists()

@@ -1,94 +1,13 @@
-"""A run's directory: the files ``python -m experiments.train`` writes there.
+"""The record files of a run directory: its results, its configuration,
+the fingerprint of its data, where it trained, and its ``done`` marker.
 
-A run directory holds::
-
-  config.json           the run's identity: its resolved arguments and
-                        hyperparameters (`experiments.config.run_record`),
-                        and the file name and SHA-256 of the weights it
-                        started from, if any
-  dataset.json          the fingerprint of the data it trains on
-                        (`experiments.data.datasets.fingerprint`); runs from
-                        before fingerprints have none
-  environment.json      where it trained (`append_environment`): a list of
-                        `experiments.runs.environment.describe` entries,
-                        the machine that started it, then one more each time
-                        it resumed on another (a first null: it trained
-                        before, unrecorded); runs from before this file
-                        have none
-  results.jsonl         one record per evaluation, a JSON object per line
-  checkpoints/<step>/   Orbax checkpoints of the last evaluations
-  trajectory/<step>.npy params snapshots, with --trajectory_freq
-  final_params.npz      the params and statistics at the end
-  done                  written last: the run finished
-
-A *record* is one evaluation::
-
-  {"args": {...the resolved config...}, "hparams": {...},
-   "domains": [str],      # the dataset's domain names; domain i is env{i}
-   "step": int,           # updates done
-   "epoch": float,        # steps * batch_size / smallest training in split
-   "loss": float,         # mean training loss since the previous record
-   "step_time": float,    # mean seconds per step since the previous record,
-                          # compiling excepted
-   "data_wait_time": float,  # of which reading the next training batch
-   "device_wait_time": float,  # of which waiting for the device to end
-                          # steps; the rest is the loop's work on the host
-   "init_time": float,    # seconds initialising the model and the
-                          # optimizer state (loading weights, if any)
-   "compile_time": float,    # seconds compiling the step (a cache hit: less)
-   "first_batch_time": float,  # seconds reading the first training batch,
-                          # which the step's compiling overlaps
-   "time_to_first_step": float,  # from the start of training to the end of
-                          # its first step in this process
-   "interrupted": str,    # only on a record written at SIGINT or SIGTERM
-   "meter": {...},        # with it: the metric sums since the last record,
-                          # carried on when the run resumes
-   "env{i}_in_acc", "env{i}_out_acc": float,   # every domain i
-   "env{i}_in_loss": float,  # loss on a fixed subset of the in split
-   ...}                   # the algorithm's other metrics; for PGrad:
-                          # "eigenvalues" (mean normalised spectrum,
-                          # descending), "ref_norm", "num_skipped"
-
-Its per-domain keys are ``env{i}_{split}_{metric}`` (`env_key`), the
-metrics being `experiments.data.tasks.split_metrics`'s: ``acc`` (and
-``worst_acc`` on WILDS) of classes, ``mse``, ``r`` and ``worst_r`` of
-regression values, and ``examples``, how many examples they are over.
-
-How a run writes, so that a run killed at any moment leaves a state the next
-one recognises: once the previous checkpoint is on disk, the run appends the
-record of an evaluation (flushed and synced to disk) and then checkpoints
-that step; at the end it writes ``done`` whole or not at all. A killed run
-therefore leaves at most one record after its last checkpoint, and maybe a
-last line cut short; the run that resumes it drops those, says so, and
-computes them again. Anything else is damage that no run leaves: `read_run`
-refuses it with `DamagedRunError`, and training, sweeps and reports alike
-refuse or skip the run, saying why.
-
-A sweep's finished runs can be *packed* into one compressed file beside
-them, ``PACK_FILE`` (`pack_runs`), which is how a study is committed: its
-thousands of run files become one, without checkpoints or params. Each line
-is one run, in name order::
-
-  {"run": str,            # its directory's name
-   "config": {...},       # its config.json
-   "environment": [...],  # its environment.json, where it has one
-   "records": [...],      # its records, as in results.jsonl
-   "trajectory": {...}}   # only for a run that saved params snapshots:
-                          # what the paper's claims read of them
-                          # (`experiments.analysis.claims.ProjectedPath`),
-                          # kept in their place
-
-A packed run is finished. Where its directory holds a results file, that
-directory is the run (`packed_run`); reports, sweeps and studies otherwise
-read the packed run as they read a finished directory.
+What the files hold and how a run writes them is `experiments.rundir`'s
+contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import gzip
-import io
 import json
 import math
 import os
@@ -110,11 +29,9 @@ TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
                  "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
 # Held (flock) by the process that trains the run, while it does
-# (`config.RunDirectoryLock`); empty.
+# (`claim.RunDirectoryLock`); empty.
 LOCK_FILE = "training.lock"
 DONE_FILE = "done"
-# A sweep's packed runs (`pack_runs`), beside their directories.
-PACK_FILE = "runs.jsonl.gz"
 # The files a run writes besides CONFIG_FILE; a directory holding any of them
 # but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
 # log there first.)
@@ -402,7 +319,7 @@ def keep_checkpointed(run: RunRecords) -> list[str]:
   return dropped
 
 
-def _write_whole(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
   """Writes ``path`` whole or not at all: aside, synced, then renamed."""
   partial = path.with_name(f"{path.name}.partial")
   with partial.open("wb") as f:
@@ -418,15 +335,15 @@ def _write_whole(path: Path, data: bytes) -> None:
 
 
 def write_config(run_dir: str | Path, run_record: Mapping[str, Any]) -> None:
-  """Writes the run's config file (`experiments.config.run_record`) whole."""
-  _write_whole(Path(run_dir) / CONFIG_FILE,
-               (json.dumps(run_record, indent=2) + "\n").encode())
+  """Writes the run's config file (`claim.run_record`) whole."""
+  write_whole(Path(run_dir) / CONFIG_FILE,
+              (json.dumps(run_record, indent=2) + "\n").encode())
 
 
 def write_fingerprint(run_dir: str | Path,
                       fingerprint: Mapping[str, Any]) -> None:
   """Writes the fingerprint of the run's data whole (`DATASET_FILE`)."""
-  _write_whole(Path(run_dir) / DATASET_FILE,
+  write_whole(Path(run_dir) / DATASET_FILE,
                (json.dumps(fingerprint, indent=1) + "\n").encode())
 
 
@@ -467,7 +384,7 @@ def append_environment(run_dir: str | Path, entry: Mapping[str, Any], *,
   entry = json.loads(json.dumps(entry))
   if entries and entries[-1] == entry:
     return False
-  _write_whole(Path(run_dir) / ENVIRONMENT_FILE,
+  write_whole(Path(run_dir) / ENVIRONMENT_FILE,
                (json.dumps([*entries, entry], indent=1) + "\n").encode())
   return True
 
@@ -554,206 +471,4 @@ def check_fingerprint(run_dir: str | Path,
 
 def mark_done(run_dir: str | Path) -> None:
   """Writes ``done``, whole, once the run has finished."""
-  _write_whole(Path(run_dir) / DONE_FILE, b"")
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepRecords:
-  """The runs found under a directory, by `load_runs`.
-
-  Attributes:
-    runs: every run with records, directory or packed, to its records, in
-      path order.
-    skipped: every run directory whose records are damaged, to why.
-    trajectories: every packed run's ``trajectory`` (`PackedRun`), by its
-      path.
-  """
-
-  runs: dict[Path, list[Record]]
-  skipped: dict[Path, str]
-  trajectories: dict[Path, dict[str, Any]]
-
-  @property
-  def records(self) -> list[Record]:
-    """Every run's records, run after run."""
-    return [record for records in self.runs.values() for record in records]
-
-
-def load_runs(input_dir: str | Path) -> SweepRecords:
-  """Reads and checks (`read_run`) every run below a directory, at any depth,
-  and every packed run (`read_pack`).
-
-  A run is a directory holding a results file, or a run of a ``PACK_FILE``
-  whose directory holds none (`packed_run`). An unfinished run's records
-  are read as far as they go; a run without any is left out.
-
-  Args:
-    input_dir: the directory, typically a sweep's output directory.
-
-  Returns:
-    The runs and the damaged runs skipped.
-  """
-  runs, skipped, trajectories = {}, {}, {}
-  for path in sorted(Path(input_dir).rglob(RESULTS_FILE)):
-    try:
-      found = read_run(path.parent).records
-    except DamagedRunError as e:
-      skipped[path.parent] = str(e)
-      continue
-    if found:
-      runs[path.parent] = found
-  for pack in sorted(Path(input_dir).rglob(PACK_FILE)):
-    for name, packed in read_pack(pack.parent).items():
-      run_dir = pack.parent / name
-      if not (run_dir / RESULTS_FILE).exists():
-        runs[run_dir] = packed.records
-        if packed.trajectory is not None:
-          trajectories[run_dir] = packed.trajectory
-  return SweepRecords(dict(sorted(runs.items())), skipped, trajectories)
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedRun:
-  """A finished run as its sweep's ``PACK_FILE`` holds it.
-
-  Attributes:
-    config: its config.json.
-    records: its records.
-    trajectory: what the claims read of its params snapshots
-      (`experiments.analysis.claims.ProjectedPath`); None where it saved
-      none.
-    environment: its `ENVIRONMENT_FILE`'s entries; None for a run from
-      before runs recorded them.
-  """
-
-  config: dict[str, Any]
-  records: list[Record]
-  trajectory: dict[str, Any] | None = None
-  environment: list[Any] | None = None
-
-
-def finished_run_dirs(sweep_dir: str | Path) -> list[Path]:
-  """The directories right under ``sweep_dir`` of finished runs
-  (`is_done`), in name order."""
-  sweep_dir = Path(sweep_dir)
-  if not sweep_dir.is_dir():
-    return []
-  return sorted(path for path in sweep_dir.iterdir() if is_done(path))
-
-
-@functools.lru_cache(maxsize=4)
-def _read_pack_file(path: Path, stamp: tuple[int, int]
-                    ) -> dict[str, PackedRun]:
-  """The runs of a ``PACK_FILE``; cached while its ``stamp`` (modification
-  time and size) holds, since a sweep's every run looks itself up."""
-  del stamp  # The cache's key only.
-  packed = {}
-  with gzip.open(path, "rt", encoding="utf-8") as lines:
-    for line in lines:
-      run = json.loads(line)
-      packed[run["run"]] = PackedRun(run["config"], run["records"],
-                                     run.get("trajectory"),
-                                     run.get("environment"))
-  return packed
-
-
-def read_pack(sweep_dir: str | Path) -> dict[str, PackedRun]:
-  """The runs packed in ``sweep_dir`` (`pack_runs`), by directory name; none
-  without a ``PACK_FILE``. The result is shared: do not change it."""
-  path = Path(sweep_dir) / PACK_FILE
-  try:
-    stat = path.stat()
-  except FileNotFoundError:
-    return {}
-  return _read_pack_file(path.resolve(), (stat.st_mtime_ns, stat.st_size))
-
-
-def packed_run(run_dir: str | Path) -> PackedRun | None:
-  """The run as its sweep's pack holds it, where its directory holds no
-  results file (a directory that does is the run); otherwise None."""
-  run_dir = Path(run_dir)
-  if (run_dir / RESULTS_FILE).exists():
-    return None
-  return read_pack(run_dir.parent).get(run_dir.name)
-
-
-def finished_records(run_dir: str | Path) -> list[Record] | None:
-  """The records of a finished run, packed (`packed_run`) or in its
-  directory (`is_done`, checked by `read_run`); None for a run not
-  finished."""
-  packed = packed_run(run_dir)
-  if packed is not None:
-    return packed.records
-  return read_run(run_dir).records if is_done(run_dir) else None
-
-
-def run_environment(run_dir: str | Path) -> list[Any] | None:
-  """Where the run trained (`ENVIRONMENT_FILE`'s entries), packed
-  (`packed_run`) or in its directory; None for a run without them."""
-  packed = packed_run(run_dir)
-  if packed is not None:
-    return packed.environment
-  return read_environment(run_dir)
-
-
-def pack_runs(sweep_dir: str | Path,
-              trajectories: Mapping[str, Mapping[str, Any]]
-              ) -> tuple[list[str], dict[Path, str]]:
-  """Writes the finished runs of ``sweep_dir`` to its ``PACK_FILE``, whole.
-
-  The runs are those already packed and every finished run directory
-  right under ``sweep_dir`` (`finished_run_dirs`), a directory replacing a
-  packed run of its name; each with its config, its records and, where it
-  has one, its `ENVIRONMENT_FILE`. The file is the same, byte for byte, for
-  the same runs: lines in name order, gzip without a time stamp or file
-  name.
-
-  Args:
-    sweep_dir: the sweep's directory.
-    trajectories: by run name, what the claims read of a run directory's
-      params snapshots (`experiments.analysis.claims.ProjectedPath`); a
-      packed run that no directory replaces keeps its own.
-
-  Returns:
-    The names of the runs packed, and the finished run directories left
-    out, to why: their records are damaged or they have no config.json.
-  """
-  sweep_dir = Path(sweep_dir)
-  runs = {name: {"config": packed.config, "records": packed.records,
-                 "trajectory": packed.trajectory,
-                 "environment": packed.environment}
-          for name, packed in read_pack(sweep_dir).items()}
-  skipped = {}
-  for run_dir in finished_run_dirs(sweep_dir):
-    config = run_dir / CONFIG_FILE
-    if not config.exists():
-      skipped[run_dir] = f"it has no {CONFIG_FILE}"
-      continue
-    try:
-      found = read_run(run_dir).records
-    except DamagedRunError as e:
-      skipped[run_dir] = str(e)
-      continue
-    runs[run_dir.name] = {"config": json.loads(config.read_text()),
-                          "records": found,
-                          "trajectory": trajectories.get(run_dir.name),
-                          "environment": read_environment(run_dir)}
-  lines = []
-  for name, run in sorted(runs.items()):
-    line = {"run": name, "config": run["config"]}
-    # Only where the run has one: a run without keeps the line it had
-    # before runs recorded where they trained, byte for byte.
-    if run["environment"] is not None:
-      line["environment"] = run["environment"]
-    line["records"] = run["records"]
-    if run["trajectory"] is not None:
-      line["trajectory"] = run["trajectory"]
-    lines.append(json.dumps(line) + "\n")
-  # GzipFile's header is the same on every Python (gzip.compress's names
-  # the operating system on some).
-  compressed = io.BytesIO()
-  with gzip.GzipFile(filename="", mode="wb", compresslevel=9,
-                     fileobj=compressed, mtime=0) as f:
-    f.write("".join(lines).encode())
-  _write_whole(sweep_dir / PACK_FILE, compressed.getvalue())
-  return sorted(runs), skipped
+  write_whole(Path(run_dir) / DONE_FILE, b"")

@@ -1,0 +1,485 @@
+"""The training loop of one run: `train` reads a resolved `config.RunSpec`
+and returns the run's last record; it prints no result.
+
+It reads as Flax's ``train_and_evaluate`` (examples/imagenet/train.py):
+set up the data, the model and its state (`_set_up`), resume from the last
+checkpoint (`_resume`), then train, and evaluate and checkpoint every
+``checkpoint_freq`` steps (`_Training`). The protocol is
+`experiments.train`'s; what the run writes, and when, is
+`experiments.rundir`'s contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+import tqdm
+
+from experiments import algorithms
+from experiments import catalog
+from experiments import config as config_lib
+from experiments.data import datasets
+from experiments.data import photo_augmentation as augmentation
+from experiments.data import pipeline as input_pipeline
+from experiments.rundir import checkpoints
+from experiments.rundir import claim
+from experiments.rundir import records
+from experiments.runs import convergence
+from experiments.runs import environment
+from experiments.training import compile_cache
+from experiments.training import evaluate
+from experiments.training import interrupts
+from experiments.training import progress
+from experiments.training import sharding
+from experiments.training import steps
+
+
+def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
+             step: int) -> bool:
+  """Whether a run with ``plateau_check_freq`` stops at ``step``: a check
+  step at which its records so far have plateaued (`convergence.run_end`).
+
+  A resumed run reads its records so far from its results file, so a run
+  killed after stopping and resumed stops again at the same step."""
+  if not config.plateau_check_freq or not step or (
+      step % config.plateau_check_freq):
+    return False
+  return convergence.run_end(run_records).plateaued
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+  """What a run trains with, once set up (`_set_up`).
+
+  Attributes:
+    dataset: its data, resized to ``image_size`` where the hparams say.
+    splits: every domain's in and out indices.
+    augment: its training augmentation; None for none.
+    network: the model's network.
+    algorithm: the algorithm that updates it.
+    state: the initial train state, on the devices.
+    train_iter: the training batches.
+    sharder: how batches and state go on the devices.
+    batch_shape: a training batch's (domains, examples per domain).
+    steps_per_epoch: the steps of an epoch, which the records count in.
+    init_time: the seconds initialising the model and its state took.
+  """
+
+  dataset: datasets.MultiDomainDataset
+  splits: Sequence[input_pipeline.Split]
+  augment: augmentation.Augmentation | None
+  network: algorithms.Network
+  algorithm: algorithms.Algorithm
+  state: steps.TrainState
+  train_iter: Any
+  sharder: sharding.Sharder
+  batch_shape: tuple[int, int]
+  steps_per_epoch: float
+  init_time: float
+
+
+def _set_up(spec: config_lib.RunSpec) -> _Setup:
+  """The data, model, algorithm, initial state and batches of a run."""
+  config, hparams = spec.protocol, dict(spec.hparams)
+  sharder = sharding.Sharder(config.devices)
+  dataset = spec.dataset
+  if "image_size" in hparams:
+    dataset = datasets.resized(dataset, hparams["image_size"])
+  train_domains = list(spec.train_domains)
+  splits = input_pipeline.split_domains(
+      dataset, holdout_fraction=config.holdout_fraction,
+      seed=config.trial_seed)
+  initialising = time.time()
+  network, params, stats = algorithms.Network.split(
+      steps.build_model(config, dataset, hparams))
+  if config.init_params:
+    try:
+      params, stats = checkpoints.load_params(config.init_params, params,
+                                              stats)
+    except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
+      raise config_lib.UsageError(f"--init_params: {e}") from None
+  # Every step trains on all training domains, or on domains_per_step of them.
+  domains_per_step = hparams.get("domains_per_step")
+  batch_shape = (domains_per_step or len(train_domains), hparams["batch_size"])
+  algorithm = algorithms.build_algorithm(
+      config.algorithm, network, hparams, num_domains=batch_shape[0],
+      seed=config.seed)
+  progress.say(f"{config.algorithm} on {config.dataset}, held out "
+               f"{config.test_envs}: {sharder.layout(batch_shape)}.")
+  state = sharder.replicate(steps.TrainState(
+      jnp.zeros((), jnp.int32), params, stats, algorithm.init(params)))
+  # Timed to when its values are computed. The model initialises eagerly,
+  # compiling one program per initializer and shape (or loading it from the
+  # cache): on a cold cache that can take longer than the step's compile.
+  jax.block_until_ready(state)
+  init_time = time.time() - initialising
+  augment = augmentation.training_augmentation(dataset, hparams)
+  progress.say(progress.start_line(config, dataset, augment is not None))
+  train_iter = input_pipeline.make_train_iterator(
+      dataset if augment is None else augment.dataset, train_domains, splits,
+      batch_size=hparams["batch_size"], seed=config.seed,
+      num_workers=config.num_workers, domains_per_step=domains_per_step,
+      transform=None if augment is None else augment.transform)
+  sizes = [len(splits[d][0]) for d in train_domains]
+  # DomainBed's epoch is a pass over the smallest training domain, WILDS's
+  # (train.wilds_protocol) over the whole training split.
+  steps_per_epoch = (
+      sum(sizes) / (batch_shape[0] * batch_shape[1])
+      if catalog.DATASETS[config.dataset].wilds is not None
+      else min(sizes) / hparams["batch_size"])
+  return _Setup(dataset, splits, augment, network, algorithm, state,
+                train_iter, sharder, batch_shape, steps_per_epoch, init_time)
+
+
+class _RunDirectory:
+  """The run directory as the loop writes it, and its checkpoint manager.
+
+  A fresh run starts it (`claim.start_run_directory`) before the first file
+  it writes there, whichever that is: the step-0 params snapshot
+  (``--trajectory_freq``) or the first evaluation's record. The config file
+  is then there before any other, so that a run killed at any moment
+  leaves a directory that the same command resumes rather than refuses.
+
+  Attributes:
+    path: the directory.
+    manager: its checkpoint manager; None until a fresh run starts it.
+  """
+
+  def __init__(self, spec: config_lib.RunSpec, lock: claim.RunDirectoryLock):
+    self.path = Path(spec.config.output_dir)
+    self.manager = (checkpoints.checkpoint_manager(self.path) if spec.resume
+                    else None)
+    self._spec = spec
+    self._lock = lock
+
+  def started(self) -> ocp.CheckpointManager:
+    """The checkpoint manager, the directory started first if it is not."""
+    if self.manager is None:
+      spec = self._spec
+      claim.start_run_directory(
+          self.path,
+          claim.run_record(spec.config.identity(), spec.hparams,
+                           spec.weights),
+          spec.fingerprint, environment.describe(spec.config.devices),
+          self._lock)
+      self.manager = checkpoints.checkpoint_manager(self.path)
+    return self.manager
+
+  def close(self) -> None:
+    """Waits for the last checkpoint, and closes the manager."""
+    if self.manager is not None:  # None: a fresh run stopped before writing.
+      self.manager.wait_until_finished()
+      self.manager.close()
+
+
+def _resume(
+    setup: _Setup, directory: _RunDirectory, start: int | None,
+    run: records.RunRecords | None
+) -> tuple[steps.TrainState, list[records.Record], evaluate.MetricMeter]:
+  """The state, records so far and metric sums that a run goes on from:
+  restored from the checkpoint at ``start`` (the data iterator in place),
+  with the ``run``'s records kept that the checkpoints hold. An interrupt's
+  checkpoint and record are forgotten once restored
+  (`checkpoints.forget_interrupt_checkpoint`), its metric sums carried on.
+  A fresh run (``run`` None) goes on from ``setup``'s initial state.
+  """
+  state, written, meter = setup.state, [], evaluate.MetricMeter()
+  if start is not None:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    # Restores the iterator in place and returns the train state.
+    state = directory.manager.restore(start, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract),
+        data=grain.checkpoint.CheckpointRestore(setup.train_iter))).state
+    progress.say(f"Resuming from step {start}.")
+  if run is None:
+    return state, written, meter
+  # What a killed run left after the checkpoint goes; it is computed again.
+  for message in records.keep_checkpointed(run):
+    progress.say(message)
+  written = run.checkpointed
+  if written and checkpoints.INTERRUPT_KEY in written[-1]:
+    # Its metrics so far go on into the next record, as uninterrupted.
+    meter = evaluate.MetricMeter.from_state(
+        written[-1][checkpoints.METER_KEY], setup.sharder.replicate)
+    directory.manager, written = checkpoints.forget_interrupt_checkpoint(
+        directory.manager, directory.path, start)
+  return state, written, meter
+
+
+def train(spec: config_lib.RunSpec) -> records.Record:
+  """Trains (or resumes) one run and returns its last results record.
+
+  A finished run (`records.is_done`) is not trained again: its last record
+  is returned.
+
+  Args:
+    spec: the run, resolved and checked (``experiments.train.resolve_run``).
+
+  Returns:
+    The record of the final evaluation.
+
+  Raises:
+    config_lib.UsageError: the run cannot run here: its devices are not
+      there, or its records are damaged (`records.read_run`), or its
+      weights cannot be read or do not fit, or the data have problems, or
+      the compilation cache it names cannot be written
+      (`config.checked_compile_cache`), or another process trains the run
+      (`claim.RunDirectoryLock`); nothing was written.
+    KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
+      complete; `interrupts.Interrupted` on a signal of
+      `interrupts.STOP_SIGNALS`, from its arrival on, once the step in
+      progress (if any) is checkpointed.
+  """
+  started = time.time()
+  config = spec.protocol
+  output_dir = Path(config.output_dir)
+  # From the start: a signal before the first step stops the run there.
+  with interrupts.StopRequests() as stop, claim.RunDirectoryLock(
+      output_dir) as lock:
+    if spec.resume:
+      if records.is_done(output_dir):
+        return claim.read_checked_run(output_dir).records[-1]
+      lock.acquire()
+    compile_cache.use_compile_cache(
+        config_lib.checked_compile_cache(config.compile_cache_dir))
+    # A fresh run creates its directory when it first writes there
+    # (`_RunDirectory.started`), so a run that fails before leaves nothing.
+    directory = _RunDirectory(spec, lock)
+    start = directory.manager.latest_step() if spec.resume else None
+    run = (claim.read_checked_run(output_dir, checkpoint_step=start)
+           if spec.resume else None)
+    setup = _set_up(spec)
+    state, written, meter = _resume(setup, directory, start, run)
+    # Whether the state holds steps that no checkpoint has (after one
+    # resumed from an interrupt's, deleted, it does): a signal stops the run
+    # at once only where that loses none.
+    unsaved = run is not None and start != directory.manager.latest_step()
+    training = _Training(spec, setup, directory, stop, started, start)
+    images_per_step = setup.batch_shape[0] * setup.batch_shape[1]
+    with tqdm.tqdm(total=config.steps, initial=int(state.step), unit="step",
+                   dynamic_ncols=True) as bar, \
+        interrupts.checkpoint_kept_on_interrupt(lambda: directory.manager):
+      state = training.run(progress.Screen(bar, images_per_step), state,
+                           written, meter, unsaved)
+    setup.train_iter.close()  # Stops its workers, freeing batches read ahead.
+    directory.close()
+    step = int(state.step)
+    if stop.signum is not None and step < config.steps and not stops_at(
+        config, written, step):
+      raise interrupts.Interrupted(stop.signum)
+    checkpoints.save_params(output_dir / records.FINAL_PARAMS_FILE,
+                            state.params, state.stats)
+    # Done only on records that check, whatever touched them meanwhile.
+    claim.read_checked_run(output_dir)
+    records.mark_done(output_dir)
+    if step < config.steps:
+      progress.say(f"Stopped at step {step} of at most {config.steps}: "
+                   "plateaued (--plateau_check_freq).")
+    return written[-1]
+
+
+class _Training:
+  """The steps of a run from where it goes on, evaluated and checkpointed
+  every ``checkpoint_freq`` steps, at the end, and at a stop request.
+
+  The loop is never more than one step ahead of the device, so that a
+  signal stops the run at most one step after the step running then.
+  """
+
+  def __init__(self, spec: config_lib.RunSpec, setup: _Setup,
+               directory: _RunDirectory, stop: interrupts.StopRequests,
+               started: float, start: int | None):
+    self.config = spec.protocol
+    self.hparams = dict(spec.hparams)
+    self.setup = setup
+    self.directory = directory
+    self.stop = stop
+    self.started = started
+    self.resumed = spec.resume
+    self.start = start
+    self.train_domains = list(spec.train_domains)
+    # Stream 1 of the seed; the model's initialisation uses nnx.Rngs(seed).
+    self.step_program = steps.make_train_step(
+        setup.algorithm,
+        jax.random.fold_in(jax.random.PRNGKey(self.config.seed), 1))
+    self.train_step = setup.sharder.on_mesh(self.step_program)
+    self.eval_step = setup.sharder.on_mesh(
+        steps.make_eval_step(setup.network, setup.algorithm.predict))
+    self.sets = evaluate.eval_sets(setup.splits, self.config)
+    self.on_cpu_photos = (jax.default_backend() == "cpu"
+                          and datasets.is_photo_dataset(setup.dataset))
+    self.timer = progress.StepTimer()
+    # The times of the start of training in this process, which its every
+    # record holds (`_compile`, `_after_step`).
+    self.startup: dict[str, float] = {}
+    self.screen = None
+    self._estimate_start = None
+
+  def _trains_on(self, step: int, written: Sequence[records.Record]) -> bool:
+    return step < self.config.steps and not stops_at(self.config, written,
+                                                     step)
+
+  def _next_batch(self) -> Any:
+    """The next training batch, on the devices, its reading timed."""
+    return self.timer.read(
+        lambda: self.setup.sharder.batch(next(self.setup.train_iter), 1))
+
+  def _compile(self, state: steps.TrainState) -> Any:
+    """Records where a resumed run trains on, and compiles the step while
+    it reads the first batch, which it returns."""
+    setup = self.setup
+    if self.resumed:
+      # A resumed run trains on here: this machine joins the record of
+      # where it trained, unless it was the last there. (A fresh run
+      # records it as it starts its directory.) Checkpoints without an
+      # entry are of a run from before runs recorded theirs.
+      records.append_environment(
+          self.directory.path, environment.describe(self.config.devices),
+          unrecorded_before=self.start is not None)
+    self.screen.phase("compiling")
+    example = steps.training_example(setup.dataset, setup.augment,
+                                     self.train_domains, setup.splits)
+    compile_time, first_batch_time, batch = steps.compile_while_reading(
+        self.step_program, state, setup.sharder, example, setup.batch_shape,
+        lambda: setup.sharder.batch(next(setup.train_iter), 1))
+    self.startup.update(init_time=setup.init_time, compile_time=compile_time,
+                        first_batch_time=first_batch_time)
+    return batch
+
+  def run(self, screen: progress.Screen, state: steps.TrainState,
+          written: list[records.Record], meter: evaluate.MetricMeter,
+          unsaved: bool) -> steps.TrainState:
+    """Trains from ``state`` to the last step, or a stop, appending the
+    records it writes to ``written``; returns the last state.
+
+    Args:
+      screen: the progress bar.
+      state: the state to go on from.
+      written: the run's records so far.
+      meter: the metric sums since the last record.
+      unsaved: whether ``state`` holds steps that no checkpoint has: a stop
+        request stops the run at once only where that loses none.
+    """
+    self.screen = screen
+    step = int(state.step)
+    if self.config.trajectory_freq and step == 0:
+      # A fresh run's first file: the later snapshots follow it.
+      self.directory.started()
+      checkpoints.save_trajectory_point(self.directory.path, 0, state.params)
+    batch = None  # The next step's, on the device.
+    if self._trains_on(step, written) and (self.stop.signum is None
+                                           or unsaved):
+      batch = self._compile(state)
+    steps_run = 0  # By this process.
+    in_flight = None  # The metrics of the step dispatched before this one.
+    self.timer.restart()
+    while self._trains_on(step, written):
+      if self.stop.signum is not None and not unsaved:
+        break
+      if batch is None:  # The first step after a checkpoint.
+        batch = self._next_batch()
+      state, metrics = self.train_step(state, batch)
+      # Nothing holds a batch once its step has it: a worker's batch is in
+      # shared memory, freed when the last reference goes.
+      batch = None
+      meter.add(metrics)
+      # At most this step runs ahead of the loop: left to itself, JAX
+      # dispatches all the steps to the next checkpoint before the device
+      # has run them, and a signal meanwhile stopped the run only there
+      # (or let it finish), that many steps later.
+      self.timer.wait_for_device(in_flight)
+      in_flight = metrics
+      unsaved = True
+      step += 1
+      steps_run += 1
+      self.timer.steps += 1
+      self._after_step(state, step, steps_run)
+      scheduled = (not step % self.config.checkpoint_freq
+                   or step == self.config.steps)
+      if not scheduled and self.stop.signum is None:
+        # The next step's batch goes to the device while this step runs.
+        # (At a checkpoint none is read ahead: the iterator's state saved
+        # is that of the batches trained on.)
+        batch = self._next_batch()
+        continue
+      self.timer.wait_for_device(state)
+      written.append(self._checkpoint(state, step, meter, scheduled))
+      unsaved = False
+      meter = evaluate.MetricMeter()
+      self.timer.restart()
+    return state
+
+  def _after_step(self, state: steps.TrainState, step: int,
+                  steps_run: int) -> None:
+    """Shows a step's progress, and saves its params snapshot if due; after
+    the first step, says how the start went, and after a few more on a CPU,
+    warns of a long run."""
+    config = self.config
+    if steps_run == 1:
+      self.timer.wait_for_device(state)
+      self.startup["time_to_first_step"] = time.time() - self.started
+      self.screen.phase("training")
+      progress.say(
+          f"Initialised the model in {self.startup['init_time']:.1f} s; "
+          f"compiled the step in {self.startup['compile_time']:.1f} s while "
+          "reading the first batch in "
+          f"{self.startup['first_batch_time']:.1f} s; the first step ended "
+          f"{self.startup['time_to_first_step']:.1f} s after the run "
+          "started.")
+      self._estimate_start = time.time()
+    elif steps_run == 1 + progress.ESTIMATE_STEPS and self.on_cpu_photos:
+      self.timer.wait_for_device(state)
+      progress.warn_if_long(
+          (config.steps - step) * (time.time() - self._estimate_start)
+          / progress.ESTIMATE_STEPS, config)
+    # The steps known to have ended: the loop has just waited for the one
+    # before this, not for this one, which may have only been dispatched.
+    self.screen.training(self.timer.steps - 1, self.timer.seconds(),
+                         self.timer.data_wait)
+    self.screen.bar.update()
+    if config.trajectory_freq and step % config.trajectory_freq == 0:
+      checkpoints.save_trajectory_point(self.directory.path, step,
+                                        state.params)
+
+  def _checkpoint(self, state: steps.TrainState, step: int,
+                  meter: evaluate.MetricMeter,
+                  scheduled: bool) -> records.Record:
+    """Evaluates ``step``, appends its record and checkpoints it; returns
+    the record. ``scheduled``: a ``checkpoint_freq`` step or the last, else
+    an interrupt's."""
+    setup = self.setup
+    timing = self.timer.record()
+    manager = self.directory.started()
+    self.screen.phase("evaluating")
+    record = {
+        "args": self.config.record_args(), "hparams": self.hparams,
+        "domains": list(setup.dataset.domain_names), "step": step,
+        "epoch": step / setup.steps_per_epoch,
+        **meter.result(), **timing, **self.startup,
+        **evaluate.evaluate(self.eval_step, state, setup.dataset, self.sets,
+                            self.config, setup.sharder, setup.augment)}
+    if not scheduled:
+      # An interrupt's record, between the --checkpoint_freq steps: the
+      # run that resumes from it carries its meter on and drops it.
+      record.update({
+          checkpoints.INTERRUPT_KEY: signal.Signals(self.stop.signum).name,
+          checkpoints.METER_KEY: meter.state()})
+    # The previous checkpoint is complete before the next record, so a
+    # killed run leaves at most one record after its last checkpoint.
+    manager.wait_until_finished()
+    records.append_record(self.directory.path, record)
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=grain.checkpoint.CheckpointSave(setup.train_iter)))
+    self.screen.results(record, self.config.test_envs)
+    self.screen.phase("training")
+    return record

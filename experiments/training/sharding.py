@@ -1,0 +1,98 @@
+"""How a run places its batches and state on the devices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments.data import datasets
+from experiments.errors import UsageError
+
+
+class Sharder:
+  """Places batches and state on the devices: batches split on a data axis.
+
+  With ``devices`` > 1, every domain's batch is split over an Explicit
+  ``data`` mesh axis (docs/scaling.md): the step's program carries the
+  split in its types, so PGrad's rollout keeps each chunk split over the
+  devices (an Auto axis would gather it). Params and state are replicated.
+  `config.Config.check_batch_split` has checked that the batch divides.
+  """
+
+  def __init__(self, devices: int = 1):
+    available = jax.device_count()
+    if devices > available:
+      # A CPU host has one device unless XLA is told to make several.
+      hint = ("" if jax.default_backend() != "cpu" else
+              " On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
+              f"{devices} before the command makes {devices} devices of its "
+              "cores.")
+      raise UsageError(
+          f"--devices {devices}: only {available} {jax.default_backend()} "
+          f"device{'s' if available > 1 else ''} here.{hint}")
+    self.mesh = None if devices == 1 else jax.make_mesh(
+        (devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+        devices=jax.devices()[:devices])
+
+  @property
+  def num_devices(self) -> int:
+    return 1 if self.mesh is None else self.mesh.size
+
+  def layout(self, shape: Sequence[int]) -> str:
+    """How a training batch of ``shape`` (domains, examples) is laid out."""
+    domains, examples = shape
+    where = (f"on 1 {jax.default_backend()} device" if self.mesh is None else
+             f"split over {self.mesh.size} {jax.default_backend()} devices on "
+             f"a data axis, {examples // self.mesh.size} examples of every "
+             "domain on each")
+    return f"batch of {domains} domains x {examples} examples, {where}"
+
+  def _batch_sharding(self, axis: int) -> NamedSharding | None:
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, P(*[None] * axis, "data"))
+
+  def batch(self, batch: dict[str, np.ndarray], axis: int) -> Any:
+    """Puts a batch on the devices, ``axis`` of every leaf split over them
+    (it must divide). The copy is asynchronous on an accelerator: it
+    overlaps a step already running. On one CPU device the batch stays as
+    it is: the step's call copies it, in less time than a put (measured on
+    the digits: 0.5 against 2 ms a step)."""
+    sharding = self._batch_sharding(axis)
+    if sharding is not None:
+      return jax.device_put(batch, sharding)
+    return batch if jax.default_backend() == "cpu" else jax.device_put(batch)
+
+  def abstract_batch(self, example: datasets.Element,
+                     leading: tuple[int, ...]) -> Any:
+    """The shapes, dtypes and layout of `batch`'s result for batches of
+    ``example``-like examples stacked on ``leading`` axes, split on the
+    last of them; for compiling a step before its first batch."""
+    sharding = self._batch_sharding(len(leading) - 1)
+    return {key: jax.ShapeDtypeStruct(leading + np.shape(value),
+                                      jnp.asarray(value).dtype,
+                                      sharding=sharding)
+            for key, value in example.items()}
+
+  def replicate(self, tree: Any) -> Any:
+    """Copies ``tree`` to every device."""
+    if self.mesh is None:
+      return tree
+    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def on_mesh(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` called with the mesh set, as explicit sharding traces it."""
+    if self.mesh is None:
+      return step
+
+    def on_mesh_step(*args):
+      with jax.sharding.set_mesh(self.mesh):
+        return step(*args)
+
+    return on_mesh_step
