@@ -31,7 +31,7 @@ from typing import Any
 from experiments import catalog
 from experiments import hparams_registry
 from experiments.data import datasets
-from experiments.errors import UsageError
+from experiments import errors
 from experiments.rundir import claim
 from experiments.rundir import records
 
@@ -160,14 +160,14 @@ class Config:
     """A copy with the per-dataset defaults filled in, checked.
 
     Raises:
-      UsageError: a name is not registered or a number is out of range.
+      errors.UsageError: a name is not registered or a number is out of range.
     """
     try:
       facts = catalog.DATASETS[self.dataset]
       algorithm = catalog.ALGORITHMS[self.algorithm].name
       model = catalog.MODELS[self.model or facts.model].name
     except KeyError as e:  # registry.UnknownNameError names the known names.
-      raise UsageError(str(e)) from None
+      raise errors.UsageError(str(e)) from None
     config = dataclasses.replace(
         self, pretrained=_resolve_pretrained(self, model),
         steps=facts.steps if self.steps is None else self.steps,
@@ -181,25 +181,28 @@ class Config:
     for name in positive:
       value = getattr(config, name)
       if value is not None and value < 1:
-        raise UsageError(f"--{name} must be a positive integer, got {value}.")
+        raise errors.UsageError(
+            f"--{name} must be a positive integer, got {value}.")
     for name in ("seed", "hparams_seed", "trial_seed", "trajectory_freq",
                  "plateau_check_freq", "num_workers"):
       if getattr(config, name) < 0:
-        raise UsageError(f"--{name} must be >= 0, got {getattr(config, name)}.")
+        raise errors.UsageError(
+            f"--{name} must be >= 0, got {getattr(config, name)}.")
     if config.plateau_check_freq % config.checkpoint_freq:
-      raise UsageError(
+      raise errors.UsageError(
           "--plateau_check_freq must be a multiple of --checkpoint_freq "
           f"({config.checkpoint_freq}): the criterion reads the evaluations; "
           f"got {config.plateau_check_freq}.")
     if not 0 < config.holdout_fraction < 1:
-      raise UsageError("--holdout_fraction must be in (0, 1), got "
-                       f"{config.holdout_fraction}.")
+      raise errors.UsageError("--holdout_fraction must be in (0, 1), got "
+                              f"{config.holdout_fraction}.")
     if not config.test_envs or min(config.test_envs) < 0:
-      raise UsageError("--test_envs must be domain indices >= 0, got "
-                       f"{config.test_envs}.")
+      raise errors.UsageError("--test_envs must be domain indices >= 0, got "
+                              f"{config.test_envs}.")
     if config.data_dir is not None and Path(config.data_dir).is_file():
-      raise UsageError(f"--data_dir {config.data_dir} is a file; pass the "
-                       "directory that holds the datasets.")
+      raise errors.UsageError(
+          f"--data_dir {config.data_dir} is a file; pass the directory that "
+          "holds the datasets.")
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
@@ -233,21 +236,22 @@ class Config:
     (`training.sharding.Sharder`, docs/scaling.md).
 
     Raises:
-      UsageError: the batch is no multiple of the chunks, or the algorithm
-        cannot split its batch over the devices, or the batch does not
-        divide; the message names the batch sizes and device counts that do.
+      errors.UsageError: the batch is no multiple of the chunks, or the
+        algorithm cannot split its batch over the devices, or the batch does
+        not divide; the message names the batch sizes and device counts that do.
     """
     entry = catalog.ALGORITHMS[self.algorithm]
     batch, chunks = hparams["batch_size"], entry.batch_chunks(hparams)
     if batch % chunks:
-      raise UsageError(f"--hparams: hparam 'batch_size' must be a multiple of "
-                       f"B = {chunks}, got {batch}. See --list_hparams.")
+      raise errors.UsageError(
+          f"--hparams: hparam 'batch_size' must be a multiple of B = "
+          f"{chunks}, got {batch}. See --list_hparams.")
     if self.devices == 1:
       return
     if not entry.data_parallel:
       splitting = [name for name, e in catalog.ALGORITHMS.items()
                    if e.data_parallel]
-      raise UsageError(
+      raise errors.UsageError(
           f"--devices {self.devices}: {self.algorithm}'s update pools or "
           "re-slices the domains' batches, which a data axis cannot split; "
           f"train it with --devices 1. These split their batch: "
@@ -260,7 +264,7 @@ class Config:
                  if batch % (chunks * d) == 0]
       in_chunks = (f" in B = {chunks} chunks" if chunks > 1 else "")
       times = " (B x devices)" if chunks > 1 else ""
-      raise UsageError(
+      raise errors.UsageError(
           f"--devices {self.devices}: {self.algorithm}'s batch of {batch} "
           f"examples per domain{in_chunks} does not split over "
           f"{self.devices} devices: it must be a multiple of {multiple}"
@@ -276,24 +280,26 @@ class Config:
       with the overrides.
 
     Raises:
-      UsageError: ``hparams`` is not a JSON object, or names a hyperparameter
-        the algorithm lacks, or gives one a value out of its range (each
-        alone: `check_batch_split` checks the batch).
+      errors.UsageError: ``hparams`` is not a JSON object, or names a
+        hyperparameter the algorithm lacks, or gives one a value out of its
+        range (each alone: `check_batch_split` checks the batch).
     """
     hparams = hparams_registry.random_hparams(
         self.algorithm, self.dataset, self.hparams_seed, self.trial_seed)
     try:
       overrides = json.loads(self.hparams) if self.hparams else {}
     except json.JSONDecodeError as e:
-      raise UsageError(f"--hparams is not valid JSON ({e}): {self.hparams}; "
-                       """write e.g. --hparams '{"lr": 1e-4}'.""") from None
+      raise errors.UsageError(
+          f"--hparams is not valid JSON ({e}): {self.hparams}; "
+          """write e.g. --hparams '{"lr": 1e-4}'.""") from None
     if not isinstance(overrides, dict):
-      raise UsageError(f"--hparams must be a JSON object, got {self.hparams}.")
+      raise errors.UsageError(
+          f"--hparams must be a JSON object, got {self.hparams}.")
     hparams = {**hparams, **self._weights_hparams(hparams), **overrides}
     try:
       hparams_registry.check_hparams(self.algorithm, self.dataset, hparams)
     except ValueError as e:
-      raise UsageError(f"--hparams: {e} See --list_hparams.") from None
+      raise errors.UsageError(f"--hparams: {e} See --list_hparams.") from None
     return hparams
 
   def _weights_hparams(self, hparams: Mapping[str, Any]) -> dict[str, Any]:
@@ -315,7 +321,7 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
   ``"none"`` where ImageNet weights are.
 
   Raises:
-    UsageError: ``imagenet`` for a network without ImageNet weights, or a
+    errors.UsageError: ``imagenet`` for a network without ImageNet weights, or a
       path that does not exist or holds a run's params.
   """
   facts, model_facts = catalog.DATASETS[config.dataset], catalog.MODELS[model]
@@ -329,21 +335,22 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
     if not model_facts.imagenet:
       with_weights = [name for name, entry in catalog.MODELS.items()
                       if entry.imagenet]
-      raise UsageError(f"--pretrained imagenet: there are no ImageNet weights "
-                       f"of {model}; there are of {', '.join(with_weights)}.")
+      raise errors.UsageError(
+          f"--pretrained imagenet: there are no ImageNet weights of {model}; "
+          f"there are of {', '.join(with_weights)}.")
     return config.pretrained
   if config.pretrained == "imagenet_augmix":
     if model_facts.augmix_weights is None:
       with_weights = [name for name, entry in catalog.MODELS.items()
                       if entry.augmix_weights]
-      raise UsageError(
+      raise errors.UsageError(
           f"--pretrained imagenet_augmix: there are no AugMix weights of "
           f"{model}; there are of {', '.join(with_weights)} (pass --model "
           f"{with_weights[0]}).")
     return config.pretrained
   path = Path(config.pretrained)
   if not path.exists():
-    raise UsageError(
+    raise errors.UsageError(
         f"--pretrained {path}: no such file or directory. Pass imagenet for "
         "torchvision's ImageNet weights (downloaded once), imagenet_augmix "
         "for timm's AugMix ResNet-50, a .pth, .npz or Orbax directory of "
@@ -354,7 +361,7 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
     # A run's final params (records.FINAL_PARAMS_FILE) are keyed like
     # params/featurizer/... and stats/....
     if any(name.split("/", 1)[0] in ("params", "stats") for name in names):
-      raise UsageError(
+      raise errors.UsageError(
           f"--pretrained {path} holds a whole model's params, as a run's "
           f"{records.FINAL_PARAMS_FILE} does, not featurizer weights: start "
           f"from it with --init_params {path} instead.")
@@ -382,7 +389,7 @@ def checked_compile_cache(flag: str | None) -> Path | None:
     directory cannot be written, which is warned about on stderr.
 
   Raises:
-    UsageError: the directory that ``flag`` or `COMPILE_CACHE_ENV` names
+    errors.UsageError: the directory that ``flag`` or `COMPILE_CACHE_ENV` names
       cannot be written.
   """
   path = compile_cache_path(flag)
@@ -396,7 +403,7 @@ def checked_compile_cache(flag: str | None) -> Path | None:
     if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
       named = ("--compile_cache_dir" if flag is not None
                else f"${COMPILE_CACHE_ENV}")
-      raise UsageError(
+      raise errors.UsageError(
           f"{named} {path}: cannot write the compilation cache there "
           f"({reason}); pass a writable --compile_cache_dir, or "
           "--compile_cache_dir none to compile every run afresh.") from None
@@ -492,9 +499,10 @@ def parse_flags(
     # --init_params an earlier phase of it writes.
     if config.init_params is not None and not Path(
         config.init_params).is_file():
-      raise UsageError(f"--init_params {config.init_params}: no such file; "
-                       f"pass a run's {records.FINAL_PARAMS_FILE}.")
-  except UsageError as e:
+      raise errors.UsageError(
+          f"--init_params {config.init_params}: no such file; pass a run's "
+          f"{records.FINAL_PARAMS_FILE}.")
+  except errors.UsageError as e:
     parser.error(str(e))
   return config, hparams
 
@@ -507,42 +515,55 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One run, every setting resolved and checked once
-  (``experiments.train.resolve_run``); `training.loop.train` reads only this.
+  (``experiments.train.resolve_run``); ``training.loop.train`` reads only
+  this, and finds nothing in it to refuse.
 
   Attributes:
-    config: the configuration asked for, resolved: its identity names the
-      run and is what its config file holds.
+    config: the configuration it trains by, which its records hold: the
+      flags resolved, and on a WILDS dataset WILDS's protocol applied
+      (``train.wilds_protocol``: held-out splits and steps).
     hparams: its hyperparameters, checked: the draw of ``hparams_seed``
       updated with ``--hparams`` (read-only).
-    protocol: the configuration it trains by, which its records hold:
-      `config`, but on a WILDS dataset `config` under WILDS's protocol
-      (``train.wilds_protocol``: held-out splits and steps).
+    run_record: what its config file holds (``rundir.claim.run_record``):
+      the identity of the configuration asked for, which names the run
+      (before WILDS's protocol), its hyperparameters and the weights it
+      starts from (read-only).
     train_domains: the domains it trains on: the others are held out.
     resume: whether ``config.output_dir`` holds this run, to go on with
       (``rundir.claim.claim_run_directory``).
-    dataset: its data, as read (``datasets.MultiDomainDataset``): WILDS's
-      protocol and the held-out domains follow from them.
-    fingerprint: the data's (``datasets.fingerprint``), which the run
+    dataset: its data, as it trains on them: resized to the ``image_size``
+      hparam, where there is one.
+    fingerprint: the data's as read (``datasets.fingerprint``), which the run
       records.
-    weights: the featurizer weights it starts from, checked
-      (``weights.convert.Weights.record``: the file's name and SHA-256), which
-      its config file records; None for none, and for a finished run,
-      which needs none.
+    domains_per_step: how many training domains a step's batch holds: all,
+      or the ``domains_per_step`` hparam's sample.
+    steps_per_epoch: the steps of an epoch, which its records count in:
+      DomainBed's epoch is a pass over the smallest training domain's "in"
+      split, WILDS's over the whole training split.
+    weights: the file of featurizer weights it starts from, fetched and
+      checked (``weights.convert.checked_weights``); None for none, and for
+      a finished run, which needs none.
+    compile_cache: where it keeps its compiled programs
+      (`checked_compile_cache`); None for none.
   """
 
   config: Config
   hparams: Mapping[str, Any]
-  protocol: Config
+  run_record: Mapping[str, Any]
   train_domains: tuple[int, ...]
   resume: bool
   dataset: Any
   fingerprint: Mapping[str, Any]
-  weights: Mapping[str, str] | None = None
+  domains_per_step: int
+  steps_per_epoch: float
+  weights: Path | None = None
+  compile_cache: Path | None = None
 
   def __post_init__(self):
-    # Frozen through: no reader can change the hyperparameters it was given.
-    object.__setattr__(self, "hparams",
-                       types.MappingProxyType(dict(self.hparams)))
+    # Frozen through: no reader can change what it was given.
+    for name in ("hparams", "run_record"):
+      object.__setattr__(self, name,
+                         types.MappingProxyType(dict(getattr(self, name))))
 
 
 def check_outside_data(config: Config) -> None:
@@ -556,7 +577,7 @@ def check_outside_data(config: Config) -> None:
               else config.data_dir) / folder
   output = Path(config.output_dir).resolve()
   if data.resolve() in (output, *output.parents):
-    raise UsageError(
+    raise errors.UsageError(
         f"--output_dir {config.output_dir} is inside {config.dataset}'s "
         f"folder {data}, where its files would be read as the dataset's; "
         "pass an --output_dir outside it.")

@@ -30,8 +30,8 @@ rerun resumes.
 
 With ``--devices`` N > 1, every domain's batch is split over N devices on a
 ``data`` mesh axis and the train state is replicated
-(`training.sharding.Sharder`); the batch must divide, and the algorithm must keep it split
-(``catalog.AlgorithmEntry.data_parallel``).
+(`training.sharding.Sharder`); the batch must divide, and the algorithm
+must keep it split (``catalog.AlgorithmEntry.data_parallel``).
 
 Every setting is resolved and checked once, before JAX is imported (the
 training loop is in `experiments.training`), into the frozen
@@ -50,16 +50,21 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments.rundir import claim
 from experiments.rundir import records
 from experiments.data import wilds
+
+if TYPE_CHECKING:
+  # Imported where weights are checked: it imports JAX.
+  from experiments.weights import convert
 
 
 def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
@@ -80,7 +85,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
     The run's frozen spec.
 
   Raises:
-    config_lib.UsageError: the run directory holds another run or cannot be
+    errors.UsageError: the run directory holds another run or cannot be
       written, or the data are missing or are not the run's, or the
       held-out domains or the plateau checks do not fit them, or the
       weights are damaged or not ``--model``'s; nothing was written (only
@@ -94,7 +99,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
     dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir,
                                    seed=config.trial_seed)
   except datasets.DatasetNotFoundError as e:
-    raise config_lib.UsageError(str(e)) from None
+    raise errors.UsageError(str(e)) from None
   # A run goes on, or reports its result, only on its own data.
   fingerprint = datasets.fingerprint(dataset)
   if resume:
@@ -104,32 +109,121 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   protocol = config
   if catalog.DATASETS[config.dataset].wilds is not None:
     protocol = wilds_protocol(config, dataset, hparams)
+  train_domains = _train_domains(protocol, dataset)
+  domains_per_step = hparams.get("domains_per_step") or len(train_domains)
+  # Last, once the data are there: fetching the weights can download
+  # 100 MB. A finished run reports its result, which needs nothing more.
+  weights = compile_cache = None
+  if not (resume and records.is_done(config.output_dir)):
+    if "image_size" in hparams:
+      dataset = datasets.resized(dataset, hparams["image_size"])
+    weights = _checked_weights(config, resume)
+    compile_cache = config_lib.checked_compile_cache(config.compile_cache_dir)
+    _check_devices(config.devices)
+    if config.init_params is not None:
+      _check_init_params(protocol, dataset, hparams)
+  return config_lib.RunSpec(
+      config=protocol, hparams=hparams,
+      run_record=claim.run_record(
+          config.identity(), hparams,
+          None if weights is None else weights.record()),
+      train_domains=train_domains, resume=resume, dataset=dataset,
+      fingerprint=fingerprint, domains_per_step=domains_per_step,
+      steps_per_epoch=_steps_per_epoch(protocol, dataset, train_domains,
+                                       hparams["batch_size"],
+                                       domains_per_step),
+      weights=None if weights is None else weights.path,
+      compile_cache=compile_cache)
+
+
+def _train_domains(config: config_lib.Config,
+                   dataset: datasets.MultiDomainDataset) -> tuple[int, ...]:
+  """The domains that a run of ``config`` trains on: those not held out.
+
+  Raises:
+    errors.UsageError: the held-out domains are out of the dataset's range,
+      or are all of them, or ``--plateau_check_freq`` asks for a criterion
+      on accuracy of a regression.
+  """
   num_domains = len(dataset.domains)
-  if not set(protocol.test_envs) <= set(range(num_domains)):
-    raise config_lib.UsageError(
-        f"--test_envs {protocol.test_envs} out of range for "
-        f"{protocol.dataset}'s {num_domains} domains (0 to "
+  if not set(config.test_envs) <= set(range(num_domains)):
+    raise errors.UsageError(
+        f"--test_envs {config.test_envs} out of range for "
+        f"{config.dataset}'s {num_domains} domains (0 to "
         f"{num_domains - 1}).")
   train_domains = tuple(d for d in range(num_domains)
-                        if d not in protocol.test_envs)
+                        if d not in config.test_envs)
   if not train_domains:
-    raise config_lib.UsageError(
+    raise errors.UsageError(
         "Every domain is a test domain; none is left to train on.")
   # Floating-point labels are regression targets, as `tasks` scores them.
   label = np.asarray(dataset.domains[0][0]["label"])
-  if protocol.plateau_check_freq and np.issubdtype(label.dtype, np.floating):
-    raise config_lib.UsageError(
-        f"--plateau_check_freq: {protocol.dataset} is a regression, and the "
+  if config.plateau_check_freq and np.issubdtype(label.dtype, np.floating):
+    raise errors.UsageError(
+        f"--plateau_check_freq: {config.dataset} is a regression, and the "
         "convergence criterion is on validation accuracy; train a fixed "
         "--steps instead.")
-  # Last, once the data are there: fetching the weights can download
-  # 100 MB. A finished run reports its result, which needs no weights.
-  weights = (None if resume and records.is_done(config.output_dir)
-             else _checked_weights(config, resume))
-  return config_lib.RunSpec(
-      config=config, hparams=hparams, protocol=protocol,
-      train_domains=train_domains, resume=resume, dataset=dataset,
-      fingerprint=fingerprint, weights=weights)
+  return train_domains
+
+
+def _steps_per_epoch(config: config_lib.Config,
+                     dataset: datasets.MultiDomainDataset,
+                     train_domains: Sequence[int], batch_size: int,
+                     domains_per_step: int) -> float:
+  """The steps of an epoch (`config.RunSpec.steps_per_epoch`): DomainBed's,
+  a pass over the smallest training domain's "in" split; WILDS's, over the
+  whole training split (`wilds_protocol`)."""
+  sizes = [len(dataset.domains[d]) - datasets.held_out_size(
+      len(dataset.domains[d]), config.holdout_fraction)
+           for d in train_domains]
+  if catalog.DATASETS[config.dataset].wilds is not None:
+    return sum(sizes) / (batch_size * domains_per_step)
+  return min(sizes) / batch_size
+
+
+def _check_devices(devices: int) -> None:
+  """Refuses more ``--devices`` than there are here.
+
+  Raises:
+    errors.UsageError: there are fewer; the message says how a CPU makes
+      more.
+  """
+  if devices == 1:
+    return
+  # Only a run on several devices needs JAX to be resolved.
+  import jax  # pylint: disable=import-outside-toplevel
+  available = jax.device_count()
+  if devices > available:
+    # A CPU host has one device unless XLA is told to make several.
+    hint = ("" if jax.default_backend() != "cpu" else
+            " On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{devices} before the command makes {devices} devices of its "
+            "cores.")
+    raise errors.UsageError(
+        f"--devices {devices}: only {available} {jax.default_backend()} "
+        f"device{'s' if available > 1 else ''} here.{hint}")
+
+
+def _check_init_params(config: config_lib.Config,
+                       dataset: datasets.MultiDomainDataset,
+                       hparams: Mapping[str, Any]) -> None:
+  """Refuses ``--init_params`` that do not fit the run's model, checked on
+  the model's shapes (none of its values computed).
+
+  Raises:
+    errors.UsageError: the file cannot be read, or its keys or shapes are
+      not the model's.
+  """
+  # Only a run from another's params needs JAX to be resolved.
+  # pylint: disable=import-outside-toplevel
+  from experiments.rundir import checkpoints
+  from experiments.training import steps
+  # pylint: enable=import-outside-toplevel
+  try:
+    checkpoints.check_params_fit(config.init_params,
+                                 *steps.model_shapes(config, dataset, hparams))
+  except (OSError, ValueError) as e:  # Unreadable or misfit.
+    raise errors.UsageError(f"--init_params: {e}") from None
 
 
 def check_run_data(run_dir: str | Path, data: dict[str, Any]) -> None:
@@ -140,14 +234,14 @@ def check_run_data(run_dir: str | Path, data: dict[str, Any]) -> None:
     data: the ``datasets.fingerprint`` of the dataset as it is now.
 
   Raises:
-    config_lib.UsageError: the run recorded another fingerprint; the
+    errors.UsageError: the run recorded another fingerprint; the
       message says what changed. A run without one (written before runs
       recorded them) is accepted.
   """
   try:
     records.check_fingerprint(run_dir, data)
   except records.DatasetChangedError as e:
-    raise config_lib.UsageError(
+    raise errors.UsageError(
         f"{e}. Train it again on these data with the same command and "
         "--overwrite, or pass another --output_dir.") from None
 
@@ -175,14 +269,14 @@ def wilds_protocol(
 
 
 def _checked_weights(config: config_lib.Config,
-                     resume: bool) -> dict[str, str] | None:
-  """The record (file name and SHA-256) of the featurizer weights that the
-  run starts from, checked before the model is built: fetched if they are
+                     resume: bool) -> convert.Weights | None:
+  """The featurizer weights that the run starts from (their file and
+  SHA-256), checked before the model is built: fetched if they are
   ImageNet's, read whole, and of ``--model``'s architecture
   (``convert.checked_weights``). None for none.
 
   Raises:
-    config_lib.UsageError: they cannot be fetched, or are damaged, or are
+    errors.UsageError: they cannot be fetched, or are damaged, or are
       not weights of ``--model``; or the run to resume started from other
       weights.
   """
@@ -195,21 +289,21 @@ def _checked_weights(config: config_lib.Config,
   try:
     weights = convert.checked_weights(config.pretrained, config.model)
   except imagenet.WeightsUnavailableError as e:
-    raise config_lib.UsageError(str(e)) from None
+    raise errors.UsageError(str(e)) from None
   except (OSError, ValueError) as e:
-    raise config_lib.UsageError(f"--pretrained: {e}") from None
+    raise errors.UsageError(f"--pretrained: {e}") from None
   record = weights.record()
   config_file = Path(config.output_dir) / records.CONFIG_FILE
   started = (json.loads(config_file.read_text()).get("weights")
              if resume else None)
   if started is not None and started != record:
-    raise config_lib.UsageError(
+    raise errors.UsageError(
         f"{config.output_dir} started from weights {started['file']} "
         f"(SHA-256 {started['sha256']}), but --pretrained "
         f"{config.pretrained} now gives {record['file']} (SHA-256 "
         f"{record['sha256']}). Pass the weights it started from, or "
         "--overwrite to train it again from these.")
-  return record
+  return weights
 
 
 class _Stopped(KeyboardInterrupt):
@@ -262,12 +356,12 @@ def _run(argv: Sequence[str] | None) -> int:
     # pylint: disable-next=import-outside-toplevel
     from experiments.training import loop
     claim.print_result(loop.train(spec), spec.config.output_dir)
-  except config_lib.UsageError as e:
+  except errors.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt as e:
-    # Ctrl-C's SIGINT, unless the run says which (training.Interrupted,
-    # or _Stopped before it trains).
+    # Ctrl-C's SIGINT, unless the run says which
+    # (training.interrupts.Interrupted, or _Stopped before it trains).
     signum = getattr(e, "signum", signal.SIGINT)
     if spec is None:
       where = "before the run started; rerun the same command to run it"

@@ -236,6 +236,13 @@ class DecodedPhotos:
     return self.source.decoded(index)
 
 
+def held_out_size(examples: int, holdout_fraction: float) -> int:
+  """How many of a domain's ``examples`` its "out" split holds, as DomainBed
+  splits them: ``int(examples * holdout_fraction)``; the "in" split holds the
+  rest (``pipeline.split_domains``)."""
+  return int(examples * holdout_fraction)
+
+
 def is_photo_dataset(dataset: MultiDomainDataset) -> bool:
   """Whether every domain of ``dataset`` is a `PhotoSource`."""
   return all(isinstance(d, PhotoSource) for d in dataset.domains)
@@ -315,13 +322,14 @@ def resized(dataset: MultiDomainDataset, size: int) -> MultiDomainDataset:
     ValueError: ``size`` is not positive, or the domains are neither in
       memory nor photos.
   """
-  import jax  # Only needed here; keeps this module importable without it.
-
   if size < 1:
     raise ValueError(f"image_size must be positive, got {size}.")
   height, width, channels = dataset.input_shape
   if (height, width) == (size, size):
     return dataset
+  # Only needed here, and only to resize: keeps this module, and resolving
+  # a run of images already of its size, importable without it.
+  import jax  # pylint: disable=import-outside-toplevel
   if is_photo_dataset(dataset):
     domains = tuple(d.resized(size) for d in dataset.domains)
   elif all(isinstance(d, ArraySource) for d in dataset.domains):

@@ -64,8 +64,9 @@ def split_domains(
   """Splits every domain at random into a training and a validation part.
 
   As in DomainBed, ``int(len(domain) * holdout_fraction)`` examples of each
-  domain are held out ("out" split, for validation and model selection) and
-  the rest form the "in" split (training, or testing on test domains).
+  domain (`datasets.held_out_size`) are held out ("out" split, for
+  validation and model selection) and the rest form the "in" split
+  (training, or testing on test domains).
 
   Args:
     dataset: the dataset.
@@ -81,7 +82,7 @@ def split_domains(
   for i, source in enumerate(dataset.domains):
     rng = np.random.default_rng([seed, _SPLIT_STREAM, i])
     order = rng.permutation(len(source))
-    num_out = int(len(source) * holdout_fraction)
+    num_out = datasets.held_out_size(len(source), holdout_fraction)
     splits.append((np.sort(order[num_out:]), np.sort(order[:num_out])))
   return splits
 

@@ -52,10 +52,14 @@ def save_trajectory_point(output_dir: Path, step: int, params: nnx.State):
   partial.replace(path)
 
 
-def load_params(
-    path: str | Path, params: nnx.State, stats: nnx.State
-) -> tuple[nnx.State, nnx.State]:
-  """Params and statistics from another run's `save_params` file.
+def check_params_fit(path: str | Path, params: nnx.State, stats: nnx.State
+                     ) -> dict[tuple[str, ...], np.ndarray]:
+  """Reads another run's `save_params` file for a model of these ``params``
+  and ``stats`` (arrays, or their shapes: `jax.ShapeDtypeStruct`s), and
+  checks that it fits them.
+
+  Returns:
+    Its arrays, by the model's flattened keys.
 
   Raises:
     FileNotFoundError: there is no such file.
@@ -73,8 +77,17 @@ def load_params(
     raise ValueError(f"{path} does not fit the model: --model and --dataset "
                      "must match the run that wrote it. Differing keys or "
                      f"shapes: {wrong[:5]}.")
+  return {k: loaded[name] for name, k in keys.items()}
+
+
+def load_params(
+    path: str | Path, params: nnx.State, stats: nnx.State
+) -> tuple[nnx.State, nnx.State]:
+  """Params and statistics from another run's `save_params` file, which
+  must fit them (`check_params_fit`, whose errors it raises)."""
   values = traverse_util.unflatten_dict(
-      {k: jnp.asarray(loaded[name]) for name, k in keys.items()})
+      {k: jnp.asarray(value)
+       for k, value in check_params_fit(path, params, stats).items()})
   # Empty statistics (frozen or no BatchNorm) leave no keys behind.
   nnx.replace_by_pure_dict(params, values.get("params", {}))
   nnx.replace_by_pure_dict(stats, values.get("stats", {}))

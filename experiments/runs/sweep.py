@@ -81,6 +81,7 @@ import tqdm
 
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import errors
 from experiments import hparams_registry
 from experiments.rundir import pack
 from experiments.rundir import records
@@ -448,13 +449,13 @@ def visible_gpus(gpus: str | None = None) -> list[str]:
   if gpus is not None:
     found = [g.strip() for g in gpus.split(",") if g.strip()]
     if not found:
-      raise config_lib.UsageError(
+      raise errors.UsageError(
           f"--gpus {gpus!r} names no GPU; give ids such as --gpus 0,1.")
     return found
   if (listed := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
     found = [g.strip() for g in listed.split(",") if g.strip()]
     if not found:
-      raise config_lib.UsageError(
+      raise errors.UsageError(
           "CUDA_VISIBLE_DEVICES is empty, so no GPU is visible; unset it or "
           "name the GPUs with --gpus 0,1,...")
     return found
@@ -467,7 +468,7 @@ def visible_gpus(gpus: str | None = None) -> list[str]:
   # under them, are not counted.
   count = sum(line.startswith("GPU ") for line in listing.splitlines())
   if not count:
-    raise config_lib.UsageError(
+    raise errors.UsageError(
         "--launcher multi_gpu found no GPU: CUDA_VISIBLE_DEVICES is unset "
         "and nvidia-smi -L lists none. Name them with --gpus 0,1,... or use "
         "--launcher local.")
@@ -755,7 +756,7 @@ def launch_slurm(
     UsageError: the cluster is SLURM's and this host has no ``sbatch``.
   """
   if resources.cluster == "slurm" and shutil.which("sbatch") is None:
-    raise config_lib.UsageError(
+    raise errors.UsageError(
         "--launcher slurm submits with sbatch, which this host lacks: run "
         "the sweep on a SLURM login node, or try it here with "
         "--slurm_cluster local.")
@@ -820,7 +821,7 @@ def cost(runs: Sequence[Run], step_ms: float,
   for run in runs:
     steps = run.args.get("steps", catalog.DATASETS[run.args["dataset"]].steps)
     if steps is None:
-      raise config_lib.UsageError(
+      raise errors.UsageError(
           f"{run.args['dataset']} trains for epochs, not a set number of "
           "steps; give --steps to cost it.")
     hours.append(steps * step_ms / 1000 / 3600)
@@ -1023,7 +1024,7 @@ def fetch_weights(runs: Sequence[Run]) -> list[str]:
     ``resnet50 (imagenet_augmix)`` for other weights than torchvision's).
 
   Raises:
-    config_lib.UsageError: the weights are neither cached nor downloadable;
+    errors.UsageError: the weights are neither cached nor downloadable;
       the message says where to put the file, or to pass
       ``--pretrained none``.
   """
@@ -1040,7 +1041,7 @@ def fetch_weights(runs: Sequence[Run]) -> list[str]:
       try:
         imagenet.fetch_imagenet(model, pretrained)
       except imagenet.WeightsUnavailableError as e:
-        raise config_lib.UsageError(str(e)) from None
+        raise errors.UsageError(str(e)) from None
   return [model if pretrained == "imagenet" else f"{model} ({pretrained})"
           for model, pretrained in weights]
 
@@ -1078,7 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == "cost":
     try:
       print(cost(runs, args.step_ms, args.gpu_counts))
-    except config_lib.UsageError as e:
+    except errors.UsageError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
     return 0
@@ -1091,7 +1092,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     damaged = report_damaged(runs)
     try:
       failed = _launch(args, runs)
-    except config_lib.UsageError as e:
+    except errors.UsageError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
     except KeyboardInterrupt:

@@ -25,7 +25,6 @@ import orbax.checkpoint as ocp
 import tqdm
 
 from experiments import algorithms
-from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import photo_augmentation as augmentation
@@ -61,7 +60,7 @@ class _Setup:
   """What a run trains with, once set up (`_set_up`).
 
   Attributes:
-    dataset: its data, resized to ``image_size`` where the hparams say.
+    dataset: its data (`config.RunSpec.dataset`).
     splits: every domain's in and out indices.
     augment: its training augmentation; None for none.
     network: the model's network.
@@ -70,7 +69,6 @@ class _Setup:
     train_iter: the training batches.
     sharder: how batches and state go on the devices.
     batch_shape: a training batch's (domains, examples per domain).
-    steps_per_epoch: the steps of an epoch, which the records count in.
     init_time: the seconds initialising the model and its state took.
   """
 
@@ -83,33 +81,24 @@ class _Setup:
   train_iter: Any
   sharder: sharding.Sharder
   batch_shape: tuple[int, int]
-  steps_per_epoch: float
   init_time: float
 
 
 def _set_up(spec: config_lib.RunSpec) -> _Setup:
   """The data, model, algorithm, initial state and batches of a run."""
-  config, hparams = spec.protocol, dict(spec.hparams)
+  config, hparams = spec.config, dict(spec.hparams)
   sharder = sharding.Sharder(config.devices)
   dataset = spec.dataset
-  if "image_size" in hparams:
-    dataset = datasets.resized(dataset, hparams["image_size"])
   train_domains = list(spec.train_domains)
   splits = input_pipeline.split_domains(
       dataset, holdout_fraction=config.holdout_fraction,
       seed=config.trial_seed)
   initialising = time.time()
   network, params, stats = algorithms.Network.split(
-      steps.build_model(config, dataset, hparams))
+      steps.build_model(config, dataset, hparams, spec.weights))
   if config.init_params:
-    try:
-      params, stats = checkpoints.load_params(config.init_params, params,
-                                              stats)
-    except (OSError, ValueError) as e:  # Missing, unreadable or misfit.
-      raise config_lib.UsageError(f"--init_params: {e}") from None
-  # Every step trains on all training domains, or on domains_per_step of them.
-  domains_per_step = hparams.get("domains_per_step")
-  batch_shape = (domains_per_step or len(train_domains), hparams["batch_size"])
+    params, stats = checkpoints.load_params(config.init_params, params, stats)
+  batch_shape = (spec.domains_per_step, hparams["batch_size"])
   algorithm = algorithms.build_algorithm(
       config.algorithm, network, hparams, num_domains=batch_shape[0],
       seed=config.seed)
@@ -127,17 +116,11 @@ def _set_up(spec: config_lib.RunSpec) -> _Setup:
   train_iter = input_pipeline.make_train_iterator(
       dataset if augment is None else augment.dataset, train_domains, splits,
       batch_size=hparams["batch_size"], seed=config.seed,
-      num_workers=config.num_workers, domains_per_step=domains_per_step,
+      num_workers=config.num_workers,
+      domains_per_step=hparams.get("domains_per_step"),
       transform=None if augment is None else augment.transform)
-  sizes = [len(splits[d][0]) for d in train_domains]
-  # DomainBed's epoch is a pass over the smallest training domain, WILDS's
-  # (train.wilds_protocol) over the whole training split.
-  steps_per_epoch = (
-      sum(sizes) / (batch_shape[0] * batch_shape[1])
-      if catalog.DATASETS[config.dataset].wilds is not None
-      else min(sizes) / hparams["batch_size"])
   return _Setup(dataset, splits, augment, network, algorithm, state,
-                train_iter, sharder, batch_shape, steps_per_epoch, init_time)
+                train_iter, sharder, batch_shape, init_time)
 
 
 class _RunDirectory:
@@ -166,11 +149,8 @@ class _RunDirectory:
     if self.manager is None:
       spec = self._spec
       claim.start_run_directory(
-          self.path,
-          claim.run_record(spec.config.identity(), spec.hparams,
-                           spec.weights),
-          spec.fingerprint, environment.describe(spec.config.devices),
-          self._lock)
+          self.path, dict(spec.run_record), spec.fingerprint,
+          environment.describe(spec.config.devices), self._lock)
       self.manager = checkpoints.checkpoint_manager(self.path)
     return self.manager
 
@@ -228,11 +208,9 @@ def train(spec: config_lib.RunSpec) -> records.Record:
     The record of the final evaluation.
 
   Raises:
-    config_lib.UsageError: the run cannot run here: its devices are not
-      there, or its records are damaged (`records.read_run`), or its
-      weights cannot be read or do not fit, or the data have problems, or
-      the compilation cache it names cannot be written
-      (`config.checked_compile_cache`), or another process trains the run
+    errors.UsageError: what no resolution can tell beforehand: the run's
+      records are damaged (`records.read_run`), or the data have problems
+      found as they are read, or another process trains the run
       (`claim.RunDirectoryLock`); nothing was written.
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete; `interrupts.Interrupted` on a signal of
@@ -240,7 +218,7 @@ def train(spec: config_lib.RunSpec) -> records.Record:
       progress (if any) is checkpointed.
   """
   started = time.time()
-  config = spec.protocol
+  config = spec.config
   output_dir = Path(config.output_dir)
   # From the start: a signal before the first step stops the run there.
   with interrupts.StopRequests() as stop, claim.RunDirectoryLock(
@@ -249,8 +227,7 @@ def train(spec: config_lib.RunSpec) -> records.Record:
       if records.is_done(output_dir):
         return claim.read_checked_run(output_dir).records[-1]
       lock.acquire()
-    compile_cache.use_compile_cache(
-        config_lib.checked_compile_cache(config.compile_cache_dir))
+    compile_cache.use_compile_cache(spec.compile_cache)
     # A fresh run creates its directory when it first writes there
     # (`_RunDirectory.started`), so a run that fails before leaves nothing.
     directory = _RunDirectory(spec, lock)
@@ -298,13 +275,14 @@ class _Training:
   def __init__(self, spec: config_lib.RunSpec, setup: _Setup,
                directory: _RunDirectory, stop: interrupts.StopRequests,
                started: float, start: int | None):
-    self.config = spec.protocol
+    self.config = spec.config
     self.hparams = dict(spec.hparams)
     self.setup = setup
     self.directory = directory
     self.stop = stop
     self.started = started
     self.resumed = spec.resume
+    self.steps_per_epoch = spec.steps_per_epoch
     self.start = start
     self.train_domains = list(spec.train_domains)
     # Stream 1 of the seed; the model's initialisation uses nnx.Rngs(seed).
@@ -463,7 +441,7 @@ class _Training:
     record = {
         "args": self.config.record_args(), "hparams": self.hparams,
         "domains": list(setup.dataset.domain_names), "step": step,
-        "epoch": step / setup.steps_per_epoch,
+        "epoch": step / self.steps_per_epoch,
         **meter.result(), **timing, **self.startup,
         **evaluate.evaluate(self.eval_step, state, setup.dataset, self.sets,
                             self.config, setup.sharder, setup.augment)}

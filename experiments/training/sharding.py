@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments.data import datasets
-from experiments.errors import UsageError
 
 
 class Sharder:
@@ -26,16 +25,8 @@ class Sharder:
   """
 
   def __init__(self, devices: int = 1):
-    available = jax.device_count()
-    if devices > available:
-      # A CPU host has one device unless XLA is told to make several.
-      hint = ("" if jax.default_backend() != "cpu" else
-              " On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count="
-              f"{devices} before the command makes {devices} devices of its "
-              "cores.")
-      raise UsageError(
-          f"--devices {devices}: only {available} {jax.default_backend()} "
-          f"device{'s' if available > 1 else ''} here.{hint}")
+    # `config.RunSpec` has checked that there are that many
+    # (``train.resolve_run``).
     self.mesh = None if devices == 1 else jax.make_mesh(
         (devices,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
         devices=jax.devices()[:devices])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from concurrent import futures
 from typing import Any, NamedTuple
 
@@ -23,7 +24,6 @@ from experiments.data import tasks
 from experiments import models
 from experiments.training import sharding
 from experiments.weights import convert
-from experiments.weights import imagenet
 
 # DomainBed's ToTensor and Normalize (`datasets.normalize`) of every uint8
 # level, by RGB channel: photos cross to the device as uint8 and the step
@@ -46,36 +46,33 @@ class TrainState(NamedTuple):
 def build_model(
     config: config_lib.Config,
     dataset: datasets.MultiDomainDataset,
-    hparams: dict[str, Any],
+    hparams: Mapping[str, Any],
+    weights: Path | None = None,
 ) -> models.Classifier:
-  """The configured model, with its pretrained featurizer weights if any.
-
-  ``--pretrained imagenet`` (or ``imagenet_augmix``) downloads the
-  published weights first, if they are not cached yet
-  (`imagenet.fetch_imagenet`), before the model is built.
-
-  Raises:
-    config_lib.UsageError: the weights cannot be downloaded, read, or do not
-      fit the model.
-  """
-  weights = config.pretrained
-  if weights in imagenet.PRETRAINED:
-    try:
-      weights = imagenet.fetch_imagenet(config.model, weights)
-    except imagenet.WeightsUnavailableError as e:
-      raise config_lib.UsageError(str(e)) from None
+  """The configured model, its featurizer loaded from the ``weights`` file
+  if any (`config.RunSpec.weights`, fetched and checked already)."""
   model = models.build_model(
       config.model, num_classes=dataset.num_classes,
       input_shape=dataset.input_shape, rngs=nnx.Rngs(config.seed),
       **catalog.ALGORITHMS[config.algorithm].model_options,
       **catalog.MODELS[config.model].hparams_options(hparams))
-  if weights not in (None, "none"):
-    try:
-      convert.load_pretrained(model, weights)
-    except (OSError, ValueError) as e:  # Unreadable or misfit.
-      raise config_lib.UsageError(f"--pretrained: {e}") from None
+  if weights is not None:
+    convert.load_pretrained(model, weights)
     print(f"Featurizer weights from {weights}.", file=sys.stderr)
   return model
+
+
+def model_shapes(
+    config: config_lib.Config,
+    dataset: datasets.MultiDomainDataset,
+    hparams: Mapping[str, Any],
+) -> tuple[nnx.State, nnx.State]:
+  """The shapes and dtypes of the configured model's params and BatchNorm
+  statistics, as `jax.ShapeDtypeStruct` leaves: none of its values
+  computed."""
+  model = nnx.eval_shape(lambda: build_model(config, dataset, hparams))
+  _, params, stats = algorithms.Network.split(model)
+  return params, stats
 
 
 def normalized(images: jax.Array) -> jax.Array:

@@ -19,6 +19,7 @@ import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments import hparams_registry
 from experiments.rundir import records
@@ -70,7 +71,7 @@ def test_defaults_resolve_per_dataset_and_overrides_are_checked():
       "resnet50")
   override = config_lib.Config(hparams='{"lr": 0.5}')
   assert override.hyperparameters()["lr"] == 0.5
-  with pytest.raises(config_lib.UsageError, match="Unknown hparams"):
+  with pytest.raises(errors.UsageError, match="Unknown hparams"):
     config_lib.Config(hparams='{"meta_lr": 0.5}').hyperparameters()
 
 
@@ -138,7 +139,7 @@ def test_augmix_weights_train_batchnorm_as_domainbed_does(flags, bn_mode):
 @pytest.mark.parametrize("freq, message", [
     ("-100", ">= 0"), ("150", "multiple of --checkpoint_freq [(]100[)]")])
 def test_plateau_check_freq_is_checked(freq, message):
-  with pytest.raises(config_lib.UsageError, match=message):
+  with pytest.raises(errors.UsageError, match=message):
     config_lib.Config(checkpoint_freq=100, plateau_check_freq=int(freq)
                       ).resolve()
 
@@ -418,21 +419,25 @@ def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
                               "get_dataset", "hyperparameters", "resolve"]
   assert (spec.config.test_envs, spec.train_domains, spec.resume) == (
       [1], (0, 2, 3, 4, 5), False)
-  assert spec.protocol == spec.config  # No WILDS protocol on the digits.
+  # One configuration, which names the run: no WILDS protocol on the digits.
+  assert spec.run_record["args"] == spec.config.identity()
   assert (spec.hparams["B"], spec.hparams["batch_size"]) == (1, 3)
   with pytest.raises(dataclasses.FrozenInstanceError):
     spec.config.steps = 3
   with pytest.raises(TypeError):
     spec.hparams["lr"] = 1.0
+  with pytest.raises(TypeError):
+    spec.run_record["args"] = {}
   assert not run.exists()
   # Training resolves nothing again: it reads the spec.
   resolved.clear()
   record = loop.train(spec)
   assert resolved == []
   assert record["hparams"] == dict(spec.hparams)
-  assert record["args"] == spec.protocol.record_args()
+  assert record["args"] == spec.config.record_args()
   assert json.loads((run / records.CONFIG_FILE).read_text()) == (
-      claim.run_record(spec.config.identity(), spec.hparams))
+      claim.run_record(spec.config.identity(), spec.hparams)) == (
+          spec.run_record)
 
 
 def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(

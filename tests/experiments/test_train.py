@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments.runs import convergence
 from experiments.runs import environment
@@ -920,14 +921,14 @@ def test_a_compile_cache_the_user_names_must_be_writable(monkeypatch,
       tmp_path / "cache")
   assert (tmp_path / "cache").is_dir()
   assert config_lib.checked_compile_cache("none") is None
-  with pytest.raises(config_lib.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"--compile_cache_dir .*a_file/cache: cannot write "
                      r"the compilation cache there \(Not a directory\); pass "
                      "a writable --compile_cache_dir, or --compile_cache_dir "
                      "none"):
     config_lib.checked_compile_cache(str(blocked / "cache"))
   monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(blocked / "env"))
-  with pytest.raises(config_lib.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"\$JAX_COMPILATION_CACHE_DIR .*a_file/env: cannot"):
     config_lib.checked_compile_cache(None)
 

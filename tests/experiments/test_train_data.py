@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from benchmarks import input_pipeline as input_benchmark
-from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments.data import photo_datasets
 from experiments.rundir import records
@@ -163,7 +163,7 @@ def test_a_run_recorded_before_contents_is_checked_on_names_and_sizes(
     (data_dir / "PACS" / "photo" / "dog" / name).unlink()
   changed = datasets.fingerprint(datasets.get_dataset("PACS",
                                                       data_dir=data_dir))
-  with pytest.raises(config_lib.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"photo/dog: 2 files removed \(5 -> 3\)"):
     train.check_run_data(run, changed)
 
@@ -174,7 +174,7 @@ def test_a_run_on_other_data_is_a_usage_error_naming_the_way_out(tmp_path):
   records.write_fingerprint(tmp_path, run_data)
   train.check_run_data(tmp_path, run_data)
   other = datasets.fingerprint(datasets.get_dataset("ColoredDigits", seed=3))
-  with pytest.raises(config_lib.UsageError,
+  with pytest.raises(errors.UsageError,
                      match=r"\+80%/labels: .*--overwrite, or pass another "
                      "--output_dir"):
     train.check_run_data(tmp_path, other)

@@ -22,6 +22,7 @@ from experiments.data import photo_augmentation as augmentation
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
+from experiments import train
 from experiments.rundir import records
 from experiments.training import evaluate
 from experiments.training import sharding
@@ -228,11 +229,12 @@ def test_readme_pacs_command_builds_a_pretrained_resnet50_and_its_batches(
   torch_writer.write_state_dict(tmp_path / "resnet50.pth", state_dict)
   serve_weights(server, monkeypatch, "resnet50",
                 (tmp_path / "resnet50.pth").read_bytes())
-  config = config_lib.parse_args(["--dataset", "PACS", "--data_dir",
-                                  str(data_dir)])
-  hparams = config.hyperparameters()
-  dataset = datasets.get_dataset(config.dataset, data_dir=config.data_dir)
-  model = train_steps.build_model(config, dataset, hparams)
+  spec = train.resolve_run(["--dataset", "PACS", "--data_dir", str(data_dir),
+                            "--output_dir", str(tmp_path / "run")])
+  # Fetched as the run is resolved, before any model is built.
+  assert len(server.requests) == 1
+  config, hparams, dataset = spec.config, dict(spec.hparams), spec.dataset
+  model = train_steps.build_model(config, dataset, hparams, spec.weights)
   assert "Featurizer weights from" in capsys.readouterr().err
   assert len(server.requests) == 1
   assert (config.model, config.algorithm, config.pretrained) == (

@@ -13,6 +13,7 @@ import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments import train
 from experiments.training import loop
@@ -116,7 +117,7 @@ def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
                                                            small_id_eval):
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
-  with pytest.raises(config_lib.UsageError, match="regression"):
+  with pytest.raises(errors.UsageError, match="regression"):
     loop.train(train.resolve_run([
         "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
         "--output_dir", str(tmp_path / "run"), "--steps", "4",

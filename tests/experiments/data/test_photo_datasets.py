@@ -9,7 +9,7 @@ from PIL import Image
 from PIL import ImageFile
 
 from experiments import catalog
-from experiments import config as config_lib
+from experiments import errors
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
 from experiments.data import photo_datasets
@@ -105,7 +105,7 @@ def test_a_file_damaged_after_the_check_is_named_when_read(tmp_path):
                      match=re.escape(f"Cannot read image {damaged}")) as e:
     source[source.paths.index(damaged)]
   # A usage error: the command line prints it alone, with exit status 2.
-  assert isinstance(e.value, config_lib.UsageError)
+  assert isinstance(e.value, errors.UsageError)
   assert "Restore the file" in str(e.value)
   assert "`python -m experiments.data.check` decodes" in str(e.value)
 
@@ -151,7 +151,7 @@ def test_folder_problems_are_one_usage_error_listing_them_all(tmp_path):
   garbage.write_bytes(b"not a JPEG at all")
   with pytest.raises(datasets.DatasetProblemsError) as e:
     datasets.get_dataset("PACS", data_dir=tmp_path)
-  assert isinstance(e.value, config_lib.UsageError)
+  assert isinstance(e.value, errors.UsageError)
   message = str(e.value)
   assert message.startswith(f"PACS in {root} has 5 problems")
   for problem in [f"domain folder missing: {root / 'cartoon'}",

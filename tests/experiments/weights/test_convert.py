@@ -216,8 +216,8 @@ def test_augmix_run_starts_from_timm_weights_with_batchnorm_trained(
            str(tmp_path / "run"), "--pretrained", "imagenet_augmix"]
   flags[flags.index("resnet18")] = "resnet50"
   spec = train.resolve_run(flags)
-  assert spec.weights == {"file": AUGMIX_FILE,
-                          "sha256": hashlib.sha256(served).hexdigest()}
+  assert spec.run_record["weights"] == {
+      "file": AUGMIX_FILE, "sha256": hashlib.sha256(served).hexdigest()}
   # DomainBed's freeze_bn=False with these weights; --hparams still rules.
   assert spec.hparams["bn_mode"] == "train"
   frozen = train.resolve_run(

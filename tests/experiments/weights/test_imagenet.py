@@ -22,6 +22,7 @@ import safetensors.numpy
 from benchmarks import input_pipeline as input_benchmark
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import errors
 from experiments import train
 from experiments.rundir import claim
 from experiments.weights import __main__ as weights_command
@@ -264,11 +265,11 @@ def test_pacs_offline_with_an_empty_cache_exits_2_with_one_message(
                        "--output_dir", str(tmp_path / "run")])
   stderr = capsys.readouterr().err
   assert status == 2, stderr
-  errors = [line for line in stderr.splitlines() if "error" in line]
-  assert len(errors) == 1, stderr
-  assert f"{url}/resnet50-0676ba61.pth" in errors[0]
-  assert str(tmp_path / "cache" / "resnet50-0676ba61.pth") in errors[0]
-  assert "--pretrained none" in errors[0]
+  error_lines = [line for line in stderr.splitlines() if "error" in line]
+  assert len(error_lines) == 1, stderr
+  assert f"{url}/resnet50-0676ba61.pth" in error_lines[0]
+  assert str(tmp_path / "cache" / "resnet50-0676ba61.pth") in error_lines[0]
+  assert "--pretrained none" in error_lines[0]
   assert "Traceback" not in stderr
   assert not (tmp_path / "run").exists()
 
@@ -284,15 +285,15 @@ def exits_2_at_resolution(argv, capsys):
   """The train command's stderr for ``argv``, which must be refused while
   the run is resolved (`train.resolve_run`, which builds no model): exit 2
   with one error line and no traceback, nothing written."""
-  with pytest.raises(config_lib.UsageError):
+  with pytest.raises(errors.UsageError):
     train.resolve_run(argv)
   capsys.readouterr()
   assert train.main(argv) == 2
   stderr = capsys.readouterr().err
   assert "Traceback" not in stderr
-  errors = [line for line in stderr.splitlines() if "error" in line]
-  assert len(errors) == 1, stderr
-  return errors[0]
+  error_lines = [line for line in stderr.splitlines() if "error" in line]
+  assert len(error_lines) == 1, stderr
+  return error_lines[0]
 
 
 @pytest.mark.parametrize("damage", ["another file", "truncated"])
@@ -334,17 +335,20 @@ def test_a_run_records_the_name_and_sha256_of_its_weights(
       "file": train.resolve_run([*flags, "--pretrained",
                                  str(tmp_path / "b.pth")]),
       "none": train.resolve_run([*flags, "--pretrained", "none"])}
-  assert runs["imagenet"].weights == {
+  assert runs["imagenet"].run_record["weights"] == {
       "file": filename, "sha256": hashlib.sha256(served).hexdigest()}
-  assert runs["file"].weights == {
+  assert runs["imagenet"].weights.name == filename
+  assert runs["file"].run_record["weights"] == {
       "file": "b.pth",
       "sha256": hashlib.sha256((tmp_path / "b.pth").read_bytes()).hexdigest()}
+  assert runs["file"].weights == tmp_path / "b.pth"
   assert runs["none"].weights is None
   # What the config file holds; without weights, what it held before.
   for spec in runs.values():
-    record = claim.run_record(spec.config.identity(), spec.hparams, spec.weights)
-    assert record.get("weights") == spec.weights
-    assert set(record) == {"args", "hparams"} | (
+    assert spec.run_record == claim.run_record(
+        spec.config.identity(), spec.hparams,
+        spec.run_record.get("weights"))
+    assert set(spec.run_record) == {"args", "hparams"} | (
         {"weights"} if spec.weights else set())
 
 
@@ -374,7 +378,7 @@ def test_pacs_starts_from_imagenet_weights_by_default(
                                 random_state_dict(18, seed=4))
   other = serve_weights(server, monkeypatch, "resnet18",
                         (tmp_path / "other.pth").read_bytes())
-  with pytest.raises(config_lib.UsageError, match=(
+  with pytest.raises(errors.UsageError, match=(
       f"started from weights {filename} .*, but --pretrained imagenet now "
       f"gives {other} ")):
     train.resolve_run([*PACS_FLAGS, "--data_dir", str(data_dir),
@@ -395,17 +399,14 @@ def test_pretrained_none_builds_from_scratch_without_a_download(
   from flax import nnx  # pylint: disable=import-outside-toplevel
   # pylint: disable-next=import-outside-toplevel
   from experiments.training import steps as train_steps
-  # pylint: disable-next=import-outside-toplevel
-  from experiments.data import datasets
-  config = config_lib.parse_args([*PACS_FLAGS, "--data_dir", str(data_dir),
-                                  "--pretrained", "none"])
-  assert config.pretrained == "none"
-  dataset = datasets.resized(
-      datasets.get_dataset("PACS", data_dir=data_dir), 32)
+  spec = train.resolve_run([*PACS_FLAGS, "--data_dir", str(data_dir),
+                            "--pretrained", "none", "--output_dir",
+                            str(tmp_path / "run")])
+  assert (spec.config.pretrained, spec.weights) == ("none", None)
   # Built abstractly, as shapes: drawing its initial weights takes a second,
-  # and what the build says (or fetches) does not depend on them.
-  nnx.eval_shape(lambda: train_steps.build_model(config, dataset,
-                                              config.hyperparameters()))
+  # and what the build says does not depend on them.
+  nnx.eval_shape(lambda: train_steps.build_model(
+      spec.config, spec.dataset, spec.hparams, spec.weights))
   assert capsys.readouterr().err == ""
   assert not (tmp_path / "cache").exists()
 
