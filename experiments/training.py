@@ -590,11 +590,11 @@ def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
   """What a run says of itself before it trains: its schedule, its input
   and where it writes."""
   height, width, channels = dataset.input_shape
-  return (f"{config.steps} steps, a checkpoint every {config.checkpoint_freq}; "
-          f"{height}x{width}x{channels} images, augmentation "
-          f"{'on' if augmented else 'off'}, {config.num_workers} input "
-          f"worker{'' if config.num_workers == 1 else 's'}; run directory "
-          f"{config.output_dir}.")
+  return (f"{records.counted(config.steps, 'step')}, a checkpoint every "
+          f"{config.checkpoint_freq}; {height}x{width}x{channels} images, "
+          f"augmentation {'on' if augmented else 'off'}, "
+          f"{records.counted(config.num_workers, 'input worker')}; run "
+          f"directory {config.output_dir}.")
 
 
 def _hours(seconds: float) -> str:

@@ -1043,3 +1043,13 @@ def test_a_diverged_run_says_so(tmp_path, capsys):
   again = run_here(flags, capsys)
   assert "Already finished." in again.stderr
   assert "Warning: the model diverged" in again.stderr
+
+
+def test_the_start_line_counts_one_step_and_one_worker_in_the_singular():
+  config = config_lib.Config(
+      dataset="ColoredDigits", algorithm="ERM", steps=1, num_workers=1,
+      output_dir="run", test_envs=[0]).resolve()
+  line = training.start_line(config, datasets.get_dataset("ColoredDigits"),
+                             augmented=False)
+  assert line.startswith("1 step, a checkpoint every ")
+  assert ", 1 input worker; run directory run." in line
