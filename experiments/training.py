@@ -750,8 +750,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
            started: float, lock: config_lib.RunDirectoryLock
            ) -> records.Record:
   """`train`'s work, stopped as ``stop`` asks; ``started`` is its start
-  time. It holds the run directory's ``lock`` from when it resumes there,
-  or a fresh run starts it (`_start_run_directory`)."""
+  time. It holds the run directory's ``lock`` from its start where the
+  directory exists, else from when it starts it (`_start_run_directory`)."""
   config = spec.protocol
   hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
@@ -759,6 +759,9 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     record = config_lib.report_finished_run(output_dir)
     if record is not None:
       return record
+  if spec.resume or output_dir.is_dir():
+    # Before the model is built and compiled, so that a second process on
+    # the directory (a sweep's, which creates it) stops at once.
     lock.acquire()
   use_compile_cache(config_lib.checked_compile_cache(config.compile_cache_dir))
   # A fresh run creates its directory when it first writes there

@@ -873,11 +873,13 @@ def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
   flags = [*_flags(output_dir), "--num_workers", "0"]
   with config_lib.RunDirectoryLock(output_dir) as other:
     other.acquire()
-    # A fresh run finds out when it would start the directory.
+    # A fresh run in a directory that exists (a sweep's) finds out before
+    # it builds its model, which it says of once built.
     fresh = run_here(flags, capsys)
     assert fresh.returncode == 2, fresh.stderr
     assert (f"{output_dir}: another process is training this run now"
             in fresh.stderr)
+    assert "held out" not in fresh.stderr
     assert "Traceback" not in fresh.stderr
     assert sorted(p.name for p in output_dir.iterdir()) == [
         records.LOCK_FILE]
