@@ -585,6 +585,16 @@ def _checkpoint_kept_on_interrupt(
     raise
 
 
+def progress_bar(steps: int, step: int, started: float) -> tqdm.tqdm:
+  """The training's progress bar, at ``step`` of ``steps``. Its elapsed
+  time counts from ``started``, the run's start, as the times the run
+  prints do (the model's build and the step's compilation come before
+  the bar)."""
+  bar = tqdm.tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True)
+  bar.start_t = started
+  return bar
+
+
 def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
                augmented: bool) -> str:
   """What a run says of itself before it trains: its schedule, its input
@@ -855,9 +865,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     # A fresh run's first file: the later snapshots follow it.
     manager = _started_run_directory(manager, spec, hparams, lock)
     save_trajectory_point(output_dir, 0, state.params)
-  with tqdm.tqdm(total=config.steps, initial=step, unit="step",
-                 dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
-                     lambda: manager):
+  with progress_bar(config.steps, step, started) as bar, (
+      _checkpoint_kept_on_interrupt(lambda: manager)):
     screen = _Screen(bar, images_per_step)
     batch = None  # The next step's, on the device.
     # Whether the state holds steps that no checkpoint has (after one

@@ -1055,3 +1055,13 @@ def test_the_start_line_counts_one_step_and_one_worker_in_the_singular():
                              augmented=False)
   assert line.startswith("1 step, a checkpoint every ")
   assert ", 1 input worker; run directory run." in line
+
+
+def test_the_progress_bar_counts_time_from_the_runs_start(capsys):
+  started = time.time() - 94
+  with training.progress_bar(10, 0, started) as bar:
+    bar.update()
+    elapsed = bar.format_dict["elapsed"]
+  capsys.readouterr()
+  # The run's 94 s so far, not the bar's few microseconds.
+  assert 94 <= elapsed < 94 + 60
