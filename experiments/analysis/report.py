@@ -87,22 +87,27 @@ def table_row(label: str, columns: Sequence[Sequence[float]],
     label: the first cell.
     columns: per column, one accuracy in [0, 1] per trial (maybe none).
     trials: how many trials a complete cell has: a cell with fewer says how
-      many of them it holds (its standard error is over those alone, 0 for
-      one), and so does an average over such cells.
+      many of them it holds (its standard error is over those alone; one
+      has none), and so does an average over such cells.
 
   Returns:
-    The cells: the label, "mean ± error" per column ("X" when empty), and the
-    mean of the column means ("X" when any column is empty).
+    The cells: the label, "mean ± error" per column ("X" when empty, the
+    mean alone and n = 1 for one trial), and the mean of the column means
+    ("X" when any column is empty).
 
   >>> table_row("ERM", [[0.5, 0.7], [0.8]])
-  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0', '70.0']
+  ['ERM', '60.0 ± 7.1', '80.0 (n = 1)', '70.0']
   >>> table_row("ERM", [[0.5, 0.7], [0.8]], trials=2)
-  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0 (1 of 2 trials)', '70.0 (incomplete)']
+  ['ERM', '60.0 ± 7.1', '80.0 (1 of 2 trials)', '70.0 (incomplete)']
   """
-  cells = [model_selection.format_mean(accs)
-           + (f" ({len(accs)} of {trials} trials)"
-              if 0 < len(accs) < trials else "")
-           for accs in columns]
+  def cell(accs):
+    if not 0 < len(accs) < trials:
+      return model_selection.format_mean(accs)
+    text = (model_selection.format_mean(accs) if len(accs) > 1
+            else f"{model_selection.mean_and_error(accs)[0]:.1f}")
+    return f"{text} ({len(accs)} of {trials} trials)"
+
+  cells = [cell(accs) for accs in columns]
   if all(len(accs) for accs in columns):
     means = [model_selection.mean_and_error(accs)[0] for accs in columns]
     average = f"{np.mean(means):.1f}"
@@ -255,8 +260,12 @@ def over_measured(values: Sequence[float],
 
 
 def _mean_se_text(values: Sequence[float], number: str) -> str:
+  """Mean ± standard error of the measured values, in the ``number``
+  format; a single value, which has no error, with ``(n = 1)``."""
   def mean_se(measured):
     mean, se = claims_lib.mean_se(measured)
+    if len(measured) == 1:
+      return f"{number.format(mean)} (n = 1)"
     return f"{number.format(mean)} ± {number.format(se)}"
 
   return over_measured(values, mean_se)
@@ -394,7 +403,8 @@ def render(records: Sequence[Record], output_dir: Path,
       "# Results",
       "",
       f"{len(records)} records{scope}. Cells: the selected model's held-out"
-      " domain accuracy (%), mean ± standard error over trials; X: missing."
+      " domain accuracy (%), mean ± standard error over trials (n = 1: a"
+      " single trial, which has no standard error); X: missing."
       " A row whose cells selected among fewer hparam draws than its"
       " table's most says how many.",
   ]
