@@ -498,6 +498,7 @@ def claims_section(
       [(runs[run_dir][0], paths[run_dir]) for run_dir in sorted(paths)])
   claims = claims_lib.measure(selected)
   unmeasured = claims_lib.unmeasured(selected)
+  few = claims_lib.few_evaluations(selected)
   figures = plots.plot_claims(selected, claims, claims_dir)
   numbers = claims_dir / claims_lib.CLAIMS_FILE
   numbers.write_text(json.dumps(claims, indent=1) + "\n")
@@ -512,6 +513,10 @@ def claims_section(
               for algorithm, numbers in per_algorithm.items()]
       lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
                 markdown_table(["Algorithm", *measures], rows)]
+      if (warning := few.get(dataset, {}).get(claim)) is not None:
+        warning = f"Warning: {dataset} {claim.replace('_', ' ')}: {warning}."
+        print(warning, file=sys.stderr)
+        lines += ["", warning]
   for dataset, reasons in unmeasured.items():
     for claim, why in reasons.items():
       reason = (f"{dataset}: no {claim.replace('_', ' ')} numbers or "

@@ -719,3 +719,17 @@ def test_the_palette_grows_and_keeps_the_committed_plots_colours():
   colours = [plots.palette_colour(i) for i in range(1000)]
   assert len(set(colours)) == len(colours)
   assert all(len(c) == 4 and all(0 <= x <= 1 for x in c) for c in colours)
+
+
+def test_a_claim_read_from_two_evaluations_says_so(tmp_path, capsys, undrawn):
+  # sweep_records' runs have two evaluations each.
+  write_runs(tmp_path / "sweep", sweep_records())
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  smoothness = text.split("### ColoredDigits: smoothness\n")[1].split("###")[0]
+  warning = ("Warning: ColoredDigits smoothness: read from 11 of its 11 runs "
+             "with only 2 evaluations over the steps every run reached "
+             "(fewer than 3)")
+  assert warning in smoothness
+  assert warning in capsys.readouterr().err
