@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from PIL import Image
@@ -105,6 +106,27 @@ def mean_std_over_runs(
       np.array([v.mean() for v in values]),
       np.array([v.std() for v in values]),
   )
+
+
+# Normalised eigenvalues below this are at numerical zero (the float32
+# eigendecomposition's rounding, about 1e-8 of the largest): not drawn.
+EIGENVALUE_FLOOR = 1e-6
+
+
+class _PlainLogFormatter(ticker.LogFormatter):
+  """Labels a log axis's ticks as plain numbers (``0.7``), not as
+  ``7×10⁻¹``; which ticks are labelled is matplotlib's choice."""
+
+  def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+    del vmin, vmax  # The number alone decides its text.
+    return f"{x:g}"
+
+
+def log_y_axis(axes: Axes) -> None:
+  """A log y axis labelled in plain numbers (`_PlainLogFormatter`)."""
+  axes.set_yscale("log")
+  axes.yaxis.set_major_formatter(_PlainLogFormatter())
+  axes.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
 
 
 def single_point_marker(steps: Sequence[Any]) -> str | None:
@@ -193,9 +215,11 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
         f"training domain {domain_name(env, records[0].get('domains'))}",
         fontsize="medium")
     axes.set_xlabel("step")
-    axes.set_yscale("log")
+    log_y_axis(axes)
   panels[0].set_ylabel("training loss")
-  fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper")
+  fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper",
+             title="mean of trials;\nband: lowest\nto highest trial",
+             title_fontsize="small")
   save(fig, path)
   return fig
 
@@ -229,17 +253,23 @@ def plot_eigenvalue_spectrum(
   used = np.unique(interval)
   centres = (edges[used] + edges[used + 1]) / 2
   means = np.array([spectra[interval == i].mean(axis=0) for i in used])
+  drawn = means.max(axis=0) >= EIGENVALUE_FLOOR
 
   fig = Figure(figsize=(5, 3.5), layout="constrained")
   axes = fig.subplots()
-  for k, component in enumerate(means.T):
-    axes.plot(centres, component, marker="o", label=f"$\\lambda_{{{k + 1}}}$")
-  axes.set_yscale("log")
+  for k in np.flatnonzero(drawn):
+    axes.plot(centres, means[:, k], marker="o",
+              label=f"$\\lambda_{{{k + 1}}}$")
+  log_y_axis(axes)
+  if not drawn.all():
+    axes.text(0.02, 0.02, f"{int((~drawn).sum())} at numerical zero "
+              f"(< {EIGENVALUE_FLOOR:g}) not drawn",
+              transform=axes.transAxes, fontsize="small")
   axes.set_xlabel("step (interval centre)")
   axes.set_ylabel("normalised eigenvalue")
   axes.set_title(f"{', '.join(_by_algorithm(records))}: "
                  f"{held_out_title(records[0])}", fontsize="medium")
-  axes.legend(fontsize="small")
+  fig.legend(fontsize="small", loc="outside right upper")
   save(fig, path)
   return fig
 
@@ -268,7 +298,8 @@ def plot_heldout_accuracy(
   axes.set_title(held_out_title(records[0]), fontsize="medium")
   axes.set_xlabel("step")
   axes.set_ylabel("held-out domain accuracy")
-  axes.legend()
+  fig.legend(loc="outside right upper",
+             title="mean of trials;\nband: ±1 s.d.", title_fontsize="small")
   save(fig, path)
   return fig
 
@@ -321,10 +352,11 @@ def plot_mean_training_loss(
     steps, loss = claims.mean_training_loss(run)
     axes.plot(steps, loss, label=label, color=algorithm_colour(algorithm),
               marker=single_point_marker(steps))
-  axes.set_yscale("log")
+  log_y_axis(axes)
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
-  axes.legend()
+  fig.legend(loc="outside right upper", title="a line per run",
+             title_fontsize="small")
   save(fig, path)
   return fig
 
@@ -338,12 +370,14 @@ class _Bars(NamedTuple):
     error: the summary's key of the error bars' half-lengths, if any.
     scale: what the heights and errors are multiplied by, e.g. 100 for
       percents.
+    x_label: the x axis label, what the bars are of.
   """
 
   measure: str
   label: str
   error: str | None = None
   scale: float = 1.0
+  x_label: str = "algorithm"
 
 
 def _plot_bars(
@@ -376,9 +410,13 @@ def _plot_bars(
                          charts):
     errors = None if chart.error is None else [
         chart.scale * summary[n][chart.error] for n in names]
-    axes.bar(names, [chart.scale * summary[n][chart.measure] for n in names],
-             yerr=errors, capsize=4)
-    axes.set_xlabel("algorithm")
+    heights = [chart.scale * summary[n][chart.measure] for n in names]
+    axes.bar(names, heights, yerr=errors, capsize=4)
+    if not any(heights):
+      # An empty chart reads as a missing one.
+      axes.text(0.5, 0.5, "0 for every bar", transform=axes.transAxes,
+                ha="center", va="center")
+    axes.set_xlabel(chart.x_label)
     axes.set_ylabel(chart.label)
     axes.tick_params(axis="x", labelrotation=name_rotation)
   save(fig, path)
@@ -404,7 +442,9 @@ def plot_accuracy_bars(
   """Mean ± standard error of the final held-out accuracy per algorithm."""
   return _plot_bars(
       summary, [_Bars("accuracy", "final held-out accuracy (%)",
-                      error="accuracy_se", scale=100)],
+                      error="accuracy_se", scale=100,
+                      x_label="PGrad-k: k components kept; PGrad-B: "
+                      "B = 3 chunks")],
       path, title=title, width=5, name_rotation=30)
 
 
@@ -445,9 +485,12 @@ def plot_claims(selected: Mapping[str, claims.ClaimRecords],
       draw(plot_mean_training_loss, inputs.bottom, f"{dataset}_bottom_loss",
            f"{dataset}: mean training loss, bottom against top eigenvectors")
     if "trajectory_length" in found:
-      draw(plot_accuracy_bars, found["trajectory_length"],
-           f"{dataset}_trajectory_length",
-           f"{dataset}: final held-out accuracy against k and B")
+      lengths = found["trajectory_length"]
+      draw(plot_accuracy_bars, lengths, f"{dataset}_trajectory_length",
+           f"{dataset}: final held-out accuracy against k and B"
+           if len(lengths) > 1 else
+           f"{dataset}: final held-out accuracy of {next(iter(lengths))} "
+           "alone (no other k or B was run)")
     for (env, trial), by_algorithm in inputs.trajectories.items():
       if len(by_algorithm) == len(catalog.TRAJECTORY_ALGORITHMS):
         draw(plot_trajectories, by_algorithm,

@@ -554,7 +554,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
     end = convergence.run_end(run)
     assert row[1].strip() == "1"
     assert row[2].strip() == row[3].strip() == f"{int(end.plateaued)}/1"
-    assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
+    assert row[4].strip() == f"{end.loss:.4f} (n = 1)"
 
   # The report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
@@ -575,9 +575,16 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   pgrad_b = sorted((r for r in records
                     if r["args"]["algorithm"] == "PGrad-B"),
                    key=lambda r: r["step"])
+  assert len(pgrad_b[0]["eigenvalues"]) == 7
+  # The components at numerical zero (the last of 7 points of 6 moves) are
+  # not drawn.
+  drawn = [k for k in range(7) if max(
+      r["eigenvalues"][k] for r in pgrad_b) >= plots.EIGENVALUE_FLOOR]
+  assert 0 < len(drawn) < 7
   lines = spectrum.get_lines()
-  assert len(lines) == len(pgrad_b[0]["eigenvalues"]) == 7
-  for k, line in enumerate(lines):
+  assert [line.get_label() for line in lines] == [
+      f"$\\lambda_{{{k + 1}}}$" for k in drawn]
+  for k, line in zip(drawn, lines):
     np.testing.assert_allclose(
         line.get_ydata(),
         [np.float64(r["eigenvalues"][k]) for r in pgrad_b])
@@ -615,7 +622,8 @@ def test_report_draws_and_measures_every_claim(tiny_report):
       ["ERM", "PGrad", "PGrad-B"]] * 2
   assert all(a.get_ylabel() for a in rough)
   bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
-  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
+  (legend,) = figures["ColoredDigits_bottom_loss.png"].legends
+  assert {t.get_text() for t in legend.get_texts()} == {
       "PGrad", "PGrad-Bottom"}
   assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
   bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
@@ -733,3 +741,63 @@ def test_a_claim_read_from_two_evaluations_says_so(tmp_path, capsys, undrawn):
              "(fewer than 3)")
   assert warning in smoothness
   assert warning in capsys.readouterr().err
+
+
+def _drawn(figure):
+  """Draws ``figure`` (as saving it does) so that its tick labels are set."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  FigureCanvasAgg(figure).draw()
+  return figure
+
+
+def test_eigenvalues_at_numerical_zero_are_not_drawn(tmp_path):
+  records = [make_record("ColoredDigits", "PGrad", 0, 0, 0, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         eigenvalues=[0.9, 0.1 - 2e-8, 1e-8, 1e-8])
+             for step in (5, 10)]
+  figure = plots.plot_eigenvalue_spectrum(records, tmp_path / "e.png")
+  (axes,) = figure.axes
+  assert [line.get_label() for line in axes.get_lines()] == [
+      "$\\lambda_{1}$", "$\\lambda_{2}$"]
+  assert "2 at numerical zero (< 1e-06) not drawn" in [
+      text.get_text() for text in axes.texts]
+
+
+def test_log_axes_are_labelled_in_plain_numbers_and_bands_explained(
+    tmp_path):
+  # Losses within one decade: matplotlib labels minor ticks, as 7×10⁻¹.
+  records = [r for r in sweep_records() if r["args"]["dataset"] == "Toy"
+             and r["args"]["test_envs"] == [0]]
+  for r in records:
+    r["env1_in_loss"] = 0.6 + 0.1 * r["args"]["trial_seed"] + 0.01 * r["step"]
+  figure = _drawn(plots.plot_loss_curves(records, tmp_path / "l.png"))
+  labels = [t.get_text() for axes in figure.axes
+            for t in axes.get_yticklabels(minor=True) if t.get_text()]
+  assert labels and all("10" not in label and "times" not in label
+                        for label in labels), labels
+  assert {"0.7", "0.8"} <= set(labels)
+  (legend,) = figure.legends
+  assert "band: lowest" in legend.get_title().get_text()
+  accuracy = plots.plot_heldout_accuracy(records, tmp_path / "a.png")
+  # Beside the axes, not over the lines.
+  assert not accuracy.axes[0].get_legend()
+  assert "±1 s.d." in accuracy.legends[0].get_title().get_text()
+
+
+def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
+    tmp_path):
+  summary = {"ERM": {"excess_variation": 0.0, "rising_rate": 0.25},
+             "PGrad": {"excess_variation": 0.0, "rising_rate": 0.0}}
+  figure = plots.plot_roughness_bars(summary, tmp_path / "r.png")
+  excess, rising = figure.axes
+  assert [t.get_text() for t in excess.texts] == ["0 for every bar"]
+  assert not rising.texts
+  records = [make_record("ColoredDigits", "PGrad", 0, 0, trial, 10,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3)
+             for trial in (0, 1)]
+  selected = {"ColoredDigits": claims_lib.ClaimRecords(
+      smoothness=[], bottom=[], trajectory_length=records, trajectories={})}
+  measured = claims_lib.measure(selected)
+  (caption, _), = plots.plot_claims(selected, measured, tmp_path)
+  assert caption == ("ColoredDigits: final held-out accuracy of PGrad alone "
+                     "(no other k or B was run)")
