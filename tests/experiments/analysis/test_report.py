@@ -801,3 +801,25 @@ def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
   (caption, _), = plots.plot_claims(selected, measured, tmp_path)
   assert caption == ("ColoredDigits: final held-out accuracy of PGrad alone "
                      "(no other k or B was run)")
+
+
+def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
+    tmp_path, undrawn):
+  grid = {**sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
+          "algorithms": ["ERM"], "test_envs": [0], "n_hparams": 1,
+          "n_trials": 2}
+  sweep.save_grid(tmp_path / "sweep", grid)
+  finished, _ = sweep.make_runs(output_dir=tmp_path / "sweep", **grid)
+  finished.output_dir.mkdir()
+  with open(finished.output_dir / records_lib.RESULTS_FILE, "w") as f:
+    for step in STEPS:
+      f.write(json.dumps(make_record(
+          "ColoredDigits", "ERM", 0, 0, 0, step, in_accs=[0.5] * 3,
+          out_accs=[0.5] * 3, env1_in_loss=1.0 / step,
+          env2_in_loss=2.0 / step)) + "\n")
+  (finished.output_dir / records_lib.DONE_FILE).write_text("")
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert (f"2 records. The sweep's grid ({sweep.GRID_FILE}) has 2 runs: 1 "
+          "done, 0 incomplete, 1 not started, 0 damaged. Cells:") in text
