@@ -14,6 +14,7 @@ touching pyplot's global state.
 from __future__ import annotations
 
 import colorsys
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -122,6 +123,21 @@ class _PlainLogFormatter(ticker.LogFormatter):
     return f"{x:g}"
 
 
+# The most entries a column of a legend beside a figure holds: about what
+# the figures' 3.3 to 3.5 inches fit at the legend's font size.
+LEGEND_ROWS = 11
+
+
+def legend_beside(fig: Figure, title: str | None = None,
+                  axes: Axes | None = None) -> None:
+  """The legend of ``axes`` (else of the figure's first axes) beside the
+  figure, not over its lines, in as many columns as fit its height."""
+  handles, labels = (axes or fig.axes[0]).get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside right upper", fontsize="small",
+             ncols=math.ceil(len(labels) / LEGEND_ROWS), title=title,
+             title_fontsize="small")
+
+
 def log_y_axis(axes: Axes) -> None:
   """A log y axis labelled in plain numbers (`_PlainLogFormatter`)."""
   axes.set_yscale("log")
@@ -204,22 +220,22 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     The figure.
   """
   envs = train_envs(records[0])
-  fig = Figure(figsize=(3.2 * len(envs), 3.3), layout="constrained")
+  fig = Figure(figsize=(3.2 * len(envs) + 2, 3.3), layout="constrained")
   fig.suptitle(held_out_title(records[0]))
   panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
   for env, axes in zip(envs, panels):
     for algorithm, runs in _by_algorithm(records).items():
       _plot_band(axes, runs, env_key(env, "in", "loss"), algorithm,
                  spread="range")
+    # Small: the panels' titles side by side must not run into each other.
     axes.set_title(
         f"training domain {domain_name(env, records[0].get('domains'))}",
-        fontsize="medium")
+        fontsize="small")
     axes.set_xlabel("step")
     log_y_axis(axes)
   panels[0].set_ylabel("training loss")
-  fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper",
-             title="mean of trials;\nband: lowest\nto highest trial",
-             title_fontsize="small")
+  legend_beside(fig, "mean of trials;\nband: lowest\nto highest trial",
+                axes=panels[0])
   save(fig, path)
   return fig
 
@@ -269,7 +285,7 @@ def plot_eigenvalue_spectrum(
   axes.set_ylabel("normalised eigenvalue")
   axes.set_title(f"{', '.join(_by_algorithm(records))}: "
                  f"{held_out_title(records[0])}", fontsize="medium")
-  fig.legend(fontsize="small", loc="outside right upper")
+  legend_beside(fig)
   save(fig, path)
   return fig
 
@@ -291,15 +307,14 @@ def plot_heldout_accuracy(
     The figure.
   """
   held_out = held_out_env(records[0])
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(7, 3.5), layout="constrained")
   axes = fig.subplots()
   for algorithm, runs in _by_algorithm(records).items():
     _plot_band(axes, runs, env_key(held_out, "in", "acc"), algorithm)
   axes.set_title(held_out_title(records[0]), fontsize="medium")
   axes.set_xlabel("step")
   axes.set_ylabel("held-out domain accuracy")
-  fig.legend(loc="outside right upper",
-             title="mean of trials;\nband: ±1 s.d.", title_fontsize="small")
+  legend_beside(fig, "mean of trials;\nband: ±1 s.d.")
   save(fig, path)
   return fig
 
@@ -355,8 +370,7 @@ def plot_mean_training_loss(
   log_y_axis(axes)
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
-  fig.legend(loc="outside right upper", title="a line per run",
-             title_fontsize="small")
+  legend_beside(fig, "a line per run")
   save(fig, path)
   return fig
 
