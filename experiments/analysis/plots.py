@@ -425,7 +425,11 @@ def _plot_bars(
     errors = None if chart.error is None else [
         chart.scale * summary[n][chart.error] for n in names]
     heights = [chart.scale * summary[n][chart.measure] for n in names]
-    axes.bar(names, heights, yerr=errors, capsize=4)
+    bars = axes.bar(names, heights, yerr=errors, capsize=4)
+    # Each bar's value: a bar of 0 is otherwise no bar at all. Inside the
+    # bars where error bars stand on their tops.
+    axes.bar_label(bars, fmt="%.3g", fontsize="small",
+                   label_type="edge" if errors is None else "center")
     if not any(heights):
       # An empty chart reads as a missing one.
       axes.text(0.5, 0.5, "0 for every bar", transform=axes.transAxes,

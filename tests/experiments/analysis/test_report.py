@@ -790,8 +790,9 @@ def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
              "PGrad": {"excess_variation": 0.0, "rising_rate": 0.0}}
   figure = plots.plot_roughness_bars(summary, tmp_path / "r.png")
   excess, rising = figure.axes
-  assert [t.get_text() for t in excess.texts] == ["0 for every bar"]
-  assert not rising.texts
+  # Every bar's value labels it, 0 too; a chart of zeros says so.
+  assert [t.get_text() for t in excess.texts] == ["0", "0", "0 for every bar"]
+  assert [t.get_text() for t in rising.texts] == ["0.25", "0"]
   records = [make_record("ColoredDigits", "PGrad", 0, 0, trial, 10,
                          in_accs=[0.5] * 3, out_accs=[0.5] * 3)
              for trial in (0, 1)]
