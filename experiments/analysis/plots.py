@@ -356,9 +356,11 @@ def plot_mean_training_loss(
 ) -> Figure:
   """The mean training-domain loss of every run, one colour per algorithm,
   on a log scale (it spans several decades), under ``title``."""
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(6.5, 3.5), layout="constrained")
   axes = fig.subplots()
-  axes.set_title(title, fontsize="medium")
+  # Over the figure, legend included: over the axes alone a long title is
+  # cut at the figure's edge.
+  fig.suptitle(title, fontsize="medium")
   labelled = set()
   for run in by_run(records):
     algorithm = run[0]["args"]["algorithm"]

@@ -824,3 +824,19 @@ def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
   text = (tmp_path / "out" / "results.md").read_text()
   assert (f"2 records. The sweep's grid ({sweep.GRID_FILE}) has 2 runs: 1 "
           "done, 0 incomplete, 1 not started, 0 damaged. Cells:") in text
+
+
+def test_the_bottom_loss_title_fits_in_its_figure(tmp_path):
+  records = [make_record("ColoredDigits", algorithm, 0, 0, 0, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         env1_in_loss=1.0 / step, env2_in_loss=2.0 / step)
+             for algorithm in ("PGrad", "PGrad-Bottom") for step in (5, 10)]
+  title = ("RotatedDigits: mean training loss, bottom against top "
+           "eigenvectors")
+  figure = _drawn(plots.plot_mean_training_loss(records, tmp_path / "b.png",
+                                                title))
+  renderer = figure.canvas.get_renderer()
+  (text,) = [t for t in [figure._suptitle, *(a.title for a in figure.axes)]  # pylint: disable=protected-access
+             if t is not None and t.get_text() == title]
+  box = text.get_window_extent(renderer)
+  assert 0 <= box.x0 and box.x1 <= figure.bbox.x1, (box, figure.bbox)
