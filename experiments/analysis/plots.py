@@ -335,7 +335,7 @@ def plot_trajectories(
     The figure: one panel per projection, one line per path, its start
     marked with a circle.
   """
-  fig = Figure(figsize=(9, 4), layout="constrained")
+  fig = Figure(figsize=(10, 4), layout="constrained")
   fig.suptitle(title)
   for axes, method in zip(fig.subplots(1, 2), claims.PROJECTIONS):
     for label, projected in paths.items():
@@ -346,7 +346,7 @@ def plot_trajectories(
     axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
     axes.set_xlabel(f"{method} 1")
     axes.set_ylabel(f"{method} 2")
-    axes.legend()
+  legend_beside(fig, "large dot:\nthe start")
   save(fig, path)
   return fig
 

@@ -632,9 +632,12 @@ def test_report_draws_and_measures_every_claim(tiny_report):
   assert "accuracy" in bars.get_ylabel()
   trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
   assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
+  (legend,) = figures["ColoredDigits_env0_trial0_trajectory.png"].legends
+  labels = [t.get_text() for t in legend.get_texts()]
+  assert sorted(labels) == ["ERM", "PGrad"]
+  # The legend says what the large dot marks.
+  assert "the start" in legend.get_title().get_text()
   for axes in trajectory:
-    labels = [t.get_text() for t in axes.get_legend().get_texts()]
-    assert sorted(labels) == ["ERM", "PGrad"]
     # Snapshots at steps 0, 2, 4, 6 per path.
     assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
                if line.get_label() in labels)
