@@ -271,10 +271,13 @@ def plot_eigenvalue_spectrum(
   means = np.array([spectra[interval == i].mean(axis=0) for i in used])
   drawn = means.max(axis=0) >= EIGENVALUE_FLOOR
 
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(6.5, 3.5), layout="constrained")
   axes = fig.subplots()
+  # One colour per component, in order along a colour map: the default
+  # cycle of 10 colours repeats from the 11th component on.
+  shades = colormaps["viridis"](np.linspace(0, 0.9, len(drawn)))
   for k in np.flatnonzero(drawn):
-    axes.plot(centres, means[:, k], marker="o",
+    axes.plot(centres, means[:, k], marker="o", color=shades[k],
               label=f"$\\lambda_{{{k + 1}}}$")
   log_y_axis(axes)
   if not drawn.all():
@@ -283,8 +286,8 @@ def plot_eigenvalue_spectrum(
               transform=axes.transAxes, fontsize="small")
   axes.set_xlabel("step (interval centre)")
   axes.set_ylabel("normalised eigenvalue")
-  axes.set_title(f"{', '.join(_by_algorithm(records))}: "
-                 f"{held_out_title(records[0])}", fontsize="medium")
+  fig.suptitle(f"{', '.join(_by_algorithm(records))}: "
+               f"{held_out_title(records[0])}", fontsize="medium")
   legend_beside(fig)
   save(fig, path)
   return fig

@@ -323,8 +323,11 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
       expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in STEPS]
       np.testing.assert_allclose(line.get_ydata(), expected)
 
-  spectrum = plots_by_caption["PGrad-B eigenvalue spectrum"].figure.axes[0]
-  assert spectrum.get_title() == f"PGrad-B: {held_out}"
+  spectrum_figure = plots_by_caption["PGrad-B eigenvalue spectrum"].figure
+  (spectrum,) = spectrum_figure.axes
+  assert spectrum_figure.get_suptitle() == f"PGrad-B: {held_out}"
+  # A colour per component.
+  assert len({tuple(line.get_color()) for line in spectrum.get_lines()}) == 3
   assert spectrum.get_ylabel() == "normalised eigenvalue"
   assert [line.get_label() for line in spectrum.get_lines()] == [
       "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
