@@ -590,19 +590,28 @@ def _checkpoint_kept_on_interrupt(
     raise
 
 
+def progress_bar(steps: int, step: int, started: float) -> tqdm.tqdm:
+  """The training's progress bar, at ``step`` of ``steps``. Its elapsed
+  time counts from ``started``, the run's start, as the times the run
+  prints do (the model's build and the step's compilation come before
+  the bar)."""
+  bar = tqdm.tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True)
+  bar.start_t = started
+  return bar
+
+
 def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
                augmented: bool) -> str:
   """What a run says of itself before it trains: its schedule, its input
   and where it writes."""
   height, width, channels = dataset.input_shape
-  workers = config.num_workers
-  reading = (f"{workers} input worker{'' if workers == 1 else 's'}"
+  reading = (records.counted(config.num_workers, "input worker")
              if input_pipeline.uses_workers(dataset, augmented)
              else "no input workers (arrays in memory)")
-  return (f"{config.steps} steps, a checkpoint every {config.checkpoint_freq}; "
-          f"{height}x{width}x{channels} images, augmentation "
-          f"{'on' if augmented else 'off'}, {reading}; run directory "
-          f"{config.output_dir}.")
+  return (f"{records.counted(config.steps, 'step')}, a checkpoint every "
+          f"{config.checkpoint_freq}; {height}x{width}x{channels} images, "
+          f"augmentation {'on' if augmented else 'off'}, {reading}; run "
+          f"directory {config.output_dir}.")
 
 
 def _hours(seconds: float) -> str:
@@ -758,8 +767,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
            started: float, lock: config_lib.RunDirectoryLock
            ) -> records.Record:
   """`train`'s work, stopped as ``stop`` asks; ``started`` is its start
-  time. It holds the run directory's ``lock`` from when it resumes there,
-  or a fresh run starts it (`_start_run_directory`)."""
+  time. It holds the run directory's ``lock`` from its start where the
+  directory exists, else from when it starts it (`_start_run_directory`)."""
   config = spec.protocol
   hparams = dict(spec.hparams)
   output_dir = Path(config.output_dir)
@@ -767,6 +776,9 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     record = config_lib.report_finished_run(output_dir)
     if record is not None:
       return record
+  if spec.resume or output_dir.is_dir():
+    # Before the model is built and compiled, so that a second process on
+    # the directory (a sweep's, which creates it) stops at once.
     lock.acquire()
   use_compile_cache(config_lib.checked_compile_cache(config.compile_cache_dir))
   # A fresh run creates its directory when it first writes there
@@ -860,9 +872,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
     # A fresh run's first file: the later snapshots follow it.
     manager = _started_run_directory(manager, spec, hparams, lock)
     save_trajectory_point(output_dir, 0, state.params)
-  with tqdm.tqdm(total=config.steps, initial=step, unit="step",
-                 dynamic_ncols=True) as bar, _checkpoint_kept_on_interrupt(
-                     lambda: manager):
+  with progress_bar(config.steps, step, started) as bar, (
+      _checkpoint_kept_on_interrupt(lambda: manager)):
     screen = _Screen(bar, images_per_step)
     batch = None  # The next step's, on the device.
     # Whether the state holds steps that no checkpoint has (after one
