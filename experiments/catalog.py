@@ -472,6 +472,24 @@ def _irm(space: hp.SearchSpace) -> None:
 ALGORITHMS.register("IRM", f"{_INVARIANCE}:irm", hparams=_irm)
 
 
+def _vrex(space: hp.SearchSpace) -> None:
+  space.add("vrex_lambda", 1e1, hp.NON_NEGATIVE, hp.log_uniform(-1, 5))
+  space.add("vrex_penalty_anneal_iters", 500, hp.NON_NEGATIVE_INT,
+            hp.int_log_uniform(0, 4, base=10))
+
+
+ALGORITHMS.register("VREx", f"{_INVARIANCE}:vrex", hparams=_vrex)
+
+
+def _ib_erm(space: hp.SearchSpace) -> None:
+  space.add("ib_lambda", 1e2, hp.NON_NEGATIVE, hp.log_uniform(-1, 5))
+  space.add("ib_penalty_anneal_iters", 500, hp.NON_NEGATIVE_INT,
+            hp.int_log_uniform(0, 4, base=10))
+
+
+ALGORITHMS.register("IB_ERM", f"{_INVARIANCE}:ib_erm", hparams=_ib_erm)
+
+
 def _mmd(space: hp.SearchSpace) -> None:
   space.add("mmd_gamma", 1.0, hp.NON_NEGATIVE, hp.log_uniform(-1, 1))
 

@@ -1,4 +1,5 @@
-"""Invariant features: IRM, MMD, DANN and CORAL, as DomainBed's.
+"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL and DANN, as
+DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
 unless another file is named.
@@ -52,31 +53,39 @@ def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
   return jax.vmap(domain_penalty)(outputs, labels)
 
 
-def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
-        seed: int) -> base.Algorithm:
-  """IRMv1 (Arjovsky et al., 2019) as in DomainBed (lines 581-634).
+def _annealed_penalty(
+    hparams: base.HParams,
+    terms: Callable[[base.Params, base.Stats, base.Batches],
+                    tuple[jax.Array, jax.Array, base.Stats, base.Metrics]],
+    *,
+    weight: float,
+    warmup_weight: float,
+    anneal: int,
+) -> base.Algorithm:
+  """Adam on a risk plus a penalty whose weight jumps at step ``anneal``.
 
-  The objective is the mean over domains of the risk plus ``irm_lambda``
-  times the mean of `irm_penalty` (lines 608-618), of one forward pass over
-  all domains (line 609). Before step ``irm_penalty_anneal_iters`` the
-  penalty's weight is 1 (DomainBed's warm-up, not 0; lines 602-604); at that
-  step it becomes ``irm_lambda`` and Adam restarts (`base.restart_at_anneal`,
-  lines 620-626).
+  DomainBed's IRM, VREx and IB_ERM share this update: the penalty weighs
+  ``warmup_weight`` before update number ``anneal`` (counted from 0) and
+  ``weight`` from it on; at that step Adam restarts
+  (`base.restart_at_anneal`), then steps, then the count goes up.
+
+  Args:
+    hparams: the run's hparams (ERM's Adam: ``lr``, ``weight_decay``).
+    terms: ``terms(params, stats, batches) -> (risk, penalty, stats,
+      metrics)``, on batches with example keys; its metrics join ``loss``
+      (the objective), ``nll`` (the risk) and ``penalty``, and override them.
+    weight: the penalty's weight from step ``anneal`` on.
+    warmup_weight: its weight before.
+    anneal: the step its weight jumps, and Adam restarts.
   """
-  del num_domains, seed
   tx = base.adam(hparams)
-  weight, anneal = hparams["irm_lambda"], hparams["irm_penalty_anneal_iters"]
 
   def objective(params, stats, batches, count):
-    n, b = batches["label"].shape
-    batch = base.merge_domains(batches)
-    outputs, stats = network.logits(params, stats, batch["image"],
-                                    batch["key"][0])
-    nll = tasks.example_loss(outputs, batch).mean()
-    penalty = irm_penalty(outputs.reshape(n, b, -1), batches["label"]).mean()
-    objective = nll + jnp.where(count >= anneal, weight, 1.0) * penalty
-    return objective, (stats, {"loss": objective, "nll": nll,
-                               "penalty": penalty})
+    risk, penalty, stats, metrics = terms(params, stats, batches)
+    objective = risk + jnp.where(count >= anneal, weight,
+                                 warmup_weight) * penalty
+    return objective, (stats, {"loss": objective, "nll": risk,
+                               "penalty": penalty, **metrics})
 
   def update(params, stats, state, batches, key):
     batches = base.with_example_keys(batches, key)
@@ -92,6 +101,113 @@ def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
       lambda params: base.AnnealState(tx.init(params),
                                       jnp.zeros((), jnp.int32)),
       update)
+
+
+def _pooled_outputs(
+    network: base.Network, params: base.Params, stats: base.Stats,
+    batches: base.Batches,
+) -> tuple[jax.Array, jax.Array, base.Stats]:
+  """One forward pass over all domains pooled, as DomainBed's ``all_x``.
+
+  Returns:
+    ``(features (n, b, F), outputs (n, b, C), stats after the pass)``.
+  """
+  n, b = batches["label"].shape
+  batch = base.merge_domains(batches)
+  model = network.bind(params, stats)
+  features = model.features(batch["image"], rngs=batch["key"][0])
+  outputs = model.head(features)
+  return (features.reshape(n, b, -1), outputs.reshape(n, b, -1),
+          nnx.state(model, nnx.BatchStat))
+
+
+def _domain_risks(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+  """``(n,)``: every domain's mean task loss of its ``(n, b, C)`` outputs."""
+  n, b = labels.shape
+  return tasks.example_loss(outputs.reshape(n * b, -1),
+                            {"label": labels.reshape(-1)}).reshape(n, b).mean(1)
+
+
+def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+        seed: int) -> base.Algorithm:
+  """IRMv1 (Arjovsky et al., 2019) as in DomainBed (lines 581-634).
+
+  The objective is the mean over domains of the risk plus ``irm_lambda``
+  times the mean of `irm_penalty` (lines 608-618), of one forward pass over
+  all domains (line 609). Before step ``irm_penalty_anneal_iters`` the
+  penalty's weight is 1 (DomainBed's warm-up, not 0; lines 602-604); at that
+  step it becomes ``irm_lambda`` and Adam restarts (`_annealed_penalty`,
+  lines 620-626).
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    _, outputs, stats = _pooled_outputs(network, params, stats, batches)
+    risk = _domain_risks(outputs, batches["label"]).mean()
+    return risk, irm_penalty(outputs, batches["label"]).mean(), stats, {}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["irm_lambda"],
+                           warmup_weight=1.0,
+                           anneal=hparams["irm_penalty_anneal_iters"])
+
+
+def vrex(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """V-REx (Krueger et al., ICML 2021) as in DomainBed (lines 745-788).
+
+  The objective is the mean of the domains' risks plus ``vrex_lambda``
+  times their variance (the biased one, ``((losses - mean) ** 2).mean()``,
+  lines 770-772), the risks of one forward pass over all domains (lines
+  760-768). Before step ``vrex_penalty_anneal_iters`` the variance weighs 1,
+  as IRM's warm-up (lines 753-756); at that step its weight becomes
+  ``vrex_lambda`` and Adam restarts (lines 774-780; `_annealed_penalty`).
+
+  As DomainBed's, the ``nll`` metric is the last domain's risk (its loop
+  overwrites ``nll``, line 767, and returns it, line 787), not their
+  mean. DomainBed gathers the risks in a ``torch.zeros`` buffer of
+  PyTorch's default float32 (line 763); here they stay in the model's
+  dtype, which is float32 in DomainBed's runs.
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    _, outputs, stats = _pooled_outputs(network, params, stats, batches)
+    risks = _domain_risks(outputs, batches["label"])
+    mean = risks.mean()
+    return mean, ((risks - mean) ** 2).mean(), stats, {"nll": risks[-1]}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["vrex_lambda"],
+                           warmup_weight=1.0,
+                           anneal=hparams["vrex_penalty_anneal_iters"])
+
+
+def ib_erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+           seed: int) -> base.Algorithm:
+  """IB-ERM (Ahuja et al., NeurIPS 2021) as in DomainBed (lines 1869-1924).
+
+  The objective is the mean of the domains' risks plus ``ib_lambda`` times
+  the information bottleneck penalty: every domain's featurizer outputs'
+  variance over its batch (unbiased, PyTorch's ``var(dim=0)``), averaged
+  over the features (line 1900), then over the domains (line 1903), all
+  from one forward pass over all domains (lines 1891-1893). Before step
+  ``ib_penalty_anneal_iters`` the penalty weighs 0 (lines 1884-1886; IRM's
+  and VREx's warm-ups weigh 1); at that step its weight becomes
+  ``ib_lambda`` and Adam restarts (lines 1909-1915; `_annealed_penalty`).
+  The penalty's metric is ``penalty`` (DomainBed's ``IB_penalty``), as
+  IRM's and VREx's.
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    features, outputs, stats = _pooled_outputs(network, params, stats,
+                                               batches)
+    risk = _domain_risks(outputs, batches["label"]).mean()
+    penalty = features.var(axis=1, ddof=1).mean(axis=-1).mean()
+    return risk, penalty, stats, {}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["ib_lambda"],
+                           warmup_weight=0.0,
+                           anneal=hparams["ib_penalty_anneal_iters"])
 
 
 def _mean_over_domain_pairs(

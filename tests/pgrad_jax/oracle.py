@@ -380,3 +380,62 @@ def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
     _, grads = linear_head_loss_grad(theta, inputs, labels, num_classes)
     theta = adam.step(theta, grads)
   return theta, running
+
+
+# ----------------------------------------------------------------------------
+# DomainBed's VREx and IB_ERM
+# (facebookresearch/DomainBed at b93c22a1), float64, on a linear featurizer
+# ``[W_f, b_f]`` and a linear head: ``theta = [W_f, b_f, W_h, b_h]``.
+
+
+def linear_features_and_logits(theta, images):
+  """``(features, logits)`` of every image, ``(..., F)`` and ``(..., C)``."""
+  w_f, b_f, w_h, b_h = theta
+  x = np.asarray(images, np.float64)
+  lead = x.shape[:2] if x.ndim > 2 else x.shape[:1]
+  features = x.reshape(lead + (-1,)) @ w_f + b_f
+  return features, features @ w_h + b_h
+
+
+def vrex_terms(theta, batches):
+  """``VREx.update``'s ``(mean risk, penalty, last domain's nll)``: the
+  biased variance of the domains' risks."""
+  _, logits = linear_features_and_logits(theta, batches["image"])
+  risks = np.array([cross_entropy(z, y)
+                    for z, y in zip(logits, np.asarray(batches["label"]))])
+  return risks.mean(), ((risks - risks.mean()) ** 2).mean(), risks[-1]
+
+
+def ib_erm_terms(theta, batches):
+  """``IB_ERM.update``'s ``(mean risk, penalty)``: every domain's features'
+  unbiased variance over the batch, averaged over features, then domains."""
+  features, logits = linear_features_and_logits(theta, batches["image"])
+  labels = np.asarray(batches["label"])
+  nll = np.mean([cross_entropy(z, y) for z, y in zip(logits, labels)])
+  penalty = np.mean([f.var(axis=0, ddof=1).mean() for f in features])
+  return nll, penalty
+
+
+def annealed_penalty(theta, batch_list, terms, lr, wd, weight, warmup_weight,
+                     anneal):
+  """IRM's, VREx's and IB_ERM's update over several steps: the penalty
+  weighs ``warmup_weight`` while ``update_count < anneal``, then
+  ``weight``; at ``update_count == anneal`` Adam is built afresh before
+  its step; the count goes up after it.
+
+  Returns ``(theta, objectives)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  objectives = []
+  for count, batches in enumerate(batch_list):
+    penalty_weight = weight if count >= anneal else warmup_weight
+
+    def objective(theta, batches=batches, penalty_weight=penalty_weight):
+      risk, penalty = terms(theta, batches)[:2]
+      return risk + penalty_weight * penalty
+
+    objectives.append(objective(theta))
+    if count == anneal:
+      adam = TorchAdam(lr, wd, theta)
+    theta = adam.step(theta, numerical_grad(objective, theta))
+  return theta, objectives
