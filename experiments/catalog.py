@@ -320,6 +320,13 @@ _INVARIANCE = "experiments.algorithms.invariance"
 
 ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
 
+
+def _sd(space: hp.SearchSpace) -> None:
+  space.add("sd_reg", 0.1, hp.NON_NEGATIVE, hp.log_uniform(-5, -1))
+
+
+ALGORITHMS.register("SD", f"{_OPTIMIZATION}:sd", hparams=_sd)
+
 # PGrad: the paper's table (appendix A.10), whose search is deliberately
 # narrow: only dropout and weight decay are drawn. Chunks per domain batch of
 # the "-B" variants (`AlgorithmEntry.chunked`): the paper's B = 3, and B = 2

@@ -22,7 +22,7 @@ the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
 module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL,
-DANN), `optimization` (ERM, GroupDRO, MLDG), `mixing` (MixUp, ARM),
+DANN), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM),
 `gradient_manipulation` (Fish, Fishr) and `principal_gradients` (PGrad
 and its variants), on the shared pieces of `base`. Adding one is a builder
 in its module and a block in ``experiments/catalog.py``: its entry and its
@@ -42,7 +42,7 @@ builder's docstring gives them for its terms. Conventions shared by all:
   - ERM, MixUp, IRM, CORAL, MMD, GroupDRO, ARM and MLDG's outer step: on the
     gradient fed to Adam (ERM's ``torch.optim.Adam(..., weight_decay=...)``,
     lines 107-111, which the others inherit).
-  - VREx and IB_ERM: as ERM's, whose Adam they inherit.
+  - VREx, IB_ERM and SD: as ERM's, whose Adam they inherit.
   - MLDG's inner step: its own fresh Adam, decayed alike (lines 897-901).
   - DANN: ``weight_decay_g`` on the generator's Adam and ``weight_decay_d``
     on the discriminator's (lines 502-514).
@@ -74,8 +74,8 @@ builder's docstring gives them for its terms. Conventions shared by all:
   them to `pgrad_jax` as its model state, so every inner step updates them in
   turn and the update returns the statistics of the rollout's last step, as a
   sequence of train-mode steps of the network would. (With frozen BatchNorm
-  there are no statistics to carry.) VREx and IB_ERM run it once over all
-  domains pooled, as DomainBed.
+  there are no statistics to carry.) VREx, IB_ERM and SD run it once over
+  all domains pooled, as DomainBed.
 """
 
 from experiments.algorithms.mixing import ARM_EVAL_BATCH
@@ -122,4 +122,5 @@ from experiments.algorithms.optimization import erm
 from experiments.algorithms.optimization import group_dro
 from experiments.algorithms.optimization import meta_pairs
 from experiments.algorithms.optimization import mldg
+from experiments.algorithms.optimization import sd
 from experiments.algorithms.principal_gradients import pgrad

@@ -383,7 +383,7 @@ def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
 
 
 # ----------------------------------------------------------------------------
-# DomainBed's VREx and IB_ERM
+# DomainBed's VREx, IB_ERM and SD
 # (facebookresearch/DomainBed at b93c22a1), float64, on a linear featurizer
 # ``[W_f, b_f]`` and a linear head: ``theta = [W_f, b_f, W_h, b_h]``.
 
@@ -439,3 +439,21 @@ def annealed_penalty(theta, batch_list, terms, lr, wd, weight, warmup_weight,
       adam = TorchAdam(lr, wd, theta)
     theta = adam.step(theta, numerical_grad(objective, theta))
   return theta, objectives
+
+
+def sd(theta, batch_list, lr, wd, sd_reg):
+  """``SD.update`` over several steps: the pooled cross-entropy plus
+  ``sd_reg`` times the mean squared logit. Returns ``(theta, losses)``."""
+  adam = TorchAdam(lr, wd, theta)
+  losses = []
+  for batches in batch_list:
+    labels = np.asarray(batches["label"]).reshape(-1)
+
+    def objective(theta, batches=batches, labels=labels):
+      _, logits = linear_features_and_logits(theta, batches["image"])
+      logits = logits.reshape(len(labels), -1)
+      return cross_entropy(logits, labels) + sd_reg * (logits**2).mean()
+
+    losses.append(objective(theta))
+    theta = adam.step(theta, numerical_grad(objective, theta))
+  return theta, losses

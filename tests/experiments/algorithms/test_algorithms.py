@@ -167,10 +167,11 @@ def test_every_algorithm_takes_a_finite_step(name):
 
 # Algorithms with state beyond one Adam's, with hparams that use it around
 # the resume after step 2: VREx's and IB_ERM's update count, whose anneal
-# step (2) restarts Adam after the resume.
+# step (2) restarts Adam after the resume. SD's is ERM's Adam.
 @pytest.mark.parametrize("name, hparams", [
     ("VREx", {"vrex_penalty_anneal_iters": 2}),
     ("IB_ERM", {"ib_penalty_anneal_iters": 2}),
+    ("SD", {}),
 ])
 def test_a_checkpointed_state_resumes_bit_for_bit(name, hparams, tmp_path):
   model = build_model(name, TinyFeaturizer(16, rngs=nnx.Rngs(0)))
@@ -275,10 +276,11 @@ def numpy_running_stats(chunks):
     ("GroupDRO", {}, lambda x: [x[0], x[1]]),
     ("MMD", {}, lambda x: [x[0], x[1]]),
     ("CORAL", {}, lambda x: [x[0], x[1]]),
-    # IRM, VREx and IB_ERM: one pass over all domains, as DomainBed's.
+    # IRM, VREx, IB_ERM and SD: one pass over all domains, as DomainBed's.
     ("IRM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("VREx", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("IB_ERM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("SD", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
 ])
 def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
   model = build_model(name, NormalizedPixels(16, rngs=nnx.Rngs(0)), seed=1)
