@@ -531,6 +531,8 @@ def _dann(space: hp.SearchSpace) -> None:
 
 
 ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
+# DomainBed's DANN block is CDANN's too.
+ALGORITHMS.register("CDANN", f"{_INVARIANCE}:cdann", family="DANN")
 
 
 def _group_dro(space: hp.SearchSpace) -> None:

@@ -21,8 +21,8 @@ or arrays; a loop averages them over the steps between evaluations, except
 the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
-module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL,
-DANN), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM),
+module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN,
+CDANN), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM),
 `gradient_manipulation` (Fish, Fishr) and `principal_gradients` (PGrad
 and its variants), on the shared pieces of `base`. Adding one is a builder
 in its module and a block in ``experiments/catalog.py``: its entry and its
@@ -44,8 +44,8 @@ builder's docstring gives them for its terms. Conventions shared by all:
     lines 107-111, which the others inherit).
   - VREx, IB_ERM and SD: as ERM's, whose Adam they inherit.
   - MLDG's inner step: its own fresh Adam, decayed alike (lines 897-901).
-  - DANN: ``weight_decay_g`` on the generator's Adam and ``weight_decay_d``
-    on the discriminator's (lines 502-514).
+  - DANN and CDANN: ``weight_decay_g`` on the generator's Adam and
+    ``weight_decay_d`` on the discriminator's (lines 502-514).
   - Fishr: on the gradient fed to Adam, restarted with it (``_init_optimizer``,
     lines 1597-1602).
   - Fish: by default inside the inner Adam of every rollout step, the meta
@@ -74,8 +74,8 @@ builder's docstring gives them for its terms. Conventions shared by all:
   them to `pgrad_jax` as its model state, so every inner step updates them in
   turn and the update returns the statistics of the rollout's last step, as a
   sequence of train-mode steps of the network would. (With frozen BatchNorm
-  there are no statistics to carry.) VREx, IB_ERM and SD run it once over
-  all domains pooled, as DomainBed.
+  there are no statistics to carry.) VREx, IB_ERM, SD and CDANN run it once
+  over all domains pooled, as DomainBed.
 """
 
 from experiments.algorithms.mixing import ARM_EVAL_BATCH
@@ -106,6 +106,7 @@ from experiments.algorithms.gradient_manipulation import fishr_penalty
 from experiments.algorithms.gradient_manipulation import head_gradients
 from experiments.algorithms.invariance import DANNState
 from experiments.algorithms.invariance import MMD_GAMMAS
+from experiments.algorithms.invariance import cdann
 from experiments.algorithms.invariance import coral
 from experiments.algorithms.invariance import coral_penalty
 from experiments.algorithms.invariance import dann

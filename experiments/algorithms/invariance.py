@@ -1,4 +1,4 @@
-"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL and DANN, as
+"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL, DANN and CDANN, as
 DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
@@ -381,38 +381,12 @@ def dann_step_kind(count: jax.Array, d_steps_per_g_step: int) -> jax.Array:
   return count % (1 + d_steps_per_g_step) < d_steps_per_g_step
 
 
-def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
-         seed: int) -> base.Algorithm:
-  """Unconditional DANN (Ganin et al., JMLR 2016) as in DomainBed.
-
-  DomainBed's ``AbstractDANN`` with ``conditional=False,
-  class_balance=False`` (``DANN``, lines 567-571; the class, lines 477-565):
-
-  * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
-    the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
-    of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
-    ``seed``, in the model's dtype (as DomainBed's, a part of the same
-    ``torch.nn.Module``). It and its Adam live in the algorithm's state.
-  * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
-    with ``weight_decay_d`` (lines 502-507) and the generator's, over the
-    featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
-    (lines 509-514). ``lr`` and ``weight_decay`` are unused, as in
-    DomainBed.
-  * Every update counts itself first (line 518), runs the featurizer once
-    over all domains pooled (lines 519-521) and the discriminator on its
-    outputs (line 526), whose labels are the domains (lines 527-530). The
-    discriminator's loss is its mean cross-entropy (line 538) plus
-    ``grad_penalty`` times the mean over examples of the squared norm of the
-    gradient of its summed cross-entropy with respect to its input (lines
-    540-544).
-  * `dann_step_kind` (lines 546-547) picks the step: the discriminator
-    descends its loss (lines 549-552), or the generator descends the
-    classifier's mean cross-entropy minus ``lambda`` times the
-    discriminator's loss, penalty included (lines 554-562).
-
-  The metrics are the classifier's loss (``loss``), the discriminator's
-  (``disc_loss``) and the gradient penalty (``penalty``), every step.
-  """
+def _adversarial(network: base.Network, hparams: base.HParams, *,
+                 num_domains: int, seed: int,
+                 conditional: bool) -> base.Algorithm:
+  """DomainBed's ``AbstractDANN`` (lines 477-565): DANN, or CDANN with
+  ``conditional`` (its ``conditional=True, class_balance=True``); see
+  `dann` and `cdann`."""
   d_steps = hparams["d_steps_per_g_step"]
   gen_tx = base.torch_adam(hparams["lr_g"], hparams["weight_decay_g"],
                            hparams["beta1"], 0.9)
@@ -423,13 +397,25 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
     # In the model's dtype (its head's): parameters, Adam's moments and the
     # forward pass, which computes in the dtype its inputs (the features)
     # and parameters promote to.
-    return models.MLP(head_kernel.shape[0], num_domains,
-                      width=hparams["mlp_width"], depth=hparams["mlp_depth"],
-                      dropout=hparams["mlp_dropout"], rngs=nnx.Rngs(seed),
-                      dtype=None, param_dtype=head_kernel.dtype)
+    num_features, num_classes = head_kernel.shape
+    rngs = nnx.Rngs(seed)
+    mlp = models.MLP(num_features, num_domains, width=hparams["mlp_width"],
+                     depth=hparams["mlp_depth"],
+                     dropout=hparams["mlp_dropout"], rngs=rngs, dtype=None,
+                     param_dtype=head_kernel.dtype)
+    if not conditional:
+      return mlp
+    # DomainBed's nn.Embedding, whose PyTorch init is N(0, 1) (line 498).
+    embeddings = nnx.Embed(
+        num_classes, num_features, param_dtype=head_kernel.dtype,
+        embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+    return nnx.Dict(mlp=mlp, class_embeddings=embeddings)
 
   def head_kernel(params):
     return params["head"]["kernel"][...]
+
+  def num_classes(params):
+    return head_kernel(params).shape[1]
 
   def init(params):
     disc_params = nnx.state(discriminator(head_kernel(params)), nnx.Param)
@@ -437,23 +423,46 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
                      disc_tx.init(disc_params), jnp.zeros((), jnp.int32))
 
   def update(params, stats, state, batches, key):
+    if conditional and tasks.is_regression(batches["label"]):
+      raise ValueError("CDANN's discriminator is conditioned on classes; "
+                       "a regression task has none: train DANN instead.")
     data_key, disc_key = jax.random.split(key)
     n, b = batches["label"].shape
     batch = base.merge_domains(base.with_example_keys(batches, data_key))
+    labels = batch["label"]
     domains = jnp.repeat(jnp.arange(n), b)
     disc_def = nnx.graphdef(nnx.eval_shape(
         lambda: discriminator(head_kernel(params))))
 
     def disc_loss_fn(disc_params, features):
       disc = nnx.merge(disc_def, disc_params)
+      if conditional:
+        # The input is the features plus the class's embedding (line 523),
+        # so the gradient penalty is taken at that sum (lines 540-541).
+        inputs = features + disc["class_embeddings"](labels)
+        disc = disc["mlp"]
+      else:
+        inputs = features
 
       def summed_loss(inputs):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            disc(inputs, rngs=disc_key), domains).sum()
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            disc(inputs, rngs=disc_key), domains)
+        return losses.sum(), losses
 
-      total, input_grads = jax.value_and_grad(summed_loss)(features)
+      (total, losses), input_grads = jax.value_and_grad(
+          summed_loss, has_aux=True)(inputs)
       penalty = (input_grads**2).sum(axis=1).mean()
-      return total / len(domains) + hparams["grad_penalty"] * penalty, penalty
+      if conditional:
+        # DomainBed's class balance (lines 532-536): example weights of
+        # 1 / (its class's count * the classes), where F.one_hot without
+        # num_classes counts the classes up to the batch's largest label,
+        # fewer than the task's when the batch lacks the last ones.
+        counts = jnp.bincount(labels, length=num_classes(params))
+        weights = 1.0 / (counts[labels] * (labels.max() + 1))
+        loss = (weights.astype(losses.dtype) * losses).sum()
+      else:
+        loss = total / len(domains)
+      return loss + hparams["grad_penalty"] * penalty, penalty
 
     def featurize(params):
       model = network.bind(params, stats)
@@ -509,3 +518,66 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
                                     disc_opt_state, count), metrics
 
   return base.Algorithm(init, update)
+
+
+def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """Unconditional DANN (Ganin et al., JMLR 2016) as in DomainBed.
+
+  DomainBed's ``AbstractDANN`` with ``conditional=False,
+  class_balance=False`` (``DANN``, lines 567-571; the class, lines 477-565):
+
+  * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
+    the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
+    of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
+    ``seed``, in the model's dtype (as DomainBed's, a part of the same
+    ``torch.nn.Module``). It and its Adam live in the algorithm's state.
+  * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
+    with ``weight_decay_d`` (lines 502-507) and the generator's, over the
+    featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
+    (lines 509-514). ``lr`` and ``weight_decay`` are unused, as in
+    DomainBed.
+  * Every update counts itself first (line 518), runs the featurizer once
+    over all domains pooled (lines 519-521) and the discriminator on its
+    outputs (line 526), whose labels are the domains (lines 527-530). The
+    discriminator's loss is its mean cross-entropy (line 538) plus
+    ``grad_penalty`` times the mean over examples of the squared norm of the
+    gradient of its summed cross-entropy with respect to its input (lines
+    540-544).
+  * `dann_step_kind` (lines 546-547) picks the step: the discriminator
+    descends its loss (lines 549-552), or the generator descends the
+    classifier's mean cross-entropy minus ``lambda`` times the
+    discriminator's loss, penalty included (lines 554-562).
+
+  The metrics are the classifier's loss (``loss``), the discriminator's
+  (``disc_loss``) and the gradient penalty (``penalty``), every step.
+  """
+  return _adversarial(network, hparams, num_domains=num_domains, seed=seed,
+                      conditional=False)
+
+
+def cdann(network: base.Network, hparams: base.HParams, *, num_domains: int,
+          seed: int) -> base.Algorithm:
+  """Conditional DANN (Li et al., ECCV 2018) as in DomainBed.
+
+  DomainBed's ``AbstractDANN`` with ``conditional=True,
+  class_balance=True`` (``CDANN``, lines 574-578): `dann`'s update, but
+
+  * the discriminator sees the features plus a learned embedding of the
+    example's class (lines 522-523): DomainBed's ``nn.Embedding(num_classes,
+    num_features)`` (lines 498-499), ``N(0, 1)`` at init as PyTorch's, which
+    the discriminator's Adam trains with it (lines 502-507) and the
+    generator's leaves alone. Its params are ``{"mlp": ...,
+    "class_embeddings": ...}``;
+  * its cross-entropy is class-balanced (lines 532-536): every example
+    weighs ``1 / (count of its class * number of classes)``, summed. As
+    DomainBed's ``F.one_hot(all_y)``, the number of classes is the batch's
+    largest label plus one, so a batch without the last classes weighs its
+    examples more. The gradient penalty stays of the unweighted summed
+    cross-entropy (lines 540-541).
+
+  Raises (at the first update):
+    ValueError: the labels are regression targets, which have no classes.
+  """
+  return _adversarial(network, hparams, num_domains=num_domains, seed=seed,
+                      conditional=True)

@@ -254,25 +254,36 @@ def mldg(theta, batch_list, pairs_list, lr, wd, beta, num_classes):
   return theta, objectives
 
 
-def dann_losses(generator, discriminator, images, labels, grad_penalty):
+def dann_losses(generator, discriminator, images, labels, grad_penalty,
+                conditional=False):
   """``AbstractDANN.update``'s losses for a linear featurizer and head.
 
   ``generator`` is ``[W_f, b_f, W_h, b_h]``; ``discriminator`` an MLP's
-  ``[W_1, b_1, ..., W_L, b_L]`` with ReLUs between. The gradient of the
-  discriminator's summed cross-entropy w.r.t. its input is backpropagated
-  by hand.
+  ``[W_1, b_1, ..., W_L, b_L]`` with ReLUs between, and with
+  ``conditional`` (CDANN) the class embeddings ``E (C, F)`` last: the
+  discriminator then sees ``features + E[label]`` and its cross-entropy is
+  class-balanced, each example weighing ``1 / (its class's count * (largest
+  label + 1))`` (``F.one_hot`` without ``num_classes``). The gradient of the
+  discriminator's summed (unweighted) cross-entropy w.r.t. its input is
+  backpropagated by hand.
 
   Returns:
     ``(classifier loss, discriminator loss with penalty, penalty)``.
   """
   w_f, b_f, w_h, b_h = generator
   n, b = labels.shape
+  labels = labels.reshape(-1)
   x = np.asarray(images, np.float64).reshape(n * b, -1)
   features = x @ w_f + b_f
-  nll = cross_entropy(features @ w_h + b_h, labels.reshape(-1))
+  nll = cross_entropy(features @ w_h + b_h, labels)
   domains = np.repeat(np.arange(n), b)
+  if conditional:
+    *discriminator, embeddings = discriminator
+    inputs = features + embeddings[labels]
+  else:
+    inputs = features
   layers = list(zip(discriminator[::2], discriminator[1::2]))
-  activations, h = [], features
+  activations, h = [], inputs
   for k, (w, bias) in enumerate(layers):
     a = h @ w + bias
     activations.append(a)
@@ -283,12 +294,20 @@ def dann_losses(generator, discriminator, images, labels, grad_penalty):
       grad = grad * (activations[k] > 0)
     grad = grad @ layers[k][0].T
   penalty = (grad**2).sum(1).mean()
-  disc_loss = cross_entropy(h, domains) + grad_penalty * penalty
-  return nll, disc_loss, penalty
+  if conditional:
+    counts = np.bincount(labels)
+    weights = 1.0 / (counts[labels] * len(counts))
+    log_probs = np.log(softmax(h))[np.arange(len(domains)), domains]
+    disc_loss = -(weights * log_probs).sum()
+  else:
+    disc_loss = cross_entropy(h, domains)
+  return nll, disc_loss + grad_penalty * penalty, penalty
 
 
-def dann(generator, discriminator, batch_list, hparams):
-  """``AbstractDANN.update`` over several steps; returns both networks."""
+def dann(generator, discriminator, batch_list, hparams, conditional=False):
+  """``AbstractDANN.update`` over several steps; returns both networks
+  (with ``conditional``, CDANN's: the discriminator's list ends with the
+  class embeddings, which its Adam trains)."""
   gen_adam = TorchAdam(hparams["lr_g"], hparams["weight_decay_g"], generator,
                        hparams["beta1"], 0.9)
   disc_adam = TorchAdam(hparams["lr_d"], hparams["weight_decay_d"],
@@ -297,7 +316,7 @@ def dann(generator, discriminator, batch_list, hparams):
   for count, batches in enumerate(batch_list, start=1):
     losses = lambda gen, disc: dann_losses(
         gen, disc, batches["image"], np.asarray(batches["label"]),
-        hparams["grad_penalty"])
+        hparams["grad_penalty"], conditional)
     if count % (1 + d_steps) < d_steps:
       grads = numerical_grad(lambda d: losses(generator, d)[1], discriminator)
       discriminator = disc_adam.step(discriminator, grads)
@@ -383,7 +402,7 @@ def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
 
 
 # ----------------------------------------------------------------------------
-# DomainBed's VREx, IB_ERM and SD
+# DomainBed's VREx, IB_ERM, SD and CDANN (`dann` above, conditional)
 # (facebookresearch/DomainBed at b93c22a1), float64, on a linear featurizer
 # ``[W_f, b_f]`` and a linear head: ``theta = [W_f, b_f, W_h, b_h]``.
 

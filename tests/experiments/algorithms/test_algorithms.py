@@ -128,7 +128,7 @@ def generator_arrays(params):
 
 def float64_batches(steps, image_shape=(2, 2, 1)):
   """`make_batches` of every step in float64; step 1's labels lack the last
-  class."""
+  class (which CDANN's class balance counts as DomainBed's does)."""
   batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
                              if x.dtype == jnp.float32 else x,
                              make_batches(step, image_shape))
@@ -167,10 +167,13 @@ def test_every_algorithm_takes_a_finite_step(name):
 
 # Algorithms with state beyond one Adam's, with hparams that use it around
 # the resume after step 2: VREx's and IB_ERM's update count, whose anneal
-# step (2) restarts Adam after the resume. SD's is ERM's Adam.
+# step (2) restarts Adam after the resume; CDANN's count, which picks the
+# step kind, its discriminator, class embeddings and their Adam. SD's is
+# ERM's Adam.
 @pytest.mark.parametrize("name, hparams", [
     ("VREx", {"vrex_penalty_anneal_iters": 2}),
     ("IB_ERM", {"ib_penalty_anneal_iters": 2}),
+    ("CDANN", {"d_steps_per_g_step": 2, "mlp_width": 8}),
     ("SD", {}),
 ])
 def test_a_checkpointed_state_resumes_bit_for_bit(name, hparams, tmp_path):
@@ -276,11 +279,13 @@ def numpy_running_stats(chunks):
     ("GroupDRO", {}, lambda x: [x[0], x[1]]),
     ("MMD", {}, lambda x: [x[0], x[1]]),
     ("CORAL", {}, lambda x: [x[0], x[1]]),
-    # IRM, VREx, IB_ERM and SD: one pass over all domains, as DomainBed's.
+    # IRM, VREx, IB_ERM, SD and CDANN: one pass over all domains, as
+    # DomainBed's.
     ("IRM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("VREx", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("IB_ERM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("SD", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("CDANN", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
 ])
 def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
   model = build_model(name, NormalizedPixels(16, rngs=nnx.Rngs(0)), seed=1)

@@ -1,5 +1,5 @@
 """Tests for experiments/algorithms/invariance.py: IRM, VREx, IB_ERM, CORAL,
-MMD and DANN."""
+MMD, DANN and CDANN."""
 
 import jax
 import jax.numpy as jnp
@@ -244,21 +244,27 @@ def test_dann_alternates_as_domainbed():
 
 
 def _mlp_arrays(disc_params):
-  """A `models.MLP`'s params as NumPy ``[W_1, b_1, ..., W_L, b_L]``."""
+  """A `models.MLP`'s params as NumPy ``[W_1, b_1, ..., W_L, b_L]``, and
+  CDANN's (``{"mlp", "class_embeddings"}``) with the embeddings last."""
+  if "class_embeddings" in disc_params:
+    return _mlp_arrays(disc_params["mlp"]) + [
+        np.asarray(disc_params["class_embeddings"]["embedding"][...])]
   return [np.asarray(layer[name][...])
           for layer in disc_params["layers"].values()
           for name in ("kernel", "bias")]
 
 
+@pytest.mark.parametrize("name", ["DANN", "CDANN"])
 @pytest.mark.parametrize("d_steps", [1, 2])
-def test_dann_matches_a_numpy_model_of_domainbed(d_steps):
+def test_dann_matches_a_numpy_model_of_domainbed(name, d_steps):
   # In float64 throughout, so that any part computed in float32 (as the
   # discriminator once was, 2e-4 off after four steps) stands out of the
   # float64 noise.
+  conditional = name == "CDANN"
   with jax.enable_x64(True):
     network, params, stats = linear_featurizer_model(dtype=jnp.float64)
     hparams = _dann_hparams(d_steps)
-    algorithm = algorithms.build_algorithm("DANN", network, hparams,
+    algorithm = algorithms.build_algorithm(name, network, hparams,
                                            num_domains=NUM_DOMAINS, seed=3)
     update = jax.jit(algorithm.update)
     state = algorithm.init(params)
@@ -267,17 +273,18 @@ def test_dann_matches_a_numpy_model_of_domainbed(d_steps):
             if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float64")}
     generator = generator_arrays(params)
     discriminator = _mlp_arrays(state.disc_params)
-    assert [w.shape for w in discriminator[::2]] == [(3, 5), (5, 5), (5, 2)]
-    batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
-                               if x.dtype == jnp.float32 else x,
-                               make_batches(step, (2, 2, 1)))
-                  for step in range(4)]
+    assert [w.shape for w in discriminator[:6:2]] == [(3, 5), (5, 5), (5, 2)]
+    # CDANN's embeddings, one per class, start at N(0, 1) as PyTorch's.
+    assert len(discriminator) == 6 + conditional
+    if conditional:
+      assert discriminator[-1].shape == (NUM_CLASSES, 3)
+    batch_list = float64_batches(5)
     for step, batches in enumerate(batch_list):
       # The losses of the networks the step starts from (the generator's
       # loss and the discriminator's with its gradient penalty).
       want_losses = oracle.dann_losses(
           generator_arrays(params), _mlp_arrays(state.disc_params),
-          batches["image"], np.asarray(batches["label"]), 0.5)
+          batches["image"], np.asarray(batches["label"]), 0.5, conditional)
       params, stats, state, metrics = update(params, stats, state, batches,
                                              jax.random.PRNGKey(step))
       # float64 against float64: measured 4e-16 relative; 1e-13 leaves
@@ -287,12 +294,12 @@ def test_dann_matches_a_numpy_model_of_domainbed(d_steps):
           [metrics["loss"], metrics["disc_loss"], metrics["penalty"]],
           want_losses, rtol=1e-13)
   want_generator, want_discriminator = oracle.dann(
-      generator, discriminator, batch_list, hparams)
-  assert int(state.count) == 4
-  # Four Adam steps of 0.01-0.02 from the oracle's central differences,
+      generator, discriminator, batch_list, hparams, conditional)
+  assert int(state.count) == 5
+  # Five Adam steps of 0.01-0.02 from the oracle's central differences,
   # whose rounding (1e-16 / step 1e-6) is the noise here: measured 3e-10 to
-  # 6e-10 apart (1e-11 at step 1e-4), against 2e-4 with the discriminator
-  # in float32. Both networks moved.
+  # 1.6e-9 apart (1e-11 at step 1e-4), against 2e-4 with the discriminator
+  # in float32. Both networks moved, CDANN's embeddings too.
   for got, want, start in zip(
       generator_arrays(params) + _mlp_arrays(state.disc_params),
       want_generator + want_discriminator, generator + discriminator):
@@ -311,6 +318,17 @@ def test_dann_dropout_draws_from_the_step_key():
                          jax.random.PRNGKey(key))[3]["disc_loss"])
             for key in (0, 0, 1)]
   assert losses[0] == losses[1] != losses[2]
+
+
+def test_cdann_refuses_regression_targets():
+  network, params, stats = linear_featurizer_model()
+  algorithm = algorithms.build_algorithm("CDANN", network, _dann_hparams(1),
+                                         num_domains=NUM_DOMAINS)
+  batches = make_batches(0, (2, 2, 1))
+  batches["label"] = batches["label"].astype(jnp.float32)
+  with pytest.raises(ValueError, match="train DANN instead"):
+    algorithm.update(params, stats, algorithm.init(params), batches,
+                     jax.random.PRNGKey(0))
 
 
 # name -> (the hparams of its weight and anneal step, its weight before the
