@@ -535,6 +535,16 @@ ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
 ALGORITHMS.register("CDANN", f"{_INVARIANCE}:cdann", family="DANN")
 
 
+def _sagnet(space: hp.SearchSpace) -> None:
+  space.add("sag_w_adv", 0.1, hp.NON_NEGATIVE, hp.log_uniform(-2, 1))
+
+
+# SagNet's network has a style network beside its classifier
+# (models.StyleClassifier).
+ALGORITHMS.register("SagNet", f"{_INVARIANCE}:sagnet",
+                    model_options={"style_head": True}, hparams=_sagnet)
+
+
 def _group_dro(space: hp.SearchSpace) -> None:
   space.add("groupdro_eta", 1e-2, hp.NON_NEGATIVE, hp.log_uniform(-3, -1))
 

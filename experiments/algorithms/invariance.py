@@ -1,5 +1,5 @@
-"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL, DANN and CDANN, as
-DomainBed's.
+"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN and
+SagNet, as DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
 unless another file is named.
@@ -581,3 +581,202 @@ def cdann(network: base.Network, hparams: base.HParams, *, num_domains: int,
   """
   return _adversarial(network, hparams, num_domains=num_domains, seed=seed,
                       conditional=True)
+
+
+# SagNet's variance floor in its normalisation (``randomize``'s ``eps``,
+# line 1192).
+SAGNET_EPS = 1e-5
+
+
+class SagNetState(NamedTuple):
+  """SagNet's state: its three Adams (DomainBed's lines 1175-1181).
+
+  Attributes:
+    featurizer_opt_state: the featurizer's, which steps twice an update.
+    content_opt_state: the content network's (the model's ``head``).
+    style_opt_state: the style network's (its ``style_head``).
+  """
+
+  featurizer_opt_state: optax.OptState
+  content_opt_state: optax.OptState
+  style_opt_state: optax.OptState
+
+
+class SagNetDraws(NamedTuple):
+  """The random draws of one of SagNet's forward passes.
+
+  Attributes:
+    alpha: ``(N, 1)``, every example's weight of its own style (``U(0,
+      1)``, line 1195; a content randomisation draws it too and uses none).
+    perm: ``(N,)``, the example whose style or content it takes
+      (``torch.randperm``, line 1206).
+    dropout_key: the featurizer pass's dropout key.
+  """
+
+  alpha: jax.Array
+  perm: jax.Array
+  dropout_key: jax.Array
+
+
+def sagnet_draws(key: jax.Array, num_examples: int,
+                 dtype: jnp.dtype) -> list[SagNetDraws]:
+  """The draws of a SagNet update from its ``key``: those of its content,
+  style and adversary passes, in that order (`sagnet`)."""
+  draws = []
+  for pass_key in jax.random.split(key, 3):
+    alpha_key, perm_key, dropout_key = jax.random.split(pass_key, 3)
+    draws.append(SagNetDraws(
+        jax.random.uniform(alpha_key, (num_examples, 1), dtype),
+        jax.random.permutation(perm_key, num_examples), dropout_key))
+  return draws
+
+
+def sagnet_randomize(features: jax.Array, draws: SagNetDraws,
+                     what: str) -> jax.Array:
+  """DomainBed's ``SagNet.randomize`` (lines 1190-1214) of ``(N, F)``
+  features.
+
+  Every example's features are normalised by their mean and (unbiased)
+  variance over the features, then given back a mean and variance:
+  ``"style"`` mixes its own with example ``perm``'s, ``alpha`` of its own;
+  ``"content"`` gives example ``perm``'s normalised features, held constant
+  (``detach``, line 1211), the example's own mean and variance, through
+  which gradients flow.
+
+  DomainBed's featurizers all end in a flat vector, so its branch for
+  ``(N, C, H, W)`` feature maps (lines 1197-1199) never runs, and is not
+  here.
+  """
+  mean = features.mean(-1, keepdims=True)
+  var = features.var(-1, ddof=1, keepdims=True)
+  normalised = (features - mean) / jnp.sqrt(var + SAGNET_EPS)
+  if what == "style":
+    alpha = draws.alpha.astype(features.dtype)
+    mean = alpha * mean + (1 - alpha) * mean[draws.perm]
+    var = alpha * var + (1 - alpha) * var[draws.perm]
+  else:
+    normalised = jax.lax.stop_gradient(normalised[draws.perm])
+  return normalised * jnp.sqrt(var + SAGNET_EPS) + mean
+
+
+def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
+           seed: int) -> base.Algorithm:
+  """Style-agnostic networks (Nam et al., CVPR 2021) as in DomainBed.
+
+  DomainBed's ``SagNet`` (lines 1126-1245), whose featurizer, content
+  network and style network are the model's ``featurizer``, ``head`` and
+  ``style_head`` (a `models.StyleClassifier`, which the training loop
+  builds for SagNet). Each has its own Adam at ``lr`` with ``weight_decay``
+  (lines 1175-1181). Every update, on all domains pooled (lines 1217-1218),
+  runs the featurizer three times, each pass with its own draws
+  (`sagnet_draws`), and steps in turn (lines 1220-1239):
+
+  1. content: the content network's cross-entropy on the features with
+     randomised style (`sagnet_randomize`); the featurizer's and content
+     network's Adams step;
+  2. style: the style network's cross-entropy on the features, of the
+     featurizer just stepped, with randomised content; the style network's
+     Adam steps (the gradient that reaches the featurizer is thrown away
+     by the next step's ``zero_grad``, line 1235);
+  3. adversary: ``sag_w_adv`` times the mean over examples and classes of
+     the stepped style network's negative log-probabilities, on
+     randomised content again; the featurizer's Adam steps a second time.
+
+  So the featurizer's Adam counts two steps an update, the others one.
+  Trained BatchNorm statistics follow the three passes in turn. The
+  metrics are the content loss (``loss``, DomainBed's ``loss_c``),
+  ``loss_s`` and ``loss_adv``. Prediction is the content network on the
+  features (lines 1244-1245), the model's own.
+
+  Raises (at the first update):
+    ValueError: the model has no ``style_head``, or the labels are
+      regression targets, which the adversary's class probabilities lack.
+  """
+  del num_domains, seed
+  tx = base.adam(hparams)
+  weight = hparams["sag_w_adv"]
+
+  def in_part(part, tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: path[0].key == part, tree)
+
+  def only(part, grads):
+    # The gradient of the part's params alone: a part's Adam passes the
+    # others' (zero) gradients through, as its parameters' updates.
+    return jax.tree.map(lambda mine, g: g if mine else jnp.zeros_like(g),
+                        in_part(part, grads), grads)
+
+  def part_adam(part):
+    return optax.masked(tx, lambda params: in_part(part, params))
+
+  featurizer_tx, content_tx, style_tx = (
+      part_adam("featurizer"), part_adam("head"), part_adam("style_head"))
+
+  def init(params):
+    if "style_head" not in params:
+      raise ValueError(
+          "SagNet trains a style network beside the classifier: build its "
+          "model with models.build_model(..., style_head=True), as the "
+          "training loop does for SagNet.")
+    return SagNetState(featurizer_tx.init(params), content_tx.init(params),
+                       style_tx.init(params))
+
+  def step(part_tx, grads, opt_state, params):
+    updates, opt_state = part_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def update(params, stats, state, batches, key):
+    batch = base.merge_domains(batches)
+    images, labels = batch["image"], batch["label"]
+    if tasks.is_regression(labels):
+      raise ValueError("SagNet's adversary needs classes; a regression task "
+                       "has none.")
+    content, style, adversary = sagnet_draws(key, len(labels),
+                                             base.model_dtype(params))
+
+    def randomized_logits(params, stats, draws, what, head,
+                          through_featurizer=True):
+      model = network.bind(params, stats)
+      features = model.features(images, rngs=draws.dropout_key)
+      if not through_featurizer:
+        features = jax.lax.stop_gradient(features)
+      inputs = sagnet_randomize(features, draws, what)
+      return getattr(model, head)(inputs), nnx.state(model, nnx.BatchStat)
+
+    def content_loss(params, stats):
+      logits, stats = randomized_logits(params, stats, content, "style",
+                                        "head")
+      return tasks.example_loss(logits, batch).mean(), stats
+
+    def style_loss(params, stats):
+      # Only the style network steps on this loss: no backward pass through
+      # the featurizer, whose gradient DomainBed throws away.
+      logits, stats = randomized_logits(params, stats, style, "content",
+                                        "style_head",
+                                        through_featurizer=False)
+      return tasks.example_loss(logits, batch).mean(), stats
+
+    def adversary_loss(params, stats):
+      logits, stats = randomized_logits(params, stats, adversary, "content",
+                                        "style_head")
+      return -weight * jax.nn.log_softmax(logits).mean(), stats
+
+    grad = lambda loss: jax.value_and_grad(loss, has_aux=True)
+    (loss_c, stats), grads = grad(content_loss)(params, stats)
+    params, featurizer_opt_state = step(
+        featurizer_tx, only("featurizer", grads), state.featurizer_opt_state,
+        params)
+    params, content_opt_state = step(content_tx, only("head", grads),
+                                     state.content_opt_state, params)
+    (loss_s, stats), grads = grad(style_loss)(params, stats)
+    params, style_opt_state = step(style_tx, only("style_head", grads),
+                                   state.style_opt_state, params)
+    (loss_adv, stats), grads = grad(adversary_loss)(params, stats)
+    params, featurizer_opt_state = step(
+        featurizer_tx, only("featurizer", grads), featurizer_opt_state,
+        params)
+    return params, stats, SagNetState(
+        featurizer_opt_state, content_opt_state, style_opt_state), {
+            "loss": loss_c, "loss_s": loss_s, "loss_adv": loss_adv}
+
+  return base.Algorithm(init, update)

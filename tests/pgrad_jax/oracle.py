@@ -402,9 +402,9 @@ def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
 
 
 # ----------------------------------------------------------------------------
-# DomainBed's VREx, IB_ERM, SD and CDANN (`dann` above, conditional)
+# DomainBed's VREx, IB_ERM, SD, CDANN (`dann` above, conditional) and SagNet
 # (facebookresearch/DomainBed at b93c22a1), float64, on a linear featurizer
-# ``[W_f, b_f]`` and a linear head: ``theta = [W_f, b_f, W_h, b_h]``.
+# ``[W_f, b_f]`` and linear heads: ``theta = [W_f, b_f, W_h, b_h]``.
 
 
 def linear_features_and_logits(theta, images):
@@ -476,3 +476,76 @@ def sd(theta, batch_list, lr, wd, sd_reg):
     losses.append(objective(theta))
     theta = adam.step(theta, numerical_grad(objective, theta))
   return theta, losses
+
+
+def sagnet_randomize(features, alpha, perm, what, base=None, eps=1e-5):
+  """``SagNet.randomize`` of ``(N, F)`` features. ``base``: the features
+  whose normalised, permuted values a content randomisation takes, held
+  constant (its ``detach``); by default ``features`` themselves."""
+  def moments(x):
+    return x.mean(-1, keepdims=True), x.var(-1, ddof=1, keepdims=True)
+
+  mean, var = moments(features)
+  if what == "style":
+    normalised = (features - mean) / np.sqrt(var + eps)
+    mean = alpha * mean + (1 - alpha) * mean[perm]
+    var = alpha * var + (1 - alpha) * var[perm]
+  else:
+    base = features if base is None else base
+    base_mean, base_var = moments(base)
+    normalised = ((base - base_mean) / np.sqrt(base_var + eps))[perm]
+  return normalised * np.sqrt(var + eps) + mean
+
+
+def sagnet(theta, style, batch_list, draws_list, lr, wd, w_adv):
+  """``SagNet.update`` over several steps.
+
+  ``theta`` is ``[W_f, b_f, W_c, b_c]`` (featurizer and content network),
+  ``style`` the style network's ``[W_s, b_s]``; every step's draws are
+  ``[(alpha, perm)]`` of its content, style and adversary passes. Three
+  Adams; the featurizer's steps after the content loss and again after the
+  adversary's.
+
+  Returns ``(theta, style, [(loss_c, loss_s, loss_adv)])``.
+  """
+  adam_f = TorchAdam(lr, wd, theta[:2])
+  adam_c = TorchAdam(lr, wd, theta[2:])
+  adam_s = TorchAdam(lr, wd, style)
+  history = []
+  for batches, ((alpha_c, perm_c), (alpha_s, perm_s),
+                (alpha_a, perm_a)) in zip(batch_list, draws_list):
+    labels = np.asarray(batches["label"]).reshape(-1)
+    x = np.asarray(batches["image"], np.float64).reshape(len(labels), -1)
+    featurize = lambda f: x @ f[0] + f[1]
+
+    def loss_c(theta):
+      inputs = sagnet_randomize(featurize(theta[:2]), alpha_c, perm_c,
+                                "style")
+      return cross_entropy(inputs @ theta[2] + theta[3], labels)
+
+    losses = [loss_c(theta)]
+    grads = numerical_grad(loss_c, theta)
+    theta = adam_f.step(theta[:2], grads[:2]) + adam_c.step(theta[2:],
+                                                            grads[2:])
+    features = featurize(theta[:2])
+
+    def loss_s(style):
+      inputs = sagnet_randomize(features, alpha_s, perm_s, "content")
+      return cross_entropy(inputs @ style[0] + style[1], labels)
+
+    losses.append(loss_s(style))
+    style = adam_s.step(style, numerical_grad(loss_s, style))
+
+    def loss_adv(f):
+      inputs = sagnet_randomize(featurize(f), alpha_a, perm_a, "content",
+                                base=features)
+      logits = inputs @ style[0] + style[1]
+      log_probs = logits - logits.max(-1, keepdims=True)
+      log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+      return -w_adv * log_probs.mean()
+
+    losses.append(loss_adv(theta[:2]))
+    theta = adam_f.step(theta[:2], numerical_grad(loss_adv, theta[:2])) + (
+        theta[2:])
+    history.append(tuple(losses))
+  return theta, style, history

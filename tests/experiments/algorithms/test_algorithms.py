@@ -100,19 +100,24 @@ def takes_context(name):
 
 def build_model(name, featurizer, *, in_channels=1, seed=1,
                 dtype=jnp.float32):
-  """``name``'s model on ``featurizer``: with ARM's context network if the
-  catalog says so (the featurizer then takes ``in_channels + 1``)."""
+  """``name``'s model on ``featurizer``: with ARM's context network
+  (the featurizer then takes ``in_channels + 1``) or SagNet's style head if
+  the catalog says so."""
   kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
   if takes_context(name):
     return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
                                     **kwargs)
+  if catalog.ALGORITHMS[name].model_options.get("style_head"):
+    return models.StyleClassifier(featurizer, NUM_CLASSES, **kwargs)
   return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
 
 
-def linear_featurizer_model(seed=0, dtype=jnp.float32):
-  """A `LinearFeaturizer` of 2x2 images to 3 features and a linear head, for
-  the NumPy models of oracle.py."""
-  model = models.Classifier(
+def linear_featurizer_model(seed=0, dtype=jnp.float32, style_head=False):
+  """A `LinearFeaturizer` of 2x2 images to 3 features and a linear head (and
+  SagNet's style head, with ``style_head``), for the NumPy models of
+  oracle.py."""
+  model_class = models.StyleClassifier if style_head else models.Classifier
+  model = model_class(
       LinearFeaturizer(4, 3, rngs=nnx.Rngs(seed), dtype=dtype), NUM_CLASSES,
       rngs=nnx.Rngs(seed + 1), dtype=dtype, param_dtype=dtype)
   return algorithms.Network.split(model)
@@ -168,12 +173,13 @@ def test_every_algorithm_takes_a_finite_step(name):
 # Algorithms with state beyond one Adam's, with hparams that use it around
 # the resume after step 2: VREx's and IB_ERM's update count, whose anneal
 # step (2) restarts Adam after the resume; CDANN's count, which picks the
-# step kind, its discriminator, class embeddings and their Adam. SD's is
-# ERM's Adam.
+# step kind, its discriminator, class embeddings and their Adam; SagNet's
+# three Adams. SD's is ERM's Adam.
 @pytest.mark.parametrize("name, hparams", [
     ("VREx", {"vrex_penalty_anneal_iters": 2}),
     ("IB_ERM", {"ib_penalty_anneal_iters": 2}),
     ("CDANN", {"d_steps_per_g_step": 2, "mlp_width": 8}),
+    ("SagNet", {}),
     ("SD", {}),
 ])
 def test_a_checkpointed_state_resumes_bit_for_bit(name, hparams, tmp_path):
@@ -286,6 +292,8 @@ def numpy_running_stats(chunks):
     ("IB_ERM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("SD", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
     ("CDANN", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    # SagNet: three passes over all domains (content, style, adversary).
+    ("SagNet", {}, lambda x: [x.reshape(-1, 4, 4, 1)] * 3),
 ])
 def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
   model = build_model(name, NormalizedPixels(16, rngs=nnx.Rngs(0)), seed=1)
