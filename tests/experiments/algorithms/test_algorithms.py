@@ -406,6 +406,12 @@ def test_irm_and_coral_hparams_follow_domainbed():
 # name -> (default on the digits, default on photos, the search's range).
 DOMAINBED_HPARAMS = {
     "MMD": {"mmd_gamma": (1.0, 1.0, (0.1, 10))},
+    "VREx": {"vrex_lambda": (10.0, 10.0, (0.1, 1e5)),
+             "vrex_penalty_anneal_iters": (500, 500, (1, 1e4))},
+    "IB_ERM": {"ib_lambda": (100.0, 100.0, (0.1, 1e5)),
+               "ib_penalty_anneal_iters": (500, 500, (1, 1e4))},
+    "SD": {"sd_reg": (0.1, 0.1, (1e-5, 0.1))},
+    "SagNet": {"sag_w_adv": (0.1, 0.1, (1e-2, 10))},
     "GroupDRO": {"groupdro_eta": (1e-2, 1e-2, (1e-3, 1e-1))},
     "MLDG": {"mldg_beta": (1.0, 1.0, (0.1, 10)),
              "n_meta_test": (2, 2, (1, 2))},
@@ -421,6 +427,8 @@ DOMAINBED_HPARAMS = {
              "lr_g": (1e-3, 5e-5, None), "lr_d": (1e-3, 5e-5, None),
              "weight_decay_g": (0.0, 0.0, None)},
 }
+# DomainBed's DANN block is CDANN's too.
+DOMAINBED_HPARAMS["CDANN"] = DOMAINBED_HPARAMS["DANN"]
 
 
 @pytest.mark.parametrize("name", list(DOMAINBED_HPARAMS))
@@ -446,7 +454,7 @@ def test_the_compared_baselines_take_domainbeds_hparams(name, dataset,
     # Its support sets, 8 images, are not searched on photos.
     assert {hparams_registry.random_hparams(name, dataset, seed)["batch_size"]
             for seed in range(1, 30)} == {8}
-  if name == "DANN":
+  if name in ("DANN", "CDANN"):
     # The generator's and discriminator's rates are drawn as lr is, apart.
     draws = [hparams_registry.random_hparams(name, dataset, seed)
              for seed in range(1, 30)]
