@@ -330,6 +330,13 @@ _INVARIANCE = "experiments.algorithms.invariance"
 
 ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
 
+
+def _sd(space: hp.SearchSpace) -> None:
+  space.add("sd_reg", 0.1, hp.NON_NEGATIVE, hp.log_uniform(-5, -1))
+
+
+ALGORITHMS.register("SD", f"{_OPTIMIZATION}:sd", hparams=_sd)
+
 # PGrad: the paper's table (appendix A.10), whose search is deliberately
 # narrow: only dropout and weight decay are drawn. Chunks per domain batch of
 # the "-B" variants (`AlgorithmEntry.chunked`): the paper's B = 3, and B = 2
@@ -482,6 +489,24 @@ def _irm(space: hp.SearchSpace) -> None:
 ALGORITHMS.register("IRM", f"{_INVARIANCE}:irm", hparams=_irm)
 
 
+def _vrex(space: hp.SearchSpace) -> None:
+  space.add("vrex_lambda", 1e1, hp.NON_NEGATIVE, hp.log_uniform(-1, 5))
+  space.add("vrex_penalty_anneal_iters", 500, hp.NON_NEGATIVE_INT,
+            hp.int_log_uniform(0, 4, base=10))
+
+
+ALGORITHMS.register("VREx", f"{_INVARIANCE}:vrex", hparams=_vrex)
+
+
+def _ib_erm(space: hp.SearchSpace) -> None:
+  space.add("ib_lambda", 1e2, hp.NON_NEGATIVE, hp.log_uniform(-1, 5))
+  space.add("ib_penalty_anneal_iters", 500, hp.NON_NEGATIVE_INT,
+            hp.int_log_uniform(0, 4, base=10))
+
+
+ALGORITHMS.register("IB_ERM", f"{_INVARIANCE}:ib_erm", hparams=_ib_erm)
+
+
 def _mmd(space: hp.SearchSpace) -> None:
   space.add("mmd_gamma", 1.0, hp.NON_NEGATIVE, hp.log_uniform(-1, 1))
 
@@ -516,6 +541,18 @@ def _dann(space: hp.SearchSpace) -> None:
 
 
 ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
+# DomainBed's DANN block is CDANN's too.
+ALGORITHMS.register("CDANN", f"{_INVARIANCE}:cdann", family="DANN")
+
+
+def _sagnet(space: hp.SearchSpace) -> None:
+  space.add("sag_w_adv", 0.1, hp.NON_NEGATIVE, hp.log_uniform(-2, 1))
+
+
+# SagNet's network has a style network beside its classifier
+# (models.StyleClassifier).
+ALGORITHMS.register("SagNet", f"{_INVARIANCE}:sagnet",
+                    model_options={"style_head": True}, hparams=_sagnet)
 
 
 def _group_dro(space: hp.SearchSpace) -> None:

@@ -128,6 +128,7 @@ def build_model(
     dtype: Dtype = jnp.float32,
     param_dtype: Dtype = jnp.float32,
     context_net: bool = False,
+    style_head: bool = False,
     **kwargs,
 ) -> Classifier:
   """Builds the featurizer registered as ``name`` with a fresh linear head.
@@ -143,6 +144,8 @@ def build_model(
     param_dtype: parameter dtype.
     context_net: build a :class:`ContextClassifier` (ARM's): the featurizer
       takes ``C + 1`` channels, the last one a context network's map.
+    style_head: build a :class:`StyleClassifier` (SagNet's): a second
+      linear head beside the classifier's.
     **kwargs: model options, e.g. ``bn_mode`` and ``dropout`` for ResNets.
 
   Returns:
@@ -157,9 +160,30 @@ def build_model(
   if context_net:
     return ContextClassifier(featurizer, num_classes, channels, rngs=rngs,
                              dtype=dtype, param_dtype=param_dtype)
-  return Classifier(
+  model_class = StyleClassifier if style_head else Classifier
+  return model_class(
       featurizer, num_classes, rngs=rngs, dtype=dtype, param_dtype=param_dtype
   )
+
+
+class StyleClassifier(Classifier):
+  """SagNet's network (DomainBed's ``algorithms.py`` lines 1126-1245).
+
+  ``featurizer`` and ``head`` are SagNet's featurizer and content network,
+  which predict; ``style_head``, a second linear head of the same shape
+  (DomainBed's style network, a ``networks.Classifier`` as the content
+  network, lines 1142-1146), only trains, in ``experiments.algorithms``'
+  SagNet.
+  """
+
+  def __init__(self, featurizer: nnx.Module, num_classes: int, *,
+               rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32):
+    super().__init__(featurizer, num_classes, rngs=rngs, dtype=dtype,
+                     param_dtype=param_dtype)
+    self.style_head = nnx.Linear(featurizer.num_features, num_classes,
+                                 dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
 
 
 def torch_default_init(fan_in: int) -> nnx.Initializer:

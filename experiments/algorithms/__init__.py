@@ -21,12 +21,12 @@ or arrays; a loop averages them over the steps between evaluations, except
 the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
-module each: `invariance` (IRM, MMD, DANN, CORAL), `optimization` (ERM,
-GroupDRO, MLDG), `mixing` (MixUp, ARM), `gradient_manipulation` (Fish,
-Fishr) and `principal_gradients` (PGrad and its variants), on the shared
-pieces of `base`. Adding one is a builder in its module and a block in
-``experiments/catalog.py``: its entry and its hparams (``experiments/README.md``
-lists every file).
+module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN,
+SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM),
+`gradient_manipulation` (Fish, Fishr) and `principal_gradients` (PGrad
+and its variants), on the shared pieces of `base`. Adding one is a builder
+in its module and a block in ``experiments/catalog.py``: its entry and its
+hparams (``experiments/README.md`` lists every file).
 
 Each follows DomainBed's class of the same name; line numbers are of
 DomainBed's ``domainbed/algorithms.py`` at commit b93c22a1
@@ -42,9 +42,11 @@ builder's docstring gives them for its terms. Conventions shared by all:
   - ERM, MixUp, IRM, CORAL, MMD, GroupDRO, ARM and MLDG's outer step: on the
     gradient fed to Adam (ERM's ``torch.optim.Adam(..., weight_decay=...)``,
     lines 107-111, which the others inherit).
+  - VREx, IB_ERM and SD: as ERM's, whose Adam they inherit.
   - MLDG's inner step: its own fresh Adam, decayed alike (lines 897-901).
-  - DANN: ``weight_decay_g`` on the generator's Adam and ``weight_decay_d``
-    on the discriminator's (lines 502-514).
+  - DANN and CDANN: ``weight_decay_g`` on the generator's Adam and
+    ``weight_decay_d`` on the discriminator's (lines 502-514).
+  - SagNet: on each of its three Adams' gradients (lines 1175-1181).
   - Fishr: on the gradient fed to Adam, restarted with it (``_init_optimizer``,
     lines 1597-1602).
   - Fish: by default inside the inner Adam of every rollout step, the meta
@@ -73,7 +75,9 @@ builder's docstring gives them for its terms. Conventions shared by all:
   them to `pgrad_jax` as its model state, so every inner step updates them in
   turn and the update returns the statistics of the rollout's last step, as a
   sequence of train-mode steps of the network would. (With frozen BatchNorm
-  there are no statistics to carry.)
+  there are no statistics to carry.) VREx, IB_ERM, SD and CDANN run it once
+  over all domains pooled, as DomainBed, and SagNet three times in turn
+  (content, style, adversary).
 """
 
 from experiments.algorithms.mixing import ARM_EVAL_BATCH
@@ -104,18 +108,28 @@ from experiments.algorithms.gradient_manipulation import fishr_penalty
 from experiments.algorithms.gradient_manipulation import head_gradients
 from experiments.algorithms.invariance import DANNState
 from experiments.algorithms.invariance import MMD_GAMMAS
+from experiments.algorithms.invariance import SAGNET_EPS
+from experiments.algorithms.invariance import SagNetDraws
+from experiments.algorithms.invariance import SagNetState
+from experiments.algorithms.invariance import cdann
 from experiments.algorithms.invariance import coral
 from experiments.algorithms.invariance import coral_penalty
 from experiments.algorithms.invariance import dann
 from experiments.algorithms.invariance import dann_step_kind
+from experiments.algorithms.invariance import ib_erm
 from experiments.algorithms.invariance import irm
 from experiments.algorithms.invariance import irm_penalty
 from experiments.algorithms.invariance import mmd
 from experiments.algorithms.invariance import mmd_penalty
+from experiments.algorithms.invariance import sagnet
+from experiments.algorithms.invariance import sagnet_draws
+from experiments.algorithms.invariance import sagnet_randomize
+from experiments.algorithms.invariance import vrex
 from experiments.algorithms.optimization import GroupDROState
 from experiments.algorithms.optimization import MLDG_PAIRS
 from experiments.algorithms.optimization import erm
 from experiments.algorithms.optimization import group_dro
 from experiments.algorithms.optimization import meta_pairs
 from experiments.algorithms.optimization import mldg
+from experiments.algorithms.optimization import sd
 from experiments.algorithms.principal_gradients import pgrad

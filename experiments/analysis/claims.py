@@ -61,6 +61,10 @@ PROJECTIONS = ("pca", "tsne")
 # The report's subdirectory for the claims' numbers and figures.
 CLAIMS_DIR = "claims"
 CLAIMS_FILE = "claims.json"
+# A claim read from runs with fewer evaluations than this (over the steps
+# it reads) says so (`few_evaluations`): two points make one change, which
+# tells neither a curve's smoothness nor its trend.
+FEW_EVALUATIONS = 3
 
 
 def mean(values: Iterable[float]) -> float:
@@ -492,6 +496,36 @@ def unmeasured(
     if found:
       reasons[dataset] = found
   return reasons
+
+
+def few_evaluations(
+    selected: Mapping[str, ClaimRecords]) -> dict[str, dict[str, str]]:
+  """The measured claims read from runs with fewer than `FEW_EVALUATIONS`
+  evaluations over the steps every run reached (but two at least, else
+  they are `unmeasured`).
+
+  Args:
+    selected: what the claims read, per dataset (`select`).
+
+  Returns:
+    ``{dataset: {claim: warning}}``, for the datasets with such claims.
+  """
+  warnings = {}
+  for dataset, inputs in selected.items():
+    found = {}
+    for claim, records in (("smoothness", inputs.smoothness),
+                           ("bottom", common_steps(inputs.bottom))):
+      runs = by_run(records)
+      few = [len(run) for run in runs if len(run) < FEW_EVALUATIONS]
+      if few and min(few) >= 2:
+        found[claim] = (
+            f"read from {len(few)} of its {len(runs)} runs with only "
+            f"{min(few)} evaluations over the steps every run reached (fewer "
+            f"than {FEW_EVALUATIONS}): too few points to tell a curve's "
+            "smoothness or trend")
+    if found:
+      warnings[dataset] = found
+  return warnings
 
 
 def measure(selected: Mapping[str, ClaimRecords]) -> dict[str, Any]:

@@ -217,14 +217,19 @@ def format_mean(accs: Sequence[float]) -> str:
     accs: one accuracy in [0, 1] per trial.
 
   Returns:
-    For example ``"81.3 ± 0.4"``, or ``"X"`` when there are none.
+    For example ``"81.3 ± 0.4"``; ``"X"`` when there are none; the mean and
+    ``(n = 1)`` for one, which has no standard error.
 
   >>> format_mean([0.5, 0.7])
   '60.0 ± 7.1'
+  >>> format_mean([0.8])
+  '80.0 (n = 1)'
   >>> format_mean([])
   'X'
   """
   if not len(accs):
     return "X"
   mean, err = mean_and_error(accs)
+  if len(accs) == 1:
+    return f"{mean:.1f} (n = 1)"
   return f"{mean:.1f} ± {err:.1f}"

@@ -14,12 +14,14 @@ touching pyplot's global state.
 from __future__ import annotations
 
 import colorsys
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib import ticker
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from PIL import Image
@@ -107,6 +109,42 @@ def mean_std_over_runs(
   )
 
 
+# Normalised eigenvalues below this are at numerical zero (the float32
+# eigendecomposition's rounding, about 1e-8 of the largest): not drawn.
+EIGENVALUE_FLOOR = 1e-6
+
+
+class _PlainLogFormatter(ticker.LogFormatter):
+  """Labels a log axis's ticks as plain numbers (``0.7``), not as
+  ``7×10⁻¹``; which ticks are labelled is matplotlib's choice."""
+
+  def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+    del vmin, vmax  # The number alone decides its text.
+    return f"{x:g}"
+
+
+# The most entries a column of a legend beside a figure holds: about what
+# the figures' 3.3 to 3.5 inches fit at the legend's font size.
+LEGEND_ROWS = 11
+
+
+def legend_beside(fig: Figure, title: str | None = None,
+                  axes: Axes | None = None) -> None:
+  """The legend of ``axes`` (else of the figure's first axes) beside the
+  figure, not over its lines, in as many columns as fit its height."""
+  handles, labels = (axes or fig.axes[0]).get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside right upper", fontsize="small",
+             ncols=math.ceil(len(labels) / LEGEND_ROWS), title=title,
+             title_fontsize="small")
+
+
+def log_y_axis(axes: Axes) -> None:
+  """A log y axis labelled in plain numbers (`_PlainLogFormatter`)."""
+  axes.set_yscale("log")
+  axes.yaxis.set_major_formatter(_PlainLogFormatter())
+  axes.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
+
+
 def single_point_marker(steps: Sequence[Any]) -> str | None:
   """A marker for a curve of one point, which a line alone does not draw
   (a sweep of one evaluation per run); None draws lines alone."""
@@ -182,20 +220,22 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     The figure.
   """
   envs = train_envs(records[0])
-  fig = Figure(figsize=(3.2 * len(envs), 3.3), layout="constrained")
+  fig = Figure(figsize=(3.2 * len(envs) + 2, 3.3), layout="constrained")
   fig.suptitle(held_out_title(records[0]))
   panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
   for env, axes in zip(envs, panels):
     for algorithm, runs in _by_algorithm(records).items():
       _plot_band(axes, runs, env_key(env, "in", "loss"), algorithm,
                  spread="range")
+    # Small: the panels' titles side by side must not run into each other.
     axes.set_title(
         f"training domain {domain_name(env, records[0].get('domains'))}",
-        fontsize="medium")
+        fontsize="small")
     axes.set_xlabel("step")
-    axes.set_yscale("log")
+    log_y_axis(axes)
   panels[0].set_ylabel("training loss")
-  fig.legend(*panels[0].get_legend_handles_labels(), loc="outside right upper")
+  legend_beside(fig, "mean of trials;\nband: lowest\nto highest trial",
+                axes=panels[0])
   save(fig, path)
   return fig
 
@@ -229,17 +269,26 @@ def plot_eigenvalue_spectrum(
   used = np.unique(interval)
   centres = (edges[used] + edges[used + 1]) / 2
   means = np.array([spectra[interval == i].mean(axis=0) for i in used])
+  drawn = means.max(axis=0) >= EIGENVALUE_FLOOR
 
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(6.5, 3.5), layout="constrained")
   axes = fig.subplots()
-  for k, component in enumerate(means.T):
-    axes.plot(centres, component, marker="o", label=f"$\\lambda_{{{k + 1}}}$")
-  axes.set_yscale("log")
+  # One colour per component, in order along a colour map: the default
+  # cycle of 10 colours repeats from the 11th component on.
+  shades = colormaps["viridis"](np.linspace(0, 0.9, len(drawn)))
+  for k in np.flatnonzero(drawn):
+    axes.plot(centres, means[:, k], marker="o", color=shades[k],
+              label=f"$\\lambda_{{{k + 1}}}$")
+  log_y_axis(axes)
+  if not drawn.all():
+    axes.text(0.02, 0.02, f"{int((~drawn).sum())} at numerical zero "
+              f"(< {EIGENVALUE_FLOOR:g}) not drawn",
+              transform=axes.transAxes, fontsize="small")
   axes.set_xlabel("step (interval centre)")
   axes.set_ylabel("normalised eigenvalue")
-  axes.set_title(f"{', '.join(_by_algorithm(records))}: "
-                 f"{held_out_title(records[0])}", fontsize="medium")
-  axes.legend(fontsize="small")
+  fig.suptitle(f"{', '.join(_by_algorithm(records))}: "
+               f"{held_out_title(records[0])}", fontsize="medium")
+  legend_beside(fig)
   save(fig, path)
   return fig
 
@@ -261,14 +310,14 @@ def plot_heldout_accuracy(
     The figure.
   """
   held_out = held_out_env(records[0])
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(7, 3.5), layout="constrained")
   axes = fig.subplots()
   for algorithm, runs in _by_algorithm(records).items():
     _plot_band(axes, runs, env_key(held_out, "in", "acc"), algorithm)
   axes.set_title(held_out_title(records[0]), fontsize="medium")
   axes.set_xlabel("step")
   axes.set_ylabel("held-out domain accuracy")
-  axes.legend()
+  legend_beside(fig, "mean of trials;\nband: ±1 s.d.")
   save(fig, path)
   return fig
 
@@ -289,7 +338,7 @@ def plot_trajectories(
     The figure: one panel per projection, one line per path, its start
     marked with a circle.
   """
-  fig = Figure(figsize=(9, 4), layout="constrained")
+  fig = Figure(figsize=(10, 4), layout="constrained")
   fig.suptitle(title)
   for axes, method in zip(fig.subplots(1, 2), claims.PROJECTIONS):
     for label, projected in paths.items():
@@ -300,7 +349,7 @@ def plot_trajectories(
     axes.set_title({"pca": "PCA", "tsne": "t-SNE"}[method])
     axes.set_xlabel(f"{method} 1")
     axes.set_ylabel(f"{method} 2")
-    axes.legend()
+  legend_beside(fig, "large dot:\nthe start")
   save(fig, path)
   return fig
 
@@ -310,9 +359,11 @@ def plot_mean_training_loss(
 ) -> Figure:
   """The mean training-domain loss of every run, one colour per algorithm,
   on a log scale (it spans several decades), under ``title``."""
-  fig = Figure(figsize=(5, 3.5), layout="constrained")
+  fig = Figure(figsize=(6.5, 3.5), layout="constrained")
   axes = fig.subplots()
-  axes.set_title(title, fontsize="medium")
+  # Over the figure, legend included: over the axes alone a long title is
+  # cut at the figure's edge.
+  fig.suptitle(title, fontsize="medium")
   labelled = set()
   for run in by_run(records):
     algorithm = run[0]["args"]["algorithm"]
@@ -321,10 +372,10 @@ def plot_mean_training_loss(
     steps, loss = claims.mean_training_loss(run)
     axes.plot(steps, loss, label=label, color=algorithm_colour(algorithm),
               marker=single_point_marker(steps))
-  axes.set_yscale("log")
+  log_y_axis(axes)
   axes.set_xlabel("step")
   axes.set_ylabel("mean training-domain loss")
-  axes.legend()
+  legend_beside(fig, "a line per run")
   save(fig, path)
   return fig
 
@@ -338,12 +389,14 @@ class _Bars(NamedTuple):
     error: the summary's key of the error bars' half-lengths, if any.
     scale: what the heights and errors are multiplied by, e.g. 100 for
       percents.
+    x_label: the x axis label, what the bars are of.
   """
 
   measure: str
   label: str
   error: str | None = None
   scale: float = 1.0
+  x_label: str = "algorithm"
 
 
 def _plot_bars(
@@ -376,9 +429,17 @@ def _plot_bars(
                          charts):
     errors = None if chart.error is None else [
         chart.scale * summary[n][chart.error] for n in names]
-    axes.bar(names, [chart.scale * summary[n][chart.measure] for n in names],
-             yerr=errors, capsize=4)
-    axes.set_xlabel("algorithm")
+    heights = [chart.scale * summary[n][chart.measure] for n in names]
+    bars = axes.bar(names, heights, yerr=errors, capsize=4)
+    # Each bar's value: a bar of 0 is otherwise no bar at all. Inside the
+    # bars where error bars stand on their tops.
+    axes.bar_label(bars, fmt="%.3g", fontsize="small",
+                   label_type="edge" if errors is None else "center")
+    if not any(heights):
+      # An empty chart reads as a missing one.
+      axes.text(0.5, 0.5, "0 for every bar", transform=axes.transAxes,
+                ha="center", va="center")
+    axes.set_xlabel(chart.x_label)
     axes.set_ylabel(chart.label)
     axes.tick_params(axis="x", labelrotation=name_rotation)
   save(fig, path)
@@ -404,7 +465,9 @@ def plot_accuracy_bars(
   """Mean ± standard error of the final held-out accuracy per algorithm."""
   return _plot_bars(
       summary, [_Bars("accuracy", "final held-out accuracy (%)",
-                      error="accuracy_se", scale=100)],
+                      error="accuracy_se", scale=100,
+                      x_label="PGrad-k: k components kept; PGrad-B: "
+                      "B = 3 chunks")],
       path, title=title, width=5, name_rotation=30)
 
 
@@ -445,9 +508,12 @@ def plot_claims(selected: Mapping[str, claims.ClaimRecords],
       draw(plot_mean_training_loss, inputs.bottom, f"{dataset}_bottom_loss",
            f"{dataset}: mean training loss, bottom against top eigenvectors")
     if "trajectory_length" in found:
-      draw(plot_accuracy_bars, found["trajectory_length"],
-           f"{dataset}_trajectory_length",
-           f"{dataset}: final held-out accuracy against k and B")
+      lengths = found["trajectory_length"]
+      draw(plot_accuracy_bars, lengths, f"{dataset}_trajectory_length",
+           f"{dataset}: final held-out accuracy against k and B"
+           if len(lengths) > 1 else
+           f"{dataset}: final held-out accuracy of {next(iter(lengths))} "
+           "alone (no other k or B was run)")
     for (env, trial), by_algorithm in inputs.trajectories.items():
       if len(by_algorithm) == len(catalog.TRAJECTORY_ALGORITHMS):
         draw(plot_trajectories, by_algorithm,

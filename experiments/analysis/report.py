@@ -22,7 +22,10 @@ writes ``results/digits/results.md`` and ``results/digits/plots/*.png``, and
 the paper's claims measured by `experiments.analysis.claims` to
 ``results/digits/claims/`` (``claims.json`` and a PNG per figure). The runs
 are read from their directories and from packs (``runs.jsonl.gz``,
-`experiments.rundir.pack.pack_runs`), as a committed study keeps them.
+`experiments.rundir.pack.pack_runs`), as a committed study keeps them. Where
+``--input_dir`` is a sweep's directory, the report counts the runs of its
+saved grid (`experiments.runs.sweep.GRID_FILE`) that are done, so that a
+report of a sweep still training says so.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import catalog
+from experiments import errors
 from experiments.analysis import claims as claims_lib
 from experiments.runs import convergence
 from experiments.analysis import model_selection
@@ -47,6 +51,7 @@ from experiments.rundir import pack
 from experiments.rundir import records as records_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
+from experiments.runs import sweep
 from experiments.rundir.records import Record
 
 PLOTS_DIR = "plots"
@@ -88,22 +93,27 @@ def table_row(label: str, columns: Sequence[Sequence[float]],
     label: the first cell.
     columns: per column, one accuracy in [0, 1] per trial (maybe none).
     trials: how many trials a complete cell has: a cell with fewer says how
-      many of them it holds (its standard error is over those alone, 0 for
-      one), and so does an average over such cells.
+      many of them it holds (its standard error is over those alone; one
+      has none), and so does an average over such cells.
 
   Returns:
-    The cells: the label, "mean ± error" per column ("X" when empty), and the
-    mean of the column means ("X" when any column is empty).
+    The cells: the label, "mean ± error" per column ("X" when empty, the
+    mean alone and n = 1 for one trial), and the mean of the column means
+    ("X" when any column is empty).
 
   >>> table_row("ERM", [[0.5, 0.7], [0.8]])
-  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0', '70.0']
+  ['ERM', '60.0 ± 7.1', '80.0 (n = 1)', '70.0']
   >>> table_row("ERM", [[0.5, 0.7], [0.8]], trials=2)
-  ['ERM', '60.0 ± 7.1', '80.0 ± 0.0 (1 of 2 trials)', '70.0 (incomplete)']
+  ['ERM', '60.0 ± 7.1', '80.0 (1 of 2 trials)', '70.0 (incomplete)']
   """
-  cells = [model_selection.format_mean(accs)
-           + (f" ({len(accs)} of {trials} trials)"
-              if 0 < len(accs) < trials else "")
-           for accs in columns]
+  def cell(accs):
+    if not 0 < len(accs) < trials:
+      return model_selection.format_mean(accs)
+    text = (model_selection.format_mean(accs) if len(accs) > 1
+            else f"{model_selection.mean_and_error(accs)[0]:.1f}")
+    return f"{text} ({len(accs)} of {trials} trials)"
+
+  cells = [cell(accs) for accs in columns]
   if all(len(accs) for accs in columns):
     means = [model_selection.mean_and_error(accs)[0] for accs in columns]
     average = f"{np.mean(means):.1f}"
@@ -256,8 +266,12 @@ def over_measured(values: Sequence[float],
 
 
 def _mean_se_text(values: Sequence[float], number: str) -> str:
+  """Mean ± standard error of the measured values, in the ``number``
+  format; a single value, which has no error, with ``(n = 1)``."""
   def mean_se(measured):
     mean, se = claims_lib.mean_se(measured)
+    if len(measured) == 1:
+      return f"{number.format(mean)} (n = 1)"
     return f"{number.format(mean)} ± {number.format(se)}"
 
   return over_measured(values, mean_se)
@@ -395,7 +409,8 @@ def render(records: Sequence[Record], output_dir: Path,
       "# Results",
       "",
       f"{len(records)} records{scope}. Cells: the selected model's held-out"
-      " domain accuracy (%), mean ± standard error over trials; X: missing."
+      " domain accuracy (%), mean ± standard error over trials (n = 1: a"
+      " single trial, which has no standard error); X: missing."
       " A row whose cells selected among fewer hparam draws than its"
       " table's most says how many.",
   ]
@@ -489,6 +504,7 @@ def claims_section(
       [(runs[run_dir][0], paths[run_dir]) for run_dir in sorted(paths)])
   claims = claims_lib.measure(selected)
   unmeasured = claims_lib.unmeasured(selected)
+  few = claims_lib.few_evaluations(selected)
   figures = plots.plot_claims(selected, claims, claims_dir)
   numbers = claims_dir / claims_lib.CLAIMS_FILE
   numbers.write_text(json.dumps(claims, indent=1) + "\n")
@@ -503,6 +519,10 @@ def claims_section(
               for algorithm, numbers in per_algorithm.items()]
       lines += ["", f"### {dataset}: {claim.replace('_', ' ')}", "",
                 markdown_table(["Algorithm", *measures], rows)]
+      if (warning := few.get(dataset, {}).get(claim)) is not None:
+        warning = f"Warning: {dataset} {claim.replace('_', ' ')}: {warning}."
+        print(warning, file=sys.stderr)
+        lines += ["", warning]
   for dataset, reasons in unmeasured.items():
     for claim, why in reasons.items():
       reason = (f"{dataset}: no {claim.replace('_', ' ')} numbers or "
@@ -550,6 +570,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   if found.skipped:
     scope += (f"; {len(found.skipped)} runs skipped, their records damaged: "
               + ", ".join(str(p) for p in found.skipped))
+  try:
+    grid = sweep.read_grid(args.input_dir)
+  except errors.UsageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if grid is not None:
+    scope += (f". The sweep's grid ({sweep.GRID_FILE}) has "
+              + sweep.summary(sweep.make_runs(output_dir=args.input_dir,
+                                              **grid)))
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"

@@ -84,12 +84,14 @@ class RunDirectoryLock:
     self._file = None
 
   def acquire(self) -> None:
-    """Takes the lock; the directory must exist.
+    """Takes the lock, unless held already; the directory must exist.
 
     Raises:
       UsageError: another process holds it. A file system without locks
         gets a warning instead, and no lock.
     """
+    if self._file is not None:
+      return
     file = open(self.output_dir / records.LOCK_FILE, "a")
     try:
       fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)

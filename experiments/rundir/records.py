@@ -40,6 +40,15 @@ RUN_FILES = (DATASET_FILE, ENVIRONMENT_FILE, RESULTS_FILE, CHECKPOINT_DIR,
 
 Record = dict[str, Any]
 
+
+def counted(count: int, noun: str) -> str:
+  """``count`` of ``noun``, in the singular for one.
+
+  >>> counted(1, "step"), counted(2, "file")
+  ('1 step', '2 files')
+  """
+  return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
 _ENV_KEY = re.compile(r"env(\d+)_(in|out)_(\w+)")
 
 
@@ -114,7 +123,8 @@ def divergence_warning(record: Record) -> str | None:
                if (parsed := parse_env_key(key)) is not None
                and parsed[1:] == ("in", "loss") and not _finite(value)]
   if evaluated:
-    return (f"Warning: the model diverged: after {record['step']} steps its "
+    return (f"Warning: the model diverged: after "
+            f"{counted(record['step'], 'step')} its "
             f"loss is not finite on {len(evaluated)} of its "
             f"{num_envs(record)} domains, so the numbers above are those of "
             "a model with non-finite params. Try a lower lr (--hparams).")
@@ -405,7 +415,8 @@ def _group_change(where: str, recorded: Mapping[str, Any],
   before, after = recorded["files"], current["files"]
   if before != after:
     verb = "added" if after > before else "removed"
-    return f"{where}: {abs(after - before)} files {verb} ({before} -> {after})"
+    return (f"{where}: {counted(abs(after - before), 'file')} {verb} "
+            f"({before} -> {after})")
   if recorded["names"] != current["names"]:
     return f"{where}: files renamed or replaced ({after} files)"
   if recorded["sizes"] != current["sizes"]:

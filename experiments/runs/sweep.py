@@ -6,6 +6,17 @@ trial_seed)`` with ``python -m experiments.train`` in a subprocess, writing to
 hparams, the others random draws; the training seed is derived from a hash of
 the run's identity, as in DomainBed.
 
+``launch`` writes the sweep's grid (datasets, algorithms, hparam draws, trials,
+steps and the other flags that name runs) to ``<output_dir>/sweep.json``
+(`GRID_FILE`), and every later command given that ``--output_dir`` alone
+takes its grid from there. A grid flag that contradicts the saved grid is a
+usage error (exit 2) naming the difference; ``--extend_grid`` adds runs to
+the grid (more draws, trials, datasets, algorithms or held-out domains)
+and saves the larger grid. On a terminal, ``launch`` says how many runs it
+will train and asks first, as DomainBed's ``sweep.py`` does;
+``--skip_confirmation`` does not ask, nor does a launch whose input is not a
+terminal (a script, a batch job), which goes ahead.
+
 The sweep is resumable: a run directory holding a ``done`` file is skipped, and
 one without is launched again (training resumes from its last checkpoint), so
 a killed sweep is restarted with the same command. A run packed in the output
@@ -44,10 +55,10 @@ Usage::
     python -m experiments.runs.sweep launch --launcher multi_gpu ...
     python -m experiments.runs.sweep launch --launcher slurm \\
         --slurm_partition gpu --slurm_time 240 ...
-    python -m experiments.runs.sweep list --datasets RotatedDigits ...
+    python -m experiments.runs.sweep list --output_dir sweeps/digits
     python -m experiments.runs.sweep delete_incomplete \\
-        --datasets RotatedDigits ...
-    python -m experiments.runs.sweep reproduce --datasets RotatedDigits ...
+        --output_dir sweeps/digits
+    python -m experiments.runs.sweep reproduce --output_dir sweeps/digits
     python -m experiments.runs.sweep cost --step_ms 119 --steps 5000 ...
 
 ``reproduce`` and ``longer`` retrain finished runs (`experiments.runs.rerun`);
@@ -61,7 +72,6 @@ import concurrent.futures
 import dataclasses
 import enum
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -95,6 +105,17 @@ LOG_FILE = "train.log"
 # Where a run trains or trained (`Run.record_launch`), inside its directory.
 LAUNCH_FILE = "launch.json"
 LAUNCHERS = ("local", "multi_gpu", "slurm")
+# The sweep's grid, `make_runs`'s arguments, in its directory (`save_grid`).
+GRID_FILE = "sweep.json"
+# The flags that make a sweep's grid, `make_runs`'s parameters but its
+# directory, with their defaults.
+GRID_DEFAULTS = {
+    "datasets": list(DEFAULT_DATASETS), "algorithms": list(catalog.ALGORITHMS),
+    "test_envs": None, "n_hparams": 20, "n_trials": 3, "steps": None,
+    "checkpoint_freq": None, "plateau_check_freq": None, "hparams": None,
+    "trajectory_freq": None, "model": None}
+# Grid flags whose order does not matter.
+_UNORDERED_GRID_FLAGS = ("datasets", "algorithms", "test_envs")
 # submitit's folder for its pickles and job logs, inside the sweep's
 # directory; submitit puts each job's files in a folder named by its id.
 SUBMITIT_DIR = "submitit"
@@ -308,15 +329,17 @@ class Run:
       parts.append(f"log {launch['stdout']} {launch['stderr']}")
     return " ".join(parts)
 
-  def __str__(self) -> str:
+  @property
+  def label(self) -> str:
+    """What the run trains, in words: dataset, algorithm and seeds."""
     a = self.args
+    return (f"{a['dataset']} {a['algorithm']} test_envs={a['test_envs']}"
+            f" hparams_seed={a['hparams_seed']} trial_seed={a['trial_seed']}")
+
+  def __str__(self) -> str:
     where = self.where()
-    return (
-        f"{self.status.value:<12} {self.output_dir}  {a['dataset']}"
-        f" {a['algorithm']} test_envs={a['test_envs']}"
-        f" hparams_seed={a['hparams_seed']} trial_seed={a['trial_seed']}"
-        + (f"  [{where}]" if where else "")
-    )
+    return (f"{self.status.value:<12} {self.output_dir}  {self.label}"
+            + (f"  [{where}]" if where else ""))
 
 
 def report_damaged(runs: Sequence[Run]) -> list[Run]:
@@ -428,6 +451,125 @@ def make_runs(
   return runs
 
 
+def read_grid(output_dir: str | Path) -> dict[str, Any] | None:
+  """The grid that `save_grid` saved in a sweep's directory, or ``None``.
+
+  Raises:
+    UsageError: the grid file is not a JSON object of grid flags.
+  """
+  path = Path(output_dir) / GRID_FILE
+  try:
+    grid = json.loads(path.read_text())
+  except FileNotFoundError:
+    return None
+  except (OSError, json.JSONDecodeError) as e:
+    raise errors.UsageError(
+        f"{path} cannot be read as the sweep's grid ({e}); restore it, or "
+        "delete it and give the sweep's flags again.") from None
+  if not isinstance(grid, dict) or set(grid) != set(GRID_DEFAULTS):
+    raise errors.UsageError(
+        f"{path} is not a sweep's grid: it must hold exactly the keys "
+        f"{sorted(GRID_DEFAULTS)}; restore it, or delete it and give the "
+        "sweep's flags again.")
+  return grid
+
+
+def save_grid(output_dir: str | Path, grid: Mapping[str, Any]) -> None:
+  """Writes a sweep's grid (`GRID_DEFAULTS`'s keys) to its directory's
+  `GRID_FILE`, whole or not at all."""
+  path = Path(output_dir) / GRID_FILE
+  path.parent.mkdir(parents=True, exist_ok=True)
+  temporary = path.with_suffix(".tmp")
+  temporary.write_text(json.dumps(dict(grid), indent=1, sort_keys=True)
+                       + "\n")
+  temporary.replace(path)
+
+
+def _same_grid_value(name: str, given: Any, saved: Any) -> bool:
+  """Whether a grid flag's value names the runs its saved value names: the
+  order of datasets, algorithms and domains, and the spelling of the
+  ``--hparams`` JSON, do not matter."""
+  if name in _UNORDERED_GRID_FLAGS and given is not None and saved is not None:
+    return sorted(given) == sorted(saved)
+  if name == "hparams" and given is not None and saved is not None:
+    try:
+      return json.loads(given) == json.loads(saved)
+    except json.JSONDecodeError:
+      return False
+  return given == saved
+
+
+def _flag_text(name: str, value: Any) -> str:
+  """A grid flag as it is written on the command line."""
+  if value is None:
+    return f"no --{name}"
+  if isinstance(value, list):
+    return f"--{name} {' '.join(map(str, value))}"
+  return f"--{name} {shlex.quote(str(value))}"
+
+
+def resolve_grid(output_dir: str | Path, given: Mapping[str, Any],
+                 saved: Mapping[str, Any] | None, *, extend: bool = False,
+                 defaults: bool = True) -> dict[str, Any]:
+  """A sweep's grid: the saved one, with the grid flags given checked
+  against it.
+
+  Args:
+    output_dir: the sweep's directory.
+    given: the grid flags given on the command line, by name.
+    saved: the grid saved in the directory (`read_grid`), if any.
+    extend: ``given`` may add runs to the saved grid (``--extend_grid``);
+      it must keep every run the saved grid has.
+    defaults: without a saved grid, the flags not given take their
+      defaults (`GRID_DEFAULTS`); else the flags must be given.
+
+  Returns:
+    The grid, `make_runs`'s arguments but ``output_dir``.
+
+  Raises:
+    UsageError: a given flag contradicts the saved grid and ``extend`` is
+      off, or ``extend`` drops runs of the saved grid, or there is neither
+      a saved grid nor ``defaults`` nor any flag given.
+  """
+  grid_file = Path(output_dir) / GRID_FILE
+  if saved is None:
+    if not defaults and not given:
+      raise errors.UsageError(
+          f"{output_dir} holds no sweep grid ({GRID_FILE}, which launch "
+          "writes): no sweep was launched there, or one before sweeps saved "
+          "their grids. Check --output_dir, or give the flags the sweep was "
+          "launched with (--datasets, --algorithms, --n_hparams, ...).")
+    if extend:
+      raise errors.UsageError(
+          f"--extend_grid: {output_dir} holds no grid ({GRID_FILE}) to "
+          "extend.")
+    return {**GRID_DEFAULTS, **given}
+  differences = [
+      f"{_flag_text(name, value)} (the grid has "
+      f"{_flag_text(name, saved[name])})"
+      for name, value in given.items()
+      if not _same_grid_value(name, value, saved[name])]
+  grid = {**saved, **given}
+  if differences and not extend:
+    raise errors.UsageError(
+        f"{output_dir} is a sweep of another grid ({grid_file}): "
+        + "; ".join(differences) + ". Leave these flags out to use the "
+        "saved grid, pass --extend_grid to add runs to it, or give another "
+        "--output_dir for another sweep.")
+  if differences:
+    kept = {run.output_dir for run in make_runs(output_dir=output_dir, **grid)}
+    dropped = [run for run in make_runs(output_dir=output_dir, **saved)
+               if run.output_dir not in kept]
+    if dropped:
+      raise errors.UsageError(
+          f"--extend_grid adds runs to a grid, but "
+          + "; ".join(differences) + f" would leave out {len(dropped)} of "
+          f"the {grid_file} grid's runs (e.g. {dropped[0].label}). Keep "
+          "every dataset, algorithm and held-out domain, at least as many "
+          "draws and trials, and the same other flags.")
+  return grid
+
+
 def visible_gpus(gpus: str | None = None) -> list[str]:
   """The GPUs a ``multi_gpu`` sweep trains on, one run on each at a time.
 
@@ -459,20 +601,26 @@ def visible_gpus(gpus: str | None = None) -> list[str]:
           "CUDA_VISIBLE_DEVICES is empty, so no GPU is visible; unset it or "
           "name the GPUs with --gpus 0,1,...")
     return found
-  try:
-    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
-                             text=True, check=True).stdout
-  except (OSError, subprocess.CalledProcessError):
-    listing = ""
-  # Its GPU lines ("GPU 0: NVIDIA H100 ... (UUID: ...)"); MIG lines, indented
-  # under them, are not counted.
-  count = sum(line.startswith("GPU ") for line in listing.splitlines())
+  count = nvidia_gpu_count()
   if not count:
     raise errors.UsageError(
         "--launcher multi_gpu found no GPU: CUDA_VISIBLE_DEVICES is unset "
         "and nvidia-smi -L lists none. Name them with --gpus 0,1,... or use "
         "--launcher local.")
   return [str(i) for i in range(count)]
+
+
+def nvidia_gpu_count() -> int:
+  """How many NVIDIA GPUs ``nvidia-smi -L`` lists on this host; 0 without
+  ``nvidia-smi``."""
+  try:
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                             text=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return 0
+  # Its GPU lines ("GPU 0: NVIDIA H100 ... (UUID: ...)"); MIG lines, indented
+  # under them, are not counted.
+  return sum(line.startswith("GPU ") for line in listing.splitlines())
 
 
 def default_num_workers(concurrent: int) -> int:
@@ -626,7 +774,8 @@ class SlurmResources:
       which runs every job at once on this host (to try a sweep out, and for
       tests).
     partition: the partition; ``None``: the cluster's default.
-    gpus_per_job: GPUs per job.
+    gpus_per_job: GPUs per job; the local executor gives a job no more
+      than this host has.
     cpus_per_job: CPU cores per job, which its run's input workers use;
       ``None``: the cluster's default.
     time_min: each job's time limit, in minutes; a run that needs longer
@@ -646,9 +795,14 @@ class SlurmResources:
   def executor(self, folder: Path) -> submitit.AutoExecutor:
     """A submitit executor asking for these resources for each job."""
     executor = submitit.AutoExecutor(folder=folder, cluster=self.cluster)
+    gpus = self.gpus_per_job
+    if self.cluster == "local":
+      # The local executor gives each job CUDA_VISIBLE_DEVICES 0 to
+      # gpus - 1 whether this host has those GPUs or not.
+      gpus = min(gpus, nvidia_gpu_count())
     executor.update_parameters(
         name="pgrad_sweep", timeout_min=self.time_min,
-        gpus_per_node=self.gpus_per_job, cpus_per_task=self.cpus_per_job,
+        gpus_per_node=gpus, cpus_per_task=self.cpus_per_job,
         mem_gb=self.mem_gb, slurm_partition=self.partition,
         slurm_array_parallelism=self.array_parallelism)
     return executor
@@ -849,7 +1003,8 @@ def delete_incomplete(runs: Sequence[Run]) -> list[Run]:
 
 def make_parser() -> argparse.ArgumentParser:
   """The sweep's command line."""
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m experiments.runs.sweep",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument(
       "command", nargs="?", default="launch",
       choices=["launch", "list", "delete_incomplete", "cost",
@@ -861,41 +1016,50 @@ def make_parser() -> argparse.ArgumentParser:
       "steps at --step_ms; reproduce: retrain a sample of the done runs and "
       "compare their records; longer: train one run for more steps and say "
       "when it plateaus (experiments/runs/rerun.py). Default: launch.")
-  parser.add_argument(
-      "--datasets", nargs="+", default=list(DEFAULT_DATASETS),
+  grid = parser.add_argument_group(
+      "grid", f"The runs of the sweep. launch saves them in --output_dir's "
+      f"{GRID_FILE}; later commands take them from there, and a flag that "
+      "contradicts them is an error. Without a saved grid, the defaults "
+      "below.")
+  grid.add_argument(
+      "--datasets", nargs="+", default=argparse.SUPPRESS,
       choices=list(catalog.DATASETS), metavar="DATASET",
       help=f"Default: {' '.join(DEFAULT_DATASETS)}.")
-  parser.add_argument(
-      "--algorithms", nargs="+", default=list(catalog.ALGORITHMS),
+  grid.add_argument(
+      "--algorithms", nargs="+", default=argparse.SUPPRESS,
       choices=list(catalog.ALGORITHMS), metavar="ALGORITHM",
       help="Default: all of them.")
-  parser.add_argument(
-      "--test_envs", nargs="+", type=int, default=None,
+  grid.add_argument(
+      "--test_envs", nargs="+", type=int, default=argparse.SUPPRESS,
       help="Domains to hold out, one per run; default: every domain.")
-  parser.add_argument(
-      "--n_hparams", type=int, default=20,
+  grid.add_argument(
+      "--n_hparams", type=int, default=argparse.SUPPRESS,
       help="Runs hparams_seed 0 (default hparams) to n_hparams-1; default: 20.")
-  parser.add_argument("--n_trials", type=int, default=3,
+  grid.add_argument("--n_trials", type=int, default=argparse.SUPPRESS,
                       help="Runs trial_seed 0 to n_trials-1; default: 3.")
-  parser.add_argument("--steps", type=int, default=None,
+  grid.add_argument("--steps", type=int, default=argparse.SUPPRESS,
                       help="Training steps; default: training's default.")
-  parser.add_argument(
-      "--checkpoint_freq", type=int, default=None,
+  grid.add_argument(
+      "--checkpoint_freq", type=int, default=argparse.SUPPRESS,
       help="Steps between evaluations; default: training's default.")
-  parser.add_argument(
-      "--plateau_check_freq", type=int, default=None,
+  grid.add_argument(
+      "--plateau_check_freq", type=int, default=argparse.SUPPRESS,
       help="Every run stops at the first multiple of this many steps at "
       "which it has plateaued (--steps is then the most it trains); "
       "default: none.")
-  parser.add_argument("--hparams", default=None,
+  grid.add_argument("--hparams", default=argparse.SUPPRESS,
                       help="JSON object of hparams fixed for every run.")
-  parser.add_argument(
-      "--model", default=None, choices=list(catalog.MODELS),
+  grid.add_argument(
+      "--model", default=argparse.SUPPRESS, choices=list(catalog.MODELS),
       help="Every run's model; default: each dataset's.")
-  parser.add_argument(
-      "--trajectory_freq", type=int, default=None,
+  grid.add_argument(
+      "--trajectory_freq", type=int, default=argparse.SUPPRESS,
       help="Steps between params snapshots of the default-hparams runs of "
       f"{' and '.join(catalog.TRAJECTORY_ALGORITHMS)}; default: none.")
+  grid.add_argument(
+      "--extend_grid", action="store_true",
+      help="Add runs to the saved grid (more datasets, algorithms, held-out "
+      "domains, draws or trials); launch saves the larger grid.")
   parser.add_argument("--output_dir", required=True,
                       help="The sweep's directory, holding a folder per run.")
   parser.add_argument("--data_dir", default=None,
@@ -946,8 +1110,10 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--gpu_counts", type=int, nargs="+", default=[1, 8, 64],
       help="cost: the numbers of GPUs to give the time on; default: 1 8 64.")
-  parser.add_argument("--yes", action="store_true",
-                      help="Delete without asking for confirmation.")
+  parser.add_argument(
+      "--skip_confirmation", "--yes", action="store_true",
+      help="launch and delete_incomplete: go ahead without asking. A launch "
+      "whose input is not a terminal does not ask either.")
   rerun.add_arguments(parser)
   return parser
 
@@ -1000,11 +1166,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
+def grid_for(args: argparse.Namespace) -> dict[str, Any]:
+  """The grid of the sweep in ``--output_dir`` (`resolve_grid`): the saved
+  one, checked against the grid flags given, else the flags given over the
+  defaults, which only ``launch`` and ``cost`` take (they describe a sweep
+  to be; the other commands read one that is).
+
+  Raises:
+    UsageError: as `resolve_grid`.
+  """
+  given = {name: getattr(args, name) for name in GRID_DEFAULTS
+           if hasattr(args, name)}
+  return resolve_grid(args.output_dir, given, read_grid(args.output_dir),
+                      extend=args.extend_grid,
+                      defaults=args.command in ("launch", "cost"))
+
+
 def runs_for(args: argparse.Namespace) -> list[Run]:
-  """The runs of the sweep that parsed command-line flags describe: every
-  parameter of `make_runs` is the flag of its name."""
-  return make_runs(**{name: getattr(args, name)
-                      for name in inspect.signature(make_runs).parameters})
+  """The runs of the sweep that parsed command-line flags describe
+  (`grid_for`)."""
+  return make_runs(output_dir=args.output_dir, **grid_for(args))
+
+
+def confirm_launch(runs: Sequence[Run], skip_confirmation: bool) -> bool:
+  """Whether to launch: on a terminal, the answer to "Launch? (y/n)" after
+  the count of runs to train, as DomainBed's ``sweep.py`` asks; without a
+  terminal (a script, a batch job) or with ``skip_confirmation``, yes."""
+  todo = sum(run.status is not Status.DONE for run in runs)
+  if skip_confirmation or not todo or not sys.stdin.isatty():
+    return True
+  answer = input(f"Launch {todo} runs of {len(runs)}? (y/n) ")
+  return answer.strip().lower() in ("y", "yes")
 
 
 # Seconds between looks at the jobs of a sweep: the local executor's are
@@ -1046,11 +1238,15 @@ def fetch_weights(runs: Sequence[Run]) -> list[str]:
           for model, pretrained in weights]
 
 
-def _launch(args: argparse.Namespace, runs: Sequence[Run]) -> list[Run]:
-  """Trains ``runs`` with the launcher the flags name, once the ImageNet
-  weights they start from are cached (`fetch_weights`); returns the failed
+def _launch(args: argparse.Namespace, grid: Mapping[str, Any],
+            runs: Sequence[Run]) -> list[Run]:
+  """Trains ``runs``, the sweep of ``grid``, with the launcher the flags
+  name, once the ImageNet weights they start from are cached
+  (`fetch_weights`) and the grid is saved (`save_grid`); returns the failed
   runs."""
   fetch_weights(runs)
+  if read_grid(args.output_dir) != grid:
+    save_grid(args.output_dir, grid)
   trainer = dict(train_command=args.train_command, data_dir=args.data_dir,
                  num_workers=args.num_workers)
   if args.launcher == "local":
@@ -1060,8 +1256,8 @@ def _launch(args: argparse.Namespace, runs: Sequence[Run]) -> list[Run]:
   resources = slurm_resources(args)
   jobs = launch_slurm(runs, sweep_dir=args.output_dir, resources=resources,
                       **trainer)
-  for run, _ in jobs:
-    print(f"Submitted: {run}")
+  for run, job in jobs:
+    print(f"Submitted SLURM job {job.job_id}: {run.output_dir}  {run.label}")
   failed = wait_for_slurm([job for _, job in jobs], runs,
                           _POLL_S[resources.cluster])
   return [run for run, job in jobs if any(job is f for f in failed)]
@@ -1070,7 +1266,8 @@ def _launch(args: argparse.Namespace, runs: Sequence[Run]) -> list[Run]:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
-    runs = runs_for(args)
+    grid = grid_for(args)
+    runs = make_runs(output_dir=args.output_dir, **grid)
   except ValueError as e:  # A usage error, as argparse's: status 2.
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -1089,9 +1286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(summary(runs))
 
   if args.command == "launch":
+    if not confirm_launch(runs, args.skip_confirmation):
+      print("Nothing launched.")
+      return 1
     damaged = report_damaged(runs)
     try:
-      failed = _launch(args, runs)
+      failed = _launch(args, grid, runs)
     except errors.UsageError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
@@ -1107,7 +1307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   if args.command == "delete_incomplete":
     n = sum(run.status in (Status.INCOMPLETE, Status.DAMAGED) for run in runs)
-    if not args.yes and input(
+    if not args.skip_confirmation and input(
         f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
       return 1
     print(f"Deleted {len(delete_incomplete(runs))} incomplete or damaged "

@@ -22,7 +22,6 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-import tqdm
 
 from experiments import algorithms
 from experiments import config as config_lib
@@ -223,9 +222,11 @@ def train(spec: config_lib.RunSpec) -> records.Record:
   # From the start: a signal before the first step stops the run there.
   with interrupts.StopRequests() as stop, claim.RunDirectoryLock(
       output_dir) as lock:
-    if spec.resume:
-      if records.is_done(output_dir):
-        return claim.read_checked_run(output_dir).records[-1]
+    if spec.resume and records.is_done(output_dir):
+      return claim.read_checked_run(output_dir).records[-1]
+    if spec.resume or output_dir.is_dir():
+      # Before the model is built and compiled, so that a second process on
+      # the directory (a sweep's, which creates it) stops at once.
       lock.acquire()
     compile_cache.use_compile_cache(spec.compile_cache)
     # A fresh run creates its directory when it first writes there
@@ -242,9 +243,8 @@ def train(spec: config_lib.RunSpec) -> records.Record:
     unsaved = run is not None and start != directory.manager.latest_step()
     training = _Training(spec, setup, directory, stop, started, start)
     images_per_step = setup.batch_shape[0] * setup.batch_shape[1]
-    with tqdm.tqdm(total=config.steps, initial=int(state.step), unit="step",
-                   dynamic_ncols=True) as bar, \
-        interrupts.checkpoint_kept_on_interrupt(lambda: directory.manager):
+    with progress.progress_bar(config.steps, int(state.step), started) as bar, (
+        interrupts.checkpoint_kept_on_interrupt(lambda: directory.manager)):
       state = training.run(progress.Screen(bar, images_per_step), state,
                            written, meter, unsaved)
     setup.train_iter.close()  # Stops its workers, freeing batches read ahead.

@@ -78,19 +78,28 @@ class StepTimer:
             "device_wait_time": self.device_wait / self.steps}
 
 
+def progress_bar(steps: int, step: int, started: float) -> tqdm.tqdm:
+  """The training's progress bar, at ``step`` of ``steps``. Its elapsed
+  time counts from ``started``, the run's start, as the times the run
+  prints do (the model's build and the step's compilation come before
+  the bar)."""
+  bar = tqdm.tqdm(total=steps, initial=step, unit="step", dynamic_ncols=True)
+  bar.start_t = started
+  return bar
+
+
 def start_line(config: config_lib.Config, dataset: datasets.MultiDomainDataset,
                augmented: bool) -> str:
   """What a run says of itself before it trains: its schedule, its input
   and where it writes."""
   height, width, channels = dataset.input_shape
-  workers = config.num_workers
-  reading = (f"{workers} input worker{'' if workers == 1 else 's'}"
+  reading = (records.counted(config.num_workers, "input worker")
              if input_pipeline.uses_workers(dataset, augmented)
              else "no input workers (arrays in memory)")
-  return (f"{config.steps} steps, a checkpoint every {config.checkpoint_freq}; "
-          f"{height}x{width}x{channels} images, augmentation "
-          f"{'on' if augmented else 'off'}, {reading}; run directory "
-          f"{config.output_dir}.")
+  return (f"{records.counted(config.steps, 'step')}, a checkpoint every "
+          f"{config.checkpoint_freq}; {height}x{width}x{channels} images, "
+          f"augmentation {'on' if augmented else 'off'}, {reading}; run "
+          f"directory {config.output_dir}.")
 
 
 def _hours(seconds: float) -> str:

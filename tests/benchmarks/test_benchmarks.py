@@ -70,6 +70,16 @@ def test_step_time_times_only_the_methods_asked_for(tmp_path, capsys):
   assert "fish" in capsys.readouterr().out
 
 
+def test_step_time_times_the_further_domainbed_baselines(tmp_path):
+  # SagNet's model has its style head; CDANN's time is a cycle's mean.
+  record = run_json(step_time.main, [
+      "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
+      "--methods", "erm", "sagnet", "cdann", "--no-split"], tmp_path)
+  assert record["results"].keys() == {"erm", "sagnet", "cdann"}
+  for name in ("sagnet", "cdann"):
+    assert record["results"][name]["ratio_to_erm"] > 0
+
+
 def test_trajectory_products_match_float64(tmp_path):
   record = run_json(trajectory_products.main, [
       "--steps", "3", "--params", "1000", "--blocks", "64", "4096",

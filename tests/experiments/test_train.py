@@ -884,11 +884,13 @@ def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
   flags = [*_flags(output_dir), "--num_workers", "0"]
   with claim.RunDirectoryLock(output_dir) as other:
     other.acquire()
-    # A fresh run finds out when it would start the directory.
+    # A fresh run in a directory that exists (a sweep's) finds out before
+    # it builds its model, which it says of once built.
     fresh = run_here(flags, capsys)
     assert fresh.returncode == 2, fresh.stderr
     assert (f"{output_dir}: another process is training this run now"
             in fresh.stderr)
+    assert "held out" not in fresh.stderr
     assert "Traceback" not in fresh.stderr
     assert sorted(p.name for p in output_dir.iterdir()) == [
         records.LOCK_FILE]
@@ -1065,3 +1067,22 @@ def test_start_line_says_how_the_input_is_read():
   assert progress.start_line(config, digits, augmented=False) == (
       "5 steps, a checkpoint every 50; 28x28x1 images, augmentation off, "
       "no input workers (arrays in memory); run directory r.")
+
+
+def test_the_start_line_counts_one_step_in_the_singular():
+  config = config_lib.Config(
+      dataset="ColoredDigits", algorithm="ERM", steps=1, num_workers=1,
+      output_dir="run", test_envs=[0]).resolve()
+  line = progress.start_line(config, datasets.get_dataset("ColoredDigits"),
+                             augmented=False)
+  assert line.startswith("1 step, a checkpoint every ")
+
+
+def test_the_progress_bar_counts_time_from_the_runs_start(capsys):
+  started = time.time() - 94
+  with progress.progress_bar(10, 0, started) as bar:
+    bar.update()
+    elapsed = bar.format_dict["elapsed"]
+  capsys.readouterr()
+  # The run's 94 s so far, not the bar's few microseconds.
+  assert 94 <= elapsed < 94 + 60

@@ -101,7 +101,7 @@ def test_truncated_photos_train_and_the_run_is_bound_to_its_data(
     assert "Already finished." not in err and "Resuming" not in err
     assert (f"{run} was trained on other data than it is given now "
             f"({run / records.DATASET_FILE} records them): photo/dog: 1 "
-            "files added (5 -> 6); sketch/horse: 1 files removed (5 -> 4). "
+            "file added (5 -> 6); sketch/horse: 1 file removed (5 -> 4). "
             "Train it again on these data with the same command and "
             "--overwrite, or pass another --output_dir.") in err
     assert "Traceback" not in err

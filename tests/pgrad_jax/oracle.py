@@ -254,25 +254,36 @@ def mldg(theta, batch_list, pairs_list, lr, wd, beta, num_classes):
   return theta, objectives
 
 
-def dann_losses(generator, discriminator, images, labels, grad_penalty):
+def dann_losses(generator, discriminator, images, labels, grad_penalty,
+                conditional=False):
   """``AbstractDANN.update``'s losses for a linear featurizer and head.
 
   ``generator`` is ``[W_f, b_f, W_h, b_h]``; ``discriminator`` an MLP's
-  ``[W_1, b_1, ..., W_L, b_L]`` with ReLUs between. The gradient of the
-  discriminator's summed cross-entropy w.r.t. its input is backpropagated
-  by hand.
+  ``[W_1, b_1, ..., W_L, b_L]`` with ReLUs between, and with
+  ``conditional`` (CDANN) the class embeddings ``E (C, F)`` last: the
+  discriminator then sees ``features + E[label]`` and its cross-entropy is
+  class-balanced, each example weighing ``1 / (its class's count * (largest
+  label + 1))`` (``F.one_hot`` without ``num_classes``). The gradient of the
+  discriminator's summed (unweighted) cross-entropy w.r.t. its input is
+  backpropagated by hand.
 
   Returns:
     ``(classifier loss, discriminator loss with penalty, penalty)``.
   """
   w_f, b_f, w_h, b_h = generator
   n, b = labels.shape
+  labels = labels.reshape(-1)
   x = np.asarray(images, np.float64).reshape(n * b, -1)
   features = x @ w_f + b_f
-  nll = cross_entropy(features @ w_h + b_h, labels.reshape(-1))
+  nll = cross_entropy(features @ w_h + b_h, labels)
   domains = np.repeat(np.arange(n), b)
+  if conditional:
+    *discriminator, embeddings = discriminator
+    inputs = features + embeddings[labels]
+  else:
+    inputs = features
   layers = list(zip(discriminator[::2], discriminator[1::2]))
-  activations, h = [], features
+  activations, h = [], inputs
   for k, (w, bias) in enumerate(layers):
     a = h @ w + bias
     activations.append(a)
@@ -283,12 +294,20 @@ def dann_losses(generator, discriminator, images, labels, grad_penalty):
       grad = grad * (activations[k] > 0)
     grad = grad @ layers[k][0].T
   penalty = (grad**2).sum(1).mean()
-  disc_loss = cross_entropy(h, domains) + grad_penalty * penalty
-  return nll, disc_loss, penalty
+  if conditional:
+    counts = np.bincount(labels)
+    weights = 1.0 / (counts[labels] * len(counts))
+    log_probs = np.log(softmax(h))[np.arange(len(domains)), domains]
+    disc_loss = -(weights * log_probs).sum()
+  else:
+    disc_loss = cross_entropy(h, domains)
+  return nll, disc_loss + grad_penalty * penalty, penalty
 
 
-def dann(generator, discriminator, batch_list, hparams):
-  """``AbstractDANN.update`` over several steps; returns both networks."""
+def dann(generator, discriminator, batch_list, hparams, conditional=False):
+  """``AbstractDANN.update`` over several steps; returns both networks
+  (with ``conditional``, CDANN's: the discriminator's list ends with the
+  class embeddings, which its Adam trains)."""
   gen_adam = TorchAdam(hparams["lr_g"], hparams["weight_decay_g"], generator,
                        hparams["beta1"], 0.9)
   disc_adam = TorchAdam(hparams["lr_d"], hparams["weight_decay_d"],
@@ -297,7 +316,7 @@ def dann(generator, discriminator, batch_list, hparams):
   for count, batches in enumerate(batch_list, start=1):
     losses = lambda gen, disc: dann_losses(
         gen, disc, batches["image"], np.asarray(batches["label"]),
-        hparams["grad_penalty"])
+        hparams["grad_penalty"], conditional)
     if count % (1 + d_steps) < d_steps:
       grads = numerical_grad(lambda d: losses(generator, d)[1], discriminator)
       discriminator = disc_adam.step(discriminator, grads)
@@ -380,3 +399,153 @@ def arm(theta, context_net, running, batch_list, lr, wd, num_classes):
     _, grads = linear_head_loss_grad(theta, inputs, labels, num_classes)
     theta = adam.step(theta, grads)
   return theta, running
+
+
+# ----------------------------------------------------------------------------
+# DomainBed's VREx, IB_ERM, SD, CDANN (`dann` above, conditional) and SagNet
+# (facebookresearch/DomainBed at b93c22a1), float64, on a linear featurizer
+# ``[W_f, b_f]`` and linear heads: ``theta = [W_f, b_f, W_h, b_h]``.
+
+
+def linear_features_and_logits(theta, images):
+  """``(features, logits)`` of every image, ``(..., F)`` and ``(..., C)``."""
+  w_f, b_f, w_h, b_h = theta
+  x = np.asarray(images, np.float64)
+  lead = x.shape[:2] if x.ndim > 2 else x.shape[:1]
+  features = x.reshape(lead + (-1,)) @ w_f + b_f
+  return features, features @ w_h + b_h
+
+
+def vrex_terms(theta, batches):
+  """``VREx.update``'s ``(mean risk, penalty, last domain's nll)``: the
+  biased variance of the domains' risks."""
+  _, logits = linear_features_and_logits(theta, batches["image"])
+  risks = np.array([cross_entropy(z, y)
+                    for z, y in zip(logits, np.asarray(batches["label"]))])
+  return risks.mean(), ((risks - risks.mean()) ** 2).mean(), risks[-1]
+
+
+def ib_erm_terms(theta, batches):
+  """``IB_ERM.update``'s ``(mean risk, penalty)``: every domain's features'
+  unbiased variance over the batch, averaged over features, then domains."""
+  features, logits = linear_features_and_logits(theta, batches["image"])
+  labels = np.asarray(batches["label"])
+  nll = np.mean([cross_entropy(z, y) for z, y in zip(logits, labels)])
+  penalty = np.mean([f.var(axis=0, ddof=1).mean() for f in features])
+  return nll, penalty
+
+
+def annealed_penalty(theta, batch_list, terms, lr, wd, weight, warmup_weight,
+                     anneal):
+  """IRM's, VREx's and IB_ERM's update over several steps: the penalty
+  weighs ``warmup_weight`` while ``update_count < anneal``, then
+  ``weight``; at ``update_count == anneal`` Adam is built afresh before
+  its step; the count goes up after it.
+
+  Returns ``(theta, objectives)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  objectives = []
+  for count, batches in enumerate(batch_list):
+    penalty_weight = weight if count >= anneal else warmup_weight
+
+    def objective(theta, batches=batches, penalty_weight=penalty_weight):
+      risk, penalty = terms(theta, batches)[:2]
+      return risk + penalty_weight * penalty
+
+    objectives.append(objective(theta))
+    if count == anneal:
+      adam = TorchAdam(lr, wd, theta)
+    theta = adam.step(theta, numerical_grad(objective, theta))
+  return theta, objectives
+
+
+def sd(theta, batch_list, lr, wd, sd_reg):
+  """``SD.update`` over several steps: the pooled cross-entropy plus
+  ``sd_reg`` times the mean squared logit. Returns ``(theta, losses)``."""
+  adam = TorchAdam(lr, wd, theta)
+  losses = []
+  for batches in batch_list:
+    labels = np.asarray(batches["label"]).reshape(-1)
+
+    def objective(theta, batches=batches, labels=labels):
+      _, logits = linear_features_and_logits(theta, batches["image"])
+      logits = logits.reshape(len(labels), -1)
+      return cross_entropy(logits, labels) + sd_reg * (logits**2).mean()
+
+    losses.append(objective(theta))
+    theta = adam.step(theta, numerical_grad(objective, theta))
+  return theta, losses
+
+
+def sagnet_randomize(features, alpha, perm, what, base=None, eps=1e-5):
+  """``SagNet.randomize`` of ``(N, F)`` features. ``base``: the features
+  whose normalised, permuted values a content randomisation takes, held
+  constant (its ``detach``); by default ``features`` themselves."""
+  def moments(x):
+    return x.mean(-1, keepdims=True), x.var(-1, ddof=1, keepdims=True)
+
+  mean, var = moments(features)
+  if what == "style":
+    normalised = (features - mean) / np.sqrt(var + eps)
+    mean = alpha * mean + (1 - alpha) * mean[perm]
+    var = alpha * var + (1 - alpha) * var[perm]
+  else:
+    base = features if base is None else base
+    base_mean, base_var = moments(base)
+    normalised = ((base - base_mean) / np.sqrt(base_var + eps))[perm]
+  return normalised * np.sqrt(var + eps) + mean
+
+
+def sagnet(theta, style, batch_list, draws_list, lr, wd, w_adv):
+  """``SagNet.update`` over several steps.
+
+  ``theta`` is ``[W_f, b_f, W_c, b_c]`` (featurizer and content network),
+  ``style`` the style network's ``[W_s, b_s]``; every step's draws are
+  ``[(alpha, perm)]`` of its content, style and adversary passes. Three
+  Adams; the featurizer's steps after the content loss and again after the
+  adversary's.
+
+  Returns ``(theta, style, [(loss_c, loss_s, loss_adv)])``.
+  """
+  adam_f = TorchAdam(lr, wd, theta[:2])
+  adam_c = TorchAdam(lr, wd, theta[2:])
+  adam_s = TorchAdam(lr, wd, style)
+  history = []
+  for batches, ((alpha_c, perm_c), (alpha_s, perm_s),
+                (alpha_a, perm_a)) in zip(batch_list, draws_list):
+    labels = np.asarray(batches["label"]).reshape(-1)
+    x = np.asarray(batches["image"], np.float64).reshape(len(labels), -1)
+    featurize = lambda f: x @ f[0] + f[1]
+
+    def loss_c(theta):
+      inputs = sagnet_randomize(featurize(theta[:2]), alpha_c, perm_c,
+                                "style")
+      return cross_entropy(inputs @ theta[2] + theta[3], labels)
+
+    losses = [loss_c(theta)]
+    grads = numerical_grad(loss_c, theta)
+    theta = adam_f.step(theta[:2], grads[:2]) + adam_c.step(theta[2:],
+                                                            grads[2:])
+    features = featurize(theta[:2])
+
+    def loss_s(style):
+      inputs = sagnet_randomize(features, alpha_s, perm_s, "content")
+      return cross_entropy(inputs @ style[0] + style[1], labels)
+
+    losses.append(loss_s(style))
+    style = adam_s.step(style, numerical_grad(loss_s, style))
+
+    def loss_adv(f):
+      inputs = sagnet_randomize(featurize(f), alpha_a, perm_a, "content",
+                                base=features)
+      logits = inputs @ style[0] + style[1]
+      log_probs = logits - logits.max(-1, keepdims=True)
+      log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+      return -w_adv * log_probs.mean()
+
+    losses.append(loss_adv(theta[:2]))
+    theta = adam_f.step(theta[:2], numerical_grad(loss_adv, theta[:2])) + (
+        theta[2:])
+    history.append(tuple(losses))
+  return theta, style, history

@@ -130,7 +130,7 @@ def test_mean_and_error_matches_domainbed_formula():
   assert mean == pytest.approx(70.0)
   assert err == pytest.approx(100 * np.std(np.array(accs) / np.sqrt(3)))
   assert err == pytest.approx(100 * np.sqrt(0.02 / 3) / np.sqrt(3))
-  assert ms.format_mean([0.5]) == "50.0 ± 0.0"
+  assert ms.format_mean([0.5]) == "50.0 (n = 1)"
   assert ms.format_mean([]) == "X"
 
 

@@ -74,7 +74,7 @@ COLORED_TABLE = """\
 | Algorithm | env0 (+90%) | env1 (+80%) | env2 (-90%) | Avg |
 | :-- | :-: | :-: | :-: | :-: |
 | ERM | 60.0 ± 7.1 | 80.0 ± 0.0 | 80.0 ± 7.1 | 73.3 |
-| PGrad | 60.0 ± 0.0 | 80.0 ± 7.1 | 90.0 ± 0.0 (1 of 2 trials) | 76.7 (incomplete) |"""
+| PGrad | 60.0 ± 0.0 | 80.0 ± 7.1 | 90.0 (1 of 2 trials) | 76.7 (incomplete) |"""
 # Toy: ERM env0 [0.4, 0.6], env1 [0.6, 0.6]; no PGrad runs.
 TOY_TABLE = """\
 | Algorithm | env0 | env1 | Avg |
@@ -89,7 +89,7 @@ SUMMARY_TABLE = """\
 | Algorithm | ColoredDigits | Toy | Avg |
 | :-- | :-: | :-: | :-: |
 | ERM | 73.3 ± 0.0 | 55.0 ± 3.5 | 64.2 |
-| PGrad | 80.0 ± 0.0 (1 of 2 trials) | X | X |"""
+| PGrad | 80.0 (1 of 2 trials) | X | X |"""
 
 
 def _build_figures_only(monkeypatch):
@@ -324,8 +324,11 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
       expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in STEPS]
       np.testing.assert_allclose(line.get_ydata(), expected)
 
-  spectrum = plots_by_caption["PGrad-B eigenvalue spectrum"].figure.axes[0]
-  assert spectrum.get_title() == f"PGrad-B: {held_out}"
+  spectrum_figure = plots_by_caption["PGrad-B eigenvalue spectrum"].figure
+  (spectrum,) = spectrum_figure.axes
+  assert spectrum_figure.get_suptitle() == f"PGrad-B: {held_out}"
+  # A colour per component.
+  assert len({tuple(line.get_color()) for line in spectrum.get_lines()}) == 3
   assert spectrum.get_ylabel() == "normalised eigenvalue"
   assert [line.get_label() for line in spectrum.get_lines()] == [
       "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
@@ -390,7 +393,8 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
     # No change over a single evaluation, no time without step times.
     assert cells["validation change, last 20% of steps (pts)"] == "n/a"
     assert cells["training time per run (s, median)"] == "n/a"
-    assert cells["final training loss"] == "0.8000 ± 0.0000"
+    # One run has no standard error.
+    assert cells["final training loss"] == "0.8000 (n = 1)"
   err = capsys.readouterr().err
   # Smoothness reads ERM and PGrad, the bottom claim PGrad and PGrad-Bottom.
   for claim in ("smoothness", "bottom"):
@@ -554,7 +558,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
     end = convergence.run_end(run)
     assert row[1].strip() == "1"
     assert row[2].strip() == row[3].strip() == f"{int(end.plateaued)}/1"
-    assert row[4].strip() == f"{end.loss:.4f} ± 0.0000"
+    assert row[4].strip() == f"{end.loss:.4f} (n = 1)"
 
   # The report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
@@ -575,9 +579,16 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
   pgrad_b = sorted((r for r in records
                     if r["args"]["algorithm"] == "PGrad-B"),
                    key=lambda r: r["step"])
+  assert len(pgrad_b[0]["eigenvalues"]) == 7
+  # The components at numerical zero (the last of 7 points of 6 moves) are
+  # not drawn.
+  drawn = [k for k in range(7) if max(
+      r["eigenvalues"][k] for r in pgrad_b) >= plots.EIGENVALUE_FLOOR]
+  assert 0 < len(drawn) < 7
   lines = spectrum.get_lines()
-  assert len(lines) == len(pgrad_b[0]["eigenvalues"]) == 7
-  for k, line in enumerate(lines):
+  assert [line.get_label() for line in lines] == [
+      f"$\\lambda_{{{k + 1}}}$" for k in drawn]
+  for k, line in zip(drawn, lines):
     np.testing.assert_allclose(
         line.get_ydata(),
         [np.float64(r["eigenvalues"][k]) for r in pgrad_b])
@@ -615,7 +626,8 @@ def test_report_draws_and_measures_every_claim(tiny_report):
       ["ERM", "PGrad", "PGrad-B"]] * 2
   assert all(a.get_ylabel() for a in rough)
   bottom = figures["ColoredDigits_bottom_loss.png"].axes[0]
-  assert {t.get_text() for t in bottom.get_legend().get_texts()} == {
+  (legend,) = figures["ColoredDigits_bottom_loss.png"].legends
+  assert {t.get_text() for t in legend.get_texts()} == {
       "PGrad", "PGrad-Bottom"}
   assert bottom.get_xlabel() == "step" and "loss" in bottom.get_ylabel()
   bars = figures["ColoredDigits_trajectory_length.png"].axes[0]
@@ -624,9 +636,12 @@ def test_report_draws_and_measures_every_claim(tiny_report):
   assert "accuracy" in bars.get_ylabel()
   trajectory = figures["ColoredDigits_env0_trial0_trajectory.png"].axes
   assert [a.get_title() for a in trajectory] == ["PCA", "t-SNE"]
+  (legend,) = figures["ColoredDigits_env0_trial0_trajectory.png"].legends
+  labels = [t.get_text() for t in legend.get_texts()]
+  assert sorted(labels) == ["ERM", "PGrad"]
+  # The legend says what the large dot marks.
+  assert "the start" in legend.get_title().get_text()
   for axes in trajectory:
-    labels = [t.get_text() for t in axes.get_legend().get_texts()]
-    assert sorted(labels) == ["ERM", "PGrad"]
     # Snapshots at steps 0, 2, 4, 6 per path.
     assert all(len(line.get_xdata()) == 4 for line in axes.get_lines()
                if line.get_label() in labels)
@@ -719,3 +734,116 @@ def test_the_palette_grows_and_keeps_the_committed_plots_colours():
   colours = [plots.palette_colour(i) for i in range(1000)]
   assert len(set(colours)) == len(colours)
   assert all(len(c) == 4 and all(0 <= x <= 1 for x in c) for c in colours)
+
+
+def test_a_claim_read_from_two_evaluations_says_so(tmp_path, capsys, undrawn):
+  # sweep_records' runs have two evaluations each.
+  write_runs(tmp_path / "sweep", sweep_records())
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  smoothness = text.split("### ColoredDigits: smoothness\n")[1].split("###")[0]
+  warning = ("Warning: ColoredDigits smoothness: read from 11 of its 11 runs "
+             "with only 2 evaluations over the steps every run reached "
+             "(fewer than 3)")
+  assert warning in smoothness
+  assert warning in capsys.readouterr().err
+
+
+def _drawn(figure):
+  """Draws ``figure`` (as saving it does) so that its tick labels are set."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  FigureCanvasAgg(figure).draw()
+  return figure
+
+
+def test_eigenvalues_at_numerical_zero_are_not_drawn(tmp_path):
+  records = [make_record("ColoredDigits", "PGrad", 0, 0, 0, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         eigenvalues=[0.9, 0.1 - 2e-8, 1e-8, 1e-8])
+             for step in (5, 10)]
+  figure = plots.plot_eigenvalue_spectrum(records, tmp_path / "e.png")
+  (axes,) = figure.axes
+  assert [line.get_label() for line in axes.get_lines()] == [
+      "$\\lambda_{1}$", "$\\lambda_{2}$"]
+  assert "2 at numerical zero (< 1e-06) not drawn" in [
+      text.get_text() for text in axes.texts]
+
+
+def test_log_axes_are_labelled_in_plain_numbers_and_bands_explained(
+    tmp_path):
+  # Losses within one decade: matplotlib labels minor ticks, as 7×10⁻¹.
+  records = [r for r in sweep_records() if r["args"]["dataset"] == "Toy"
+             and r["args"]["test_envs"] == [0]]
+  for r in records:
+    r["env1_in_loss"] = 0.6 + 0.1 * r["args"]["trial_seed"] + 0.01 * r["step"]
+  figure = _drawn(plots.plot_loss_curves(records, tmp_path / "l.png"))
+  labels = [t.get_text() for axes in figure.axes
+            for t in axes.get_yticklabels(minor=True) if t.get_text()]
+  assert labels and all("10" not in label and "times" not in label
+                        for label in labels), labels
+  assert {"0.7", "0.8"} <= set(labels)
+  (legend,) = figure.legends
+  assert "band: lowest" in legend.get_title().get_text()
+  accuracy = plots.plot_heldout_accuracy(records, tmp_path / "a.png")
+  # Beside the axes, not over the lines.
+  assert not accuracy.axes[0].get_legend()
+  assert "±1 s.d." in accuracy.legends[0].get_title().get_text()
+
+
+def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
+    tmp_path):
+  summary = {"ERM": {"excess_variation": 0.0, "rising_rate": 0.25},
+             "PGrad": {"excess_variation": 0.0, "rising_rate": 0.0}}
+  figure = plots.plot_roughness_bars(summary, tmp_path / "r.png")
+  excess, rising = figure.axes
+  # Every bar's value labels it, 0 too; a chart of zeros says so.
+  assert [t.get_text() for t in excess.texts] == ["0", "0", "0 for every bar"]
+  assert [t.get_text() for t in rising.texts] == ["0.25", "0"]
+  records = [make_record("ColoredDigits", "PGrad", 0, 0, trial, 10,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3)
+             for trial in (0, 1)]
+  selected = {"ColoredDigits": claims_lib.ClaimRecords(
+      smoothness=[], bottom=[], trajectory_length=records, trajectories={})}
+  measured = claims_lib.measure(selected)
+  (caption, _), = plots.plot_claims(selected, measured, tmp_path)
+  assert caption == ("ColoredDigits: final held-out accuracy of PGrad alone "
+                     "(no other k or B was run)")
+
+
+def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
+    tmp_path, undrawn):
+  grid = {**sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
+          "algorithms": ["ERM"], "test_envs": [0], "n_hparams": 1,
+          "n_trials": 2}
+  sweep.save_grid(tmp_path / "sweep", grid)
+  finished, _ = sweep.make_runs(output_dir=tmp_path / "sweep", **grid)
+  finished.output_dir.mkdir()
+  with open(finished.output_dir / records_lib.RESULTS_FILE, "w") as f:
+    for step in STEPS:
+      f.write(json.dumps(make_record(
+          "ColoredDigits", "ERM", 0, 0, 0, step, in_accs=[0.5] * 3,
+          out_accs=[0.5] * 3, env1_in_loss=1.0 / step,
+          env2_in_loss=2.0 / step)) + "\n")
+  (finished.output_dir / records_lib.DONE_FILE).write_text("")
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  assert (f"2 records. The sweep's grid ({sweep.GRID_FILE}) has 2 runs: 1 "
+          "done, 0 incomplete, 1 not started, 0 damaged. Cells:") in text
+
+
+def test_the_bottom_loss_title_fits_in_its_figure(tmp_path):
+  records = [make_record("ColoredDigits", algorithm, 0, 0, 0, step,
+                         in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                         env1_in_loss=1.0 / step, env2_in_loss=2.0 / step)
+             for algorithm in ("PGrad", "PGrad-Bottom") for step in (5, 10)]
+  title = ("RotatedDigits: mean training loss, bottom against top "
+           "eigenvectors")
+  figure = _drawn(plots.plot_mean_training_loss(records, tmp_path / "b.png",
+                                                title))
+  renderer = figure.canvas.get_renderer()
+  (text,) = [t for t in [figure._suptitle, *(a.title for a in figure.axes)]  # pylint: disable=protected-access
+             if t is not None and t.get_text() == title]
+  box = text.get_window_extent(renderer)
+  assert 0 <= box.x0 and box.x1 <= figure.bbox.x1, (box, figure.bbox)

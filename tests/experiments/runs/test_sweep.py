@@ -195,7 +195,11 @@ def test_model_names_runs_and_num_workers_does_not(tmp_path, train_command):
   argv = launches(resnet[0])[0]["argv"]
   assert (flag(argv, "--model"), flag(argv, "--num_workers")) == (
       "resnet18", "5")
-  # By default the runs at once split this host's cores.
+  # By default the runs at once split this host's cores; the plain runs are
+  # another sweep, in another directory.
+  flags = sweep_flags(tmp_path / "plain", n_hparams=1) + [
+      "--train_command", train_command]
+  plain = sweep.runs_for(sweep.parse_args(flags))
   assert sweep.main(flags + ["--jobs", "2"]) == 0
   cores = len(os.sched_getaffinity(0))
   assert flag(launches(plain[0])[0]["argv"], "--num_workers") == str(
@@ -688,3 +692,132 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   assert sweep.fetch_weights(sweep.make_runs(
       output_dir=tmp_path / "digits", datasets=["ColoredDigits"],
       algorithms=["ERM"], n_hparams=1, n_trials=1)) == []
+
+
+def test_launch_saves_its_grid_and_the_directory_alone_names_the_sweep(
+    tmp_path, train_command, capsys):
+  flags = sweep_flags(tmp_path) + ["--train_command", train_command]
+  assert sweep.main(flags) == 0
+  assert json.loads((tmp_path / sweep.GRID_FILE).read_text()) == {
+      **sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
+      "algorithms": ["ERM", "PGrad"], "test_envs": [1], "n_hparams": 3,
+      "n_trials": 1, "steps": 7}
+  runs = sweep.runs_for(sweep.parse_args(flags))
+  capsys.readouterr()
+  alone = ["--output_dir", str(tmp_path)]
+  assert sweep.main(["list", *alone]) == 0
+  out = capsys.readouterr().out
+  assert "6 runs: 6 done, 0 incomplete, 0 not started" in out
+  assert all(str(run.output_dir) in out for run in runs)
+  # Launched again from the directory alone, it has nothing to do.
+  assert sweep.main(["launch", *alone, "--train_command", train_command]) == 0
+  assert all(len(launches(run)) == 1 for run in runs)
+  # The algorithms in another order are the same grid.
+  assert sweep.main(["list", *alone, "--algorithms", "PGrad", "ERM"]) == 0
+
+
+def test_a_directory_without_a_grid_is_not_listed_as_the_default_sweep(
+    tmp_path, capsys):
+  assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 2
+  error = capsys.readouterr().err
+  assert sweep.GRID_FILE in error and "--datasets" in error
+  assert "10800" not in error
+
+
+@pytest.mark.parametrize("command", ["list", "launch", "delete_incomplete"])
+def test_flags_that_contradict_the_saved_grid_exit_2_naming_them(
+    tmp_path, train_command, capsys, command):
+  sweep_dir = tmp_path / "sweep"
+  flags = sweep_flags(sweep_dir) + ["--train_command", train_command]
+  assert sweep.main(flags) == 0
+  capsys.readouterr()
+  assert sweep.main([command, "--output_dir", str(sweep_dir), "--n_trials",
+                     "2", "--steps", "8", "--train_command", train_command,
+                     "--yes"]) == 2
+  error = capsys.readouterr().err
+  assert "--n_trials 2 (the grid has --n_trials 1)" in error
+  assert "--steps 8 (the grid has --steps 7)" in error
+  assert "--extend_grid" in error
+  assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == sorted(
+      r.output_dir.name for r in sweep.runs_for(sweep.parse_args(flags)))
+
+
+def test_extend_grid_adds_runs_and_saves_the_larger_grid(
+    tmp_path, train_command, capsys):
+  flags = sweep_flags(tmp_path, n_hparams=1) + [
+      "--train_command", train_command]
+  assert sweep.main(flags) == 0
+  alone = ["--output_dir", str(tmp_path), "--train_command", train_command]
+  assert sweep.main(["launch", *alone, "--n_hparams", "3",
+                     "--extend_grid"]) == 0
+  assert json.loads((tmp_path / sweep.GRID_FILE).read_text())[
+      "n_hparams"] == 3
+  capsys.readouterr()
+  assert sweep.main(["list", *alone]) == 0
+  assert "6 runs: 6 done" in capsys.readouterr().out
+  # Fewer draws, or other steps, would leave runs of the grid out.
+  for shrink in (["--n_hparams", "2"], ["--steps", "8"]):
+    assert sweep.main(["launch", *alone, *shrink, "--extend_grid"]) == 2
+    assert "would leave out" in capsys.readouterr().err
+  assert json.loads((tmp_path / sweep.GRID_FILE).read_text())[
+      "n_hparams"] == 3
+
+
+@pytest.fixture(name="terminal_input")
+def fixture_terminal_input(monkeypatch):
+  """Makes a pseudo-terminal this process's stdin; yields a function that
+  types a line into it."""
+  leader, follower = os.openpty()
+  with os.fdopen(follower, "r") as stdin:
+    monkeypatch.setattr(sys, "stdin", stdin)
+    yield lambda line: os.write(leader, line.encode() + b"\n")
+  os.close(leader)
+
+
+@pytest.mark.parametrize("answer, launched", [("n", False), ("y", True)])
+def test_launch_on_a_terminal_asks_first(
+    tmp_path, train_command, capsys, terminal_input, answer, launched):
+  flags = sweep_flags(tmp_path) + ["--train_command", train_command]
+  terminal_input(answer)
+  assert sweep.main(flags) == (0 if launched else 1)
+  assert "Launch 6 runs of 6? (y/n)" in capsys.readouterr().out
+  runs = sweep.runs_for(sweep.parse_args(flags))
+  assert all(bool(launches(run)) == launched for run in runs)
+  # Nothing declined is saved either.
+  assert (tmp_path / sweep.GRID_FILE).exists() == launched
+
+
+def test_skip_confirmation_launches_on_a_terminal_without_asking(
+    tmp_path, train_command, capsys, terminal_input):
+  del terminal_input  # Nothing is typed: a question would wait forever.
+  flags = sweep_flags(tmp_path) + ["--train_command", train_command]
+  assert sweep.main(flags + ["--skip_confirmation"]) == 0
+  assert "(y/n)" not in capsys.readouterr().out
+
+
+def test_usage_names_the_command_to_run(capsys):
+  with pytest.raises(SystemExit, match="2"):
+    sweep.parse_args(["list", "--output_dir", "x", "--n_trials", "many"])
+  assert capsys.readouterr().err.startswith(
+      "usage: python -m experiments.runs.sweep ")
+
+
+def test_slurm_local_on_a_host_without_gpus_names_none(
+    tmp_path, train_command, capsys):
+  # --slurm_gpus_per_job left at its default, 1.
+  flags = sweep_flags(tmp_path, n_hparams=1) + [
+      "--train_command", train_command, "--launcher", "slurm",
+      "--slurm_cluster", "local"]
+  assert sweep.main(flags) == 0
+  submitted = [line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("Submitted")]
+  runs = sweep.runs_for(sweep.parse_args(flags))
+  assert sorted(submitted) == sorted(
+      f"Submitted SLURM job {run.launch_record['job_id']}: {run.output_dir}  "
+      f"{run.label}" for run in runs)
+  assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 0
+  listing = capsys.readouterr().out
+  gpus = sweep.nvidia_gpu_count()
+  assert ("GPU 0" in listing) == (gpus > 0)
+  assert all(launches(run)[0]["gpu"] == ("0" if gpus else "")
+             for run in runs)
