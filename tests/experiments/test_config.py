@@ -26,9 +26,7 @@ from experiments.rundir import records
 from experiments.runs import sweep
 from experiments import train
 from experiments.rundir import claim
-from experiments.training import evaluate
 from experiments.training import loop
-from experiments.training import sharding
 from experiments.training import steps as train_steps
 from test_train import REPO, read_records, run_here
 
@@ -336,50 +334,6 @@ def test_help_lists_the_registries_and_list_hparams_prints_them(capsys):
   assert rows["bn_mode"][2].startswith("fixed")
 
 
-def _write_run_config(output_dir, flags):
-  config = config_lib.parse_args([*flags, "--output_dir", str(output_dir)])
-  output_dir.mkdir(parents=True)
-  (output_dir / records.CONFIG_FILE).write_text(json.dumps(
-      claim.run_record(config.identity(), config.hyperparameters())))
-
-
-def test_a_directory_of_another_configuration_is_refused(
-    tmp_path, monkeypatch, capsys):
-  monkeypatch.chdir(tmp_path)
-  run = tmp_path / "run"
-  _write_run_config(run, ["--seed", "3"])
-  for flags, expected in [
-      (["--seed", "4"], "seed: 4 here, 3 there"),
-      (["--seed", "3", "--hparams", '{"lr": 0.01}'],
-       "hparams.lr: 0.01 here, 0.001 there"),
-  ]:
-    assert train.main([*flags, "--output_dir", str(run)]) == 2
-    err = capsys.readouterr().err
-    assert expected in err, err
-    assert "another --output_dir" in err and "--overwrite" in err
-  assert [p.name for p in run.iterdir()] == [records.CONFIG_FILE]
-  # The same configuration (wherever its data is) resumes.
-  config = config_lib.parse_args(["--seed", "3", "--output_dir", str(run),
-                                  "--data_dir", "elsewhere"])
-  assert claim.claim_run_directory(
-      config.output_dir, config.identity(), config.hyperparameters(),
-      overwrite=config.overwrite)
-
-  # Run files without a config.json: a run of unknown configuration.
-  legacy = tmp_path / "legacy"
-  legacy.mkdir()
-  (legacy / "results.jsonl").write_text("{}\n")
-  assert train.main(["--output_dir", str(legacy)]) == 2
-  assert "results.jsonl but no config.json" in capsys.readouterr().err
-  assert (legacy / "results.jsonl").exists()
-
-  # A config file that is not JSON: a damaged run of unknown configuration.
-  (legacy / "config.json").write_text('{"args": {"se')
-  assert train.main(["--output_dir", str(legacy)]) == 2
-  err = capsys.readouterr().err
-  assert f"{legacy / 'config.json'} is not JSON" in err and "--overwrite" in err
-
-
 def test_default_output_dir_is_one_per_configuration():
   dirs = {config_lib.parse_args(flags).output_dir for flags in (
       [], ["--test_envs", "1"], ["--seed", "1"], ["--hparams", '{"k": 2}'],
@@ -453,54 +407,6 @@ def test_a_run_failing_before_its_first_checkpoint_leaves_no_folders(
   with pytest.raises(RuntimeError, match="the step failed"):
     train.main(["--dataset", "ColoredDigits", "--algorithm", "ERM"])
   assert list(tmp_path.iterdir()) == []
-
-
-def test_evaluation_batches_are_no_larger_than_the_splits():
-  images = np.arange(12, dtype=np.float32)[:, None, None, None] * np.ones(
-      (1, 2, 2, 1), np.float32)
-  dataset = datasets.MultiDomainDataset(
-      name="Twelve", domain_names=("a", "b"),
-      domains=(datasets.ArraySource(images, np.arange(12) % 2),
-               datasets.ArraySource(images[:5], np.arange(5) % 2)),
-      num_classes=2, input_shape=(2, 2, 1))
-  sets = [{"in": np.arange(9), "out": np.arange(9, 12)},
-          {"in": np.arange(3), "out": np.arange(3, 5)}]
-  shapes = []
-
-  def eval_step(params, stats, images, labels, count):
-    shapes.append(images.shape[0])
-    value = images[:, 0, 0, 0]
-    # Correct exactly when the image's value is even.
-    return np.where(value % 2 == 0, labels, 1 - labels), value
-
-  state = train_steps.TrainState(0, None, None, None)
-  config = config_lib.Config(loss_examples=4, num_workers=0)
-  results = evaluate.evaluate(eval_step, state, dataset, sets, config,
-                              sharding.Sharder())
-  assert set(shapes) == {9}  # The largest split, not the flag's 256.
-  assert results["env0_in_acc"] == 5 / 9  # 0, 2, 4, 6, 8 of 0..8.
-  assert results["env0_out_acc"] == 1 / 3  # 10 of 9, 10, 11.
-  assert results["env1_out_acc"] == 1 / 2  # 4 of 3, 4.
-  assert [results[f"env{i}_{name}_examples"] for i in (0, 1)
-          for name in ("in", "out")] == [9, 3, 3, 2]
-  assert results["env0_in_loss"] == np.mean([0.0, 1.0, 2.0, 3.0])
-
-
-def test_overwrite_deletes_the_run_files_only(tmp_path):
-  run = tmp_path / "run"
-  _write_run_config(run, ["--seed", "3"])
-  for name in ("dataset.json", "environment.json", "results.jsonl",
-               "final_params.npz", "done"):
-    (run / name).write_text("")
-  (run / "checkpoints").mkdir()
-  (run / "checkpoints" / "2").write_text("")
-  (run / "notes.txt").write_text("mine")
-  config = config_lib.parse_args(["--seed", "4", "--overwrite",
-                                  "--output_dir", str(run)])
-  assert not claim.claim_run_directory(
-      config.output_dir, config.identity(), config.hyperparameters(),
-      overwrite=config.overwrite)
-  assert [p.name for p in run.iterdir()] == ["notes.txt"]
 
 
 def test_negative_trajectory_freq_is_rejected():

@@ -18,8 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -28,19 +26,15 @@ import pytest
 
 from experiments import config as config_lib
 from experiments import errors
-from experiments.data import datasets
 from experiments.runs import convergence
 from experiments.runs import environment
 from experiments.rundir import records
 from experiments import train
 from experiments.rundir import checkpoints
 from experiments.rundir import claim
-from experiments.training import compile_cache
 from experiments.training import evaluate
-from experiments.training import interrupts
 from experiments.training import loop
 from experiments.training import progress
-from experiments.training import sharding
 from experiments.training import steps as train_steps
 from test_model_selection import make_record
 
@@ -824,38 +818,6 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
   assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "notes.txt"]
 
 
-def test_a_signal_the_run_was_started_ignoring_stays_ignored():
-  # SIGINT as from a terminal, whatever started the tests; SIGTERM ignored.
-  previous = {signal.SIGINT: signal.signal(signal.SIGINT,
-                                           signal.default_int_handler),
-              signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_IGN)}
-  try:
-    with interrupts.StopRequests():
-      assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-      assert signal.getsignal(signal.SIGINT) not in (
-          signal.SIG_IGN, signal.default_int_handler)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-    assert signal.getsignal(signal.SIGINT) == signal.default_int_handler
-  finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
-
-
-def test_the_step_normalises_uint8_photos_as_the_host_does():
-  # Every level in every channel, and each channel's levels in the others'.
-  levels = np.arange(256, dtype=np.uint8)
-  pixels = np.stack([levels, levels[::-1], np.roll(levels, 85)], axis=-1)
-  images = pixels.reshape(2, 2, 8, 8, 3)
-  got = np.asarray(jax.jit(train_steps.normalized)(images))
-  assert got.dtype == np.float32
-  np.testing.assert_array_equal(got, datasets.normalize(images))
-  # torchvision's ToTensor and Normalize, in float64: float32 rounding.
-  expected = (images / 255.0 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225]
-  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
-  floats = np.linspace(-1, 1, 12, dtype=np.float32).reshape(1, 1, 2, 2, 3)
-  assert train_steps.normalized(floats) is floats
-
-
 def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
                                                             tmp_path):
   monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
@@ -963,69 +925,6 @@ def test_a_run_without_a_writable_default_cache_says_so_once(tmp_path):
   assert not (tmp_path / "refused").exists()
 
 
-@pytest.mark.parametrize("user_threshold", [None, "2.5"])
-def test_the_compile_cache_keeps_every_program_unless_the_user_says(
-    monkeypatch, tmp_path, user_threshold):
-  # The model's initialisation compiles many programs of under a second
-  # each, which JAX's default threshold (1 s) would compile again every run.
-  name = "jax_persistent_cache_min_compile_time_secs"
-  options = (name, "jax_enable_compilation_cache",
-             "jax_compilation_cache_dir")
-  before = {option: getattr(jax.config, option) for option in options}
-  try:
-    if user_threshold is None:
-      monkeypatch.delenv(compile_cache.COMPILE_TIME_ENV, raising=False)
-    else:
-      # JAX reads the variable when it starts; a run started so has it.
-      monkeypatch.setenv(compile_cache.COMPILE_TIME_ENV, user_threshold)
-      jax.config.update(name, float(user_threshold))
-    compile_cache.use_compile_cache(tmp_path)
-    assert jax.config.jax_compilation_cache_dir == str(tmp_path)
-    assert getattr(jax.config, name) == (
-        0 if user_threshold is None else float(user_threshold))
-  finally:
-    for option, value in before.items():
-      jax.config.update(option, value)
-
-
-def test_the_step_compiles_while_the_first_batch_is_read():
-  # Each side waits for the other to have begun: done one after the other,
-  # the compile (or the read) would wait for ever, and the test fail.
-  tracing, read = threading.Event(), threading.Event()
-
-  def step(state, batch):
-    tracing.set()
-    assert read.wait(30), "the read did not end while the step compiled"
-    return state + batch["image"].sum()
-
-  read_seconds = []
-
-  def read_first_batch():
-    start = time.time()
-    assert tracing.wait(30), "the step did not compile while reading"
-    read.set()
-    read_seconds.append(time.time() - start)
-    return "the first batch"
-
-  example = {"image": np.zeros((4, 4, 1), np.float32)}
-  compile_time, first_batch_time, batch = train_steps.compile_while_reading(
-      jax.jit(step), np.zeros((), np.float32), sharding.Sharder(1), example,
-      (2, 3), read_first_batch)
-  assert batch == "the first batch"
-  # The read's own time is what the record gives.
-  assert read_seconds[0] <= first_batch_time
-  assert compile_time > 0
-
-
-def test_a_long_run_on_a_cpu_is_warned_of_with_its_estimate(capsys):
-  config = config_lib.parse_args(["--dataset", "PACS", "--model", "resnet18"])
-  progress.warn_if_long(progress.ESTIMATE_WARNED_SECONDS, config)
-  assert capsys.readouterr().err == ""
-  progress.warn_if_long(2.5 * 3600, config)
-  assert ("Warning: resnet18 on PACS takes about 2.5 h more on this CPU"
-          in capsys.readouterr().err)
-
-
 def test_a_file_as_data_dir_is_refused_at_the_command_line(tmp_path):
   a_file = tmp_path / "data.zip"
   a_file.write_text("")
@@ -1057,32 +956,3 @@ def test_a_diverged_run_says_so(tmp_path, capsys):
   assert "Already finished." in again.stderr
   assert "Warning: the model diverged" in again.stderr
 
-
-def test_start_line_says_how_the_input_is_read():
-  # The digits are arrays in memory, read as they are: no worker processes,
-  # whatever --num_workers says.
-  config = config_lib.parse_args(["--num_workers", "2", "--steps", "5",
-                                  "--output_dir", "r"]).resolve()
-  digits = datasets.get_dataset("RotatedDigits")
-  assert progress.start_line(config, digits, augmented=False) == (
-      "5 steps, a checkpoint every 50; 28x28x1 images, augmentation off, "
-      "no input workers (arrays in memory); run directory r.")
-
-
-def test_the_start_line_counts_one_step_in_the_singular():
-  config = config_lib.Config(
-      dataset="ColoredDigits", algorithm="ERM", steps=1, num_workers=1,
-      output_dir="run", test_envs=[0]).resolve()
-  line = progress.start_line(config, datasets.get_dataset("ColoredDigits"),
-                             augmented=False)
-  assert line.startswith("1 step, a checkpoint every ")
-
-
-def test_the_progress_bar_counts_time_from_the_runs_start(capsys):
-  started = time.time() - 94
-  with progress.progress_bar(10, 0, started) as bar:
-    bar.update()
-    elapsed = bar.format_dict["elapsed"]
-  capsys.readouterr()
-  # The run's 94 s so far, not the bar's few microseconds.
-  assert 94 <= elapsed < 94 + 60
