@@ -33,11 +33,15 @@ With ``--devices`` N > 1, every domain's batch is split over N devices on a
 (`training.sharding.Sharder`); the batch must divide, and the algorithm
 must keep it split (``catalog.AlgorithmEntry.data_parallel``).
 
-Every setting is resolved and checked once, before JAX is imported (the
-training loop is in `experiments.training`), into the frozen
-`config.RunSpec` that the loop reads (`resolve_run`): a bad name or value
-is refused at once, and a finished run's result is printed then
-(`rundir.claim.report_finished_run`), JAX never imported.
+The command reads: resolve the run (`resolve_run`), which claims its
+directory; report it if it is finished; train it (``training.loop.train``);
+print its result. Every setting is resolved and checked once, before the
+training loop is imported, into the frozen `config.RunSpec` that the loop
+reads: a bad name or value is refused at once, the loop finds nothing left
+to refuse, and a finished run's result is printed
+(`rundir.claim.report_finished_run`) without importing JAX. (Resolving
+imports JAX only where a check needs it: featurizer weights, several
+devices, ``--init_params``, a new ``image_size``.)
 """
 
 
@@ -74,9 +78,10 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   In turn: the flags and hyperparameters (`config.parse_flags`, which exits
   with status 2 and a usage message on a mistake), the run directory
   (`rundir.claim.claim_run_directory`), the data, from which WILDS's protocol
-  (`wilds_protocol`) and the held-out domains follow, then the featurizer
-  weights the run starts from (`_checked_weights`), before any model is
-  built.
+  (`wilds_protocol`), the held-out domains and the epoch's steps follow;
+  then, for a run to train, its images' size, the featurizer weights it
+  starts from (`_checked_weights`), its compilation cache, its devices and
+  the fit of its ``--init_params``, before any model is built.
 
   Args:
     argv: the flags; ``None`` reads ``sys.argv[1:]``.
@@ -88,8 +93,11 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
     errors.UsageError: the run directory holds another run or cannot be
       written, or the data are missing or are not the run's, or the
       held-out domains or the plateau checks do not fit them, or the
-      weights are damaged or not ``--model``'s; nothing was written (only
-      what ``--overwrite`` deletes, and weights fetched into their cache).
+      weights are damaged or not ``--model``'s, or the compilation cache
+      named cannot be written, or the devices are not there, or the
+      ``--init_params`` do not fit the model; nothing was written (only what
+      ``--overwrite`` deletes, weights fetched into their cache and the
+      compilation cache's directory).
   """
   config, hparams = config_lib.parse_flags(argv)
   config_lib.check_outside_data(config)
@@ -355,7 +363,8 @@ def _run(argv: Sequence[str] | None) -> int:
     # Imported once the run is resolved and to be trained.
     # pylint: disable-next=import-outside-toplevel
     from experiments.training import loop
-    claim.print_result(loop.train(spec), spec.config.output_dir)
+    record = loop.train(spec)
+    claim.print_result(record, spec.config.output_dir)
   except errors.UsageError as e:
     print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
     return 2
