@@ -24,7 +24,7 @@ the paper's claims measured by `experiments.analysis.claims` to
 are read from their directories and from packs (``runs.jsonl.gz``,
 `experiments.runs.records.pack_runs`), as a committed study keeps them. Where
 ``--input_dir`` is a sweep's directory, the report counts the runs of its
-saved grid (`experiments.runs.sweep.GRID_FILE`) that are done, so that a
+saved grid (`experiments.runs.grid.GRID_FILE`) that are done, so that a
 report of a sweep still training says so.
 """
 
@@ -45,12 +45,13 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments.analysis import claims as claims_lib
 from experiments.runs import convergence
+from experiments.runs import grid as grid_lib
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.runs import records as records_lib
+from experiments.runs import run as run_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
-from experiments.runs import sweep
 from experiments.runs.records import Record
 
 PLOTS_DIR = "plots"
@@ -570,14 +571,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     scope += (f"; {len(found.skipped)} runs skipped, their records damaged: "
               + ", ".join(str(p) for p in found.skipped))
   try:
-    grid = sweep.read_grid(args.input_dir)
+    grid = grid_lib.read_grid(args.input_dir)
   except config_lib.UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if grid is not None:
-    scope += (f". The sweep's grid ({sweep.GRID_FILE}) has "
-              + sweep.summary(sweep.make_runs(output_dir=args.input_dir,
-                                              **grid)))
+    scope += (f". The sweep's grid ({grid_lib.GRID_FILE}) has "
+              + run_lib.summary(grid_lib.make_runs(
+                  output_dir=args.input_dir, **grid)))
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"

@@ -39,9 +39,9 @@ total (the learning rates are constant, Fishr's anneal step is fixed), so its
 steps are the run's own up to where that one stopped; it shows what happens
 after.
 
-This module lists no runs and so imports neither `experiments.runs.sweep` nor a
-study: it takes their runs (``sweep.Run``) and trains them with their own
-``train`` method.
+This module lists no runs and so imports neither `experiments.runs.sweep` nor
+a study: it takes their runs (`experiments.runs.run.Run`) and trains them
+with their own ``train`` method.
 """
 
 from __future__ import annotations
@@ -57,14 +57,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from experiments.runs import convergence
 from experiments.runs import environment
 from experiments.runs import records
-
-if TYPE_CHECKING:
-  from experiments.runs import sweep
+from experiments.runs import run as run_lib
 
 COMMANDS = ("reproduce", "longer")
 # Fields of a record that differ between two trainings of one run: where it
@@ -224,15 +222,15 @@ def judge_noise(retrained: dict[str, Any], committed: dict[str, Any],
   return judged
 
 
-def group(run: sweep.Run) -> tuple[Any, ...]:
+def group(run: run_lib.Run) -> tuple[Any, ...]:
   """The run's ``(dataset, algorithm, hparams_seed, trial_seed)``."""
   a = run.args
   return a["dataset"], a["algorithm"], a["hparams_seed"], a["trial_seed"]
 
 
-def sample(runs: Sequence[sweep.Run],
+def sample(runs: Sequence[run_lib.Run],
            hparams_seeds: Sequence[int] | None = None,
-           algorithms: Sequence[str] | None = None) -> list[sweep.Run]:
+           algorithms: Sequence[str] | None = None) -> list[run_lib.Run]:
   """One run per (dataset, algorithm, hparams_seed, trial_seed) group, the one
   holding out the lowest domain, from the given draws and algorithms
   (default: all)."""
@@ -244,7 +242,7 @@ def sample(runs: Sequence[sweep.Run],
   return list(chosen.values())
 
 
-def _cell(run: sweep.Run) -> tuple[Any, ...]:
+def _cell(run: run_lib.Run) -> tuple[Any, ...]:
   """The run's dataset, algorithm, draw and held-out domains: its trials
   differ in nothing else."""
   a = run.args
@@ -252,7 +250,7 @@ def _cell(run: sweep.Run) -> tuple[Any, ...]:
           tuple(a["test_envs"]))
 
 
-def with_hparams(run: sweep.Run, changed: dict[str, Any]) -> sweep.Run:
+def with_hparams(run: run_lib.Run, changed: dict[str, Any]) -> run_lib.Run:
   """``run`` with ``changed`` in its ``--hparams``, under its own name (a
   copy retrained with them must compare with the run's records)."""
   hparams = json.loads(run.args.get("hparams") or "{}")
@@ -279,7 +277,7 @@ def verdict(result: dict[str, Any]) -> str:
   return "differs beyond the trials' noise"
 
 
-def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
+def reproduce(runs: Sequence[run_lib.Run], chosen: Sequence[run_lib.Run],
               scratch_dir: Path, jobs: int,
               changed_hparams: dict[str, Any] | None = None
               ) -> dict[str, Any]:
@@ -409,9 +407,9 @@ def describe_environments(results: Sequence[dict[str, Any]],
   return "\n".join(lines)
 
 
-def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
+def longer_run(runs: Sequence[run_lib.Run], *, dataset: str, algorithm: str,
                hparams_seed: int, trial_seed: int, test_env: int,
-               longer_steps: int, output_dir: str | Path) -> sweep.Run:
+               longer_steps: int, output_dir: str | Path) -> run_lib.Run:
   """One of ``runs`` made ``steps`` long without stopping at its plateau.
 
   Args:
@@ -523,7 +521,7 @@ def check_arguments(parser: argparse.ArgumentParser,
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
-         runs: Sequence[sweep.Run], output_dir: str | Path,
+         runs: Sequence[run_lib.Run], output_dir: str | Path,
          lock: tuple[str, dict[str, str]] | None = None) -> int:
   """Runs ``args.command``, one of `COMMANDS`, on ``runs``.
 
@@ -547,7 +545,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
   return _longer_command(parser, runs, args, output_dir)
 
 
-def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
+def _reproduce_command(runs: Sequence[run_lib.Run], args: argparse.Namespace,
                        output_dir: str | Path,
                        lock: tuple[str, dict[str, str]] | None) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
@@ -588,7 +586,7 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
 
 
 def _longer_command(parser: argparse.ArgumentParser,
-                    runs: Sequence[sweep.Run], args: argparse.Namespace,
+                    runs: Sequence[run_lib.Run], args: argparse.Namespace,
                     output_dir: str | Path) -> int:
   missing = [f"--{name}" for name in _LONGER_FLAGS
              if getattr(args, name) is None]

@@ -50,10 +50,11 @@ from pathlib import Path
 from types import ModuleType
 
 from experiments.runs import environment
+from experiments.runs import launchers
 from experiments.runs import records
 from experiments.runs import rerun
+from experiments.runs import run as run_lib
 from experiments import studies
-from experiments.runs import sweep
 
 DEFAULT_STUDY = "digits"
 # Where a study's REQUIREMENTS are found, whatever the working directory.
@@ -160,24 +161,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == "list":
     for run in runs:
       print(run)
-    print(sweep.summary(runs))
+    print(run_lib.summary(runs))
     return 0
   if args.command == "pack":
     damaged = sum(pack(Path(directory)) for directory in (
         args.output_dir, rerun.longer_dir(args.output_dir, args.longer_dir))
         if Path(directory).is_dir())
-    print(sweep.summary(runs))
+    print(run_lib.summary(runs))
     return 1 if damaged else 0
-  print(sweep.summary(runs))
-  damaged = sweep.report_damaged(runs)
+  print(run_lib.summary(runs))
+  damaged = run_lib.report_damaged(runs)
   try:
-    failed = sweep.launch(runs, jobs=args.jobs)
+    failed = launchers.train_on_host(runs, jobs=args.jobs)
   except KeyboardInterrupt:
     print("Interrupted; the same command resumes the study.", file=sys.stderr)
     return 130
   for run in failed:
     print(f"Failed (see {run.log_file}): {run}")
-  print(sweep.summary(runs))
+  print(run_lib.summary(runs))
   return 1 if failed or damaged else 0
 
 

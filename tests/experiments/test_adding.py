@@ -16,7 +16,7 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments.data import datasets
 from experiments import hparams_registry as hp
-from experiments.runs import sweep
+from experiments.runs import grid
 from experiments import train
 from experiments.algorithms import base
 from experiments.analysis import plots
@@ -96,8 +96,8 @@ def test_an_added_algorithm_and_dataset_list_sweep_and_plot(added, capsys):
   # On a WILDS dataset, its WILDS value, unsearched.
   assert hp.random_hparams(ALGORITHM, "FMoW", 5)["variance_weight"] == 1.0
 
-  runs = sweep.make_runs(output_dir="sweep", datasets=[DATASET],
-                         algorithms=[ALGORITHM], n_hparams=3, n_trials=1)
+  runs = grid.make_runs(output_dir="sweep", datasets=[DATASET],
+                        algorithms=[ALGORITHM], n_hparams=3, n_trials=1)
   assert len(runs) == 3 * len(DOMAINS)
   weights = {hp.random_hparams(ALGORITHM, DATASET, r.args["hparams_seed"],
                                r.args["trial_seed"])["variance_weight"]

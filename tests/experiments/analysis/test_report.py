@@ -23,6 +23,7 @@ from experiments.analysis import plots
 from experiments.runs import records as records_lib
 from experiments.analysis import report
 from experiments.runs import study
+from experiments.runs import grid as grid_lib
 from experiments.runs import sweep
 from test_claims import fixture_one_openmp_thread  # pylint: disable=unused-import
 from test_convergence import _run as converging_run
@@ -500,7 +501,7 @@ def fixture_tiny_sweep(tmp_path_factory):
       "--output_dir", str(output_dir)])
   # The sweep's runs, each trained by the command line the sweep would run,
   # but here: a subprocess would import JAX, Flax and Orbax again for every
-  # run (test_sweep.py tests the launchers).
+  # run (test_launchers.py tests the launchers).
   for run in sweep.runs_for(args):
     assert train.main(run.command(
         "--eval_examples 16 --eval_batch_size 16 --loss_examples 8")) == 0
@@ -812,11 +813,11 @@ def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
 
 def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
     tmp_path, undrawn):
-  grid = {**sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
+  grid = {**grid_lib.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
           "algorithms": ["ERM"], "test_envs": [0], "n_hparams": 1,
           "n_trials": 2}
-  sweep.save_grid(tmp_path / "sweep", grid)
-  finished, _ = sweep.make_runs(output_dir=tmp_path / "sweep", **grid)
+  grid_lib.save_grid(tmp_path / "sweep", grid)
+  finished, _ = grid_lib.make_runs(output_dir=tmp_path / "sweep", **grid)
   finished.output_dir.mkdir()
   with open(finished.output_dir / records_lib.RESULTS_FILE, "w") as f:
     for step in STEPS:
@@ -828,7 +829,7 @@ def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
   assert report.main(["--input_dir", str(tmp_path / "sweep"),
                       "--output_dir", str(tmp_path / "out")]) == 0
   text = (tmp_path / "out" / "results.md").read_text()
-  assert (f"2 records. The sweep's grid ({sweep.GRID_FILE}) has 2 runs: 1 "
+  assert (f"2 records. The sweep's grid ({grid_lib.GRID_FILE}) has 2 runs: 1 "
           "done, 0 incomplete, 1 not started, 0 damaged. Cells:") in text
 
 

@@ -15,6 +15,7 @@ import scipy.stats
 from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
+from experiments.runs import run as run_lib
 from experiments.runs import study
 from experiments.runs import sweep
 from experiments.studies import digits
@@ -95,7 +96,7 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
   shutil.rmtree(run.output_dir)
   assert records.finished_records(run.output_dir) == committed
   assert records.run_environment(run.output_dir) == [trained]
-  assert run.status is sweep.Status.DONE
+  assert run.status is run_lib.Status.DONE
 
   # A committed record changed afterwards is found.
   changed = [*committed[:-1], {**committed[-1], "env1_in_acc": 2.0}]

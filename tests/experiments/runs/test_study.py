@@ -11,7 +11,6 @@ import pytest
 
 from experiments.runs import records
 from experiments.runs import study
-from experiments.runs import sweep
 from experiments.studies import digits
 
 
