@@ -45,13 +45,6 @@ from experiments.runs import gpus as gpus_lib
 from experiments.runs import run as run_lib
 from experiments.runs import slurm as slurm_lib
 
-def _no_flags(parser: argparse._ActionsContainer) -> None:
-  del parser
-
-
-def _no_check(args: argparse.Namespace) -> None:
-  del args
-
 
 @dataclasses.dataclass(frozen=True)
 class Launcher:
@@ -81,8 +74,8 @@ class Launcher:
   launch: Callable[[Sequence[run_lib.Run], argparse.Namespace],
                    list[run_lib.Run]]
   help: str
-  add_flags: Callable[[argparse._ActionsContainer], None] = _no_flags
-  check: Callable[[argparse.Namespace], str | None] = _no_check
+  add_flags: Callable[[argparse._ActionsContainer], None]
+  check: Callable[[argparse.Namespace], str | None]
   group: str | None = None
   interrupted: str | None = None
 
