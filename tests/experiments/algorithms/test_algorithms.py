@@ -77,6 +77,9 @@ def algorithm_hparams(name):
     hparams["irm_penalty_anneal_iters"] = 0
   if name == "MLDG":
     hparams["n_meta_test"] = 1  # One of the NUM_DOMAINS = 2 domains.
+  if name == "SANDMask":
+    # At DomainBed's default tau = 1 the mask is 0 everywhere: no step.
+    hparams["tau"] = 0.5
   return hparams
 
 
@@ -88,19 +91,61 @@ def linear_model(num_features=4, seed=0):
 
 def build_model(name, featurizer, *, in_channels=1, seed=1,
                 dtype=jnp.float32):
-  """``name``'s model on ``featurizer``: with ARM's context network if the
-  catalog says so (the featurizer then takes ``in_channels + 1``)."""
+  """``name``'s model on ``featurizer``: with ARM's context network (the
+  featurizer then takes ``in_channels + 1``) or MTL's domain embedding if
+  the catalog says so."""
   kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
-  if catalog.ALGORITHMS[name].model_options.get("context_net"):
+  options = catalog.ALGORITHMS[name].model_options
+  if options.get("context_net"):
     return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
                                     **kwargs)
+  if options.get("domain_embedding"):
+    return models.EmbeddingClassifier(featurizer, NUM_CLASSES, **kwargs)
   return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
+
+
+def linear_net_theta(params):
+  """A `LinearFeaturizer` model's params as ``oracle.linear_net`` takes
+  them: ``[W_f, b_f, W_h, b_h]`` in float64."""
+  return [np.asarray(leaf[...], np.float64) for leaf in (
+      params["featurizer"]["linear"]["kernel"],
+      params["featurizer"]["linear"]["bias"], params["head"]["kernel"],
+      params["head"]["bias"])]
+
+
+def train_linear_net(name, hparams, num_steps=5, num_domains=3,
+                     num_features=4):
+  """``num_steps`` updates of ``name`` on a `LinearFeaturizer` model of 4x4
+  images, step ``i`` on ``make_batches(i)`` with key ``PRNGKey(i)``.
+
+  Returns:
+    ``(theta before, batches, params after, state after, metrics of every
+    step)``, the thetas as `linear_net_theta`.
+  """
+  model = build_model(name, LinearFeaturizer(16, num_features,
+                                             rngs=nnx.Rngs(0)))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(
+      name, network, {**algorithm_hparams(name), **hparams},
+      num_domains=num_domains)
+  update = jax.jit(algorithm.update)
+  theta = linear_net_theta(params)
+  state = algorithm.init(params)
+  batch_list = [make_batches(step, num_domains=num_domains)
+                for step in range(num_steps)]
+  metrics = []
+  for step, batches in enumerate(batch_list):
+    params, stats, state, step_metrics = update(params, stats, state, batches,
+                                                jax.random.PRNGKey(step))
+    metrics.append(step_metrics)
+  return theta, batch_list, linear_net_theta(params), state, metrics
 
 
 @pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
 def test_every_algorithm_takes_a_finite_step(name):
   # 4x4 images of one channel, and ARM's context channel.
-  pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+  pixels = 16 * (1 + catalog.ALGORITHMS[name].model_options.get(
+      "context_net", False))
   model = build_model(name, TinyFeaturizer(pixels, rngs=nnx.Rngs(0)))
   network, params, stats = algorithms.Network.split(model)
   algorithm = algorithms.build_algorithm(name, network,
@@ -133,7 +178,8 @@ def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
   # The update's dtypes are those of its trace, which jax.eval_shape gives
   # without compiling it (as jax.jit would, to the same output types).
   with jax.enable_x64(True):
-    pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+    pixels = 16 * (1 + catalog.ALGORITHMS[name].model_options.get(
+        "context_net", False))
     model = build_model(name, LinearFeaturizer(pixels, 5, rngs=nnx.Rngs(0),
                                                dtype=dtype), dtype=dtype)
     network, params, stats = algorithms.Network.split(model)
@@ -218,7 +264,8 @@ def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
 
 def test_registry():
   assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
-          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(catalog.ALGORITHMS)
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL", "ANDMask", "SANDMask",
+          "IGA", "RSC", "SelfReg", "MTL"} <= set(catalog.ALGORITHMS)
   with pytest.raises(ValueError, match="already registered"):
     catalog.ALGORITHMS.register("ERM", algorithms.erm)
   with pytest.raises(ValueError, match="Unknown algorithm"):
@@ -323,6 +370,12 @@ DOMAINBED_HPARAMS = {
              "mlp_dropout": (0.0, 0.0, (0.0, 0.5)),
              "lr_g": (1e-3, 5e-5, None), "lr_d": (1e-3, 5e-5, None),
              "weight_decay_g": (0.0, 0.0, None)},
+    "ANDMask": {"tau": (1.0, 1.0, (0.5, 1.0))},
+    "SANDMask": {"tau": (1.0, 1.0, (0.0, 1.0)), "k": (10.0, 10.0, (1e-3, 1e5))},
+    "IGA": {"penalty": (1000.0, 1000.0, (10.0, 1e5))},
+    "RSC": {"rsc_f_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5)),
+            "rsc_b_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5))},
+    "MTL": {"mtl_ema": (0.99, 0.99, (0.5, 1.0))},
 }
 
 
