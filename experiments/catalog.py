@@ -576,7 +576,8 @@ ALGORITHMS.register("SANDMask", f"{_GRADIENTS}:sandmask", data_parallel=True,
                     hparams=_sandmask)
 ALGORITHMS.register("IGA", f"{_GRADIENTS}:iga", data_parallel=True,
                     hparams=_iga)
-# RSC's batch percentile and SelfReg's class sort pool the domains.
+# RSC's batch percentile and SelfReg's class sort pool the domains, as
+# does MTL's one featurizer pass where no BatchNorm trains.
 ALGORITHMS.register("RSC", f"{_GRADIENTS}:rsc", hparams=_rsc)
 ALGORITHMS.register("SelfReg", f"{_MIXING}:selfreg")
 # MTL's head takes a domain embedding (models.EmbeddingClassifier).
