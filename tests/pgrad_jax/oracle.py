@@ -555,10 +555,11 @@ def selfreg(theta, projection, batch_list, draws_list, lr, wd, num_classes):
   projection (``cdpl``) is not in the optimizer; ``min(ce, 1)`` is a
   constant (``.item()``). Gradients by central differences.
 
-  Returns ``(theta, losses)``.
+  Returns ``(theta, losses, scales)``, ``scales`` every step's ``min(ce,
+  1)``.
   """
   adam = TorchAdam(lr, wd, theta)
-  losses = []
+  losses, scales = [], []
   for batches, (order, first, second, lam) in zip(batch_list, draws_list):
     n, b = np.shape(batches["label"])
     x = np.asarray(batches["image"], np.float64).reshape(n * b, -1)[order]
@@ -575,7 +576,8 @@ def selfreg(theta, projection, batch_list, draws_list, lr, wd, num_classes):
                                num_classes)[0], theta)
     theta = adam.step(theta, grads)
     losses.append(loss)
-  return theta, losses
+    scales.append(scale)
+  return theta, losses, scales
 
 
 def mtl(theta, batch_list, noise_list, lr, wd, ema, num_classes):

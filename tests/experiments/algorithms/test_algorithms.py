@@ -113,26 +113,32 @@ def linear_net_theta(params):
       params["head"]["bias"])]
 
 
+def linear_net_model(name, num_features=4):
+  """``name``'s model (`build_model`) on a `LinearFeaturizer` of 4x4 images."""
+  return build_model(name, LinearFeaturizer(16, num_features,
+                                            rngs=nnx.Rngs(0)))
+
+
 def train_linear_net(name, hparams, num_steps=5, num_domains=3,
-                     num_features=4):
-  """``num_steps`` updates of ``name`` on a `LinearFeaturizer` model of 4x4
-  images, step ``i`` on ``make_batches(i)`` with key ``PRNGKey(i)``.
+                     num_features=4, batch_list=None):
+  """``num_steps`` updates of ``name`` on `linear_net_model`, step ``i`` on
+  ``make_batches(i)`` (or ``batch_list[i]``) with key ``PRNGKey(i)``.
 
   Returns:
     ``(theta before, batches, params after, state after, metrics of every
     step)``, the thetas as `linear_net_theta`.
   """
-  model = build_model(name, LinearFeaturizer(16, num_features,
-                                             rngs=nnx.Rngs(0)))
-  network, params, stats = algorithms.Network.split(model)
+  network, params, stats = algorithms.Network.split(
+      linear_net_model(name, num_features))
   algorithm = algorithms.build_algorithm(
       name, network, {**algorithm_hparams(name), **hparams},
       num_domains=num_domains)
   update = jax.jit(algorithm.update)
   theta = linear_net_theta(params)
   state = algorithm.init(params)
-  batch_list = [make_batches(step, num_domains=num_domains)
-                for step in range(num_steps)]
+  if batch_list is None:
+    batch_list = [make_batches(step, num_domains=num_domains)
+                  for step in range(num_steps)]
   metrics = []
   for step, batches in enumerate(batch_list):
     params, stats, state, step_metrics = update(params, stats, state, batches,

@@ -15,7 +15,7 @@ import oracle
 from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS, Flatten
 from test_algorithms import NormalizedPixels, numpy_running_stats
 from test_algorithms import algorithm_hparams, linear_model, make_batches
-from test_algorithms import train_linear_net
+from test_algorithms import linear_net_model, train_linear_net
 
 
 @pytest.mark.parametrize("num_chunks", [1, 3])
@@ -244,9 +244,21 @@ def test_selfreg_draws_shuffle_within_classes():
   assert 0 < draws.lam < 1 and draws.lam.dtype == jnp.float32
 
 
-def test_selfreg_matches_a_numpy_model_of_domainbed():
+@pytest.mark.parametrize("confident", [False, True])
+def test_selfreg_matches_a_numpy_model_of_domainbed(confident):
+  batch_list = [make_batches(step, num_domains=3) for step in range(5)]
+  if confident:
+    # Larger images labelled by the initial model's predictions: its
+    # cross-entropy starts below 1, where it weighs the regularisers
+    # (``min(ce, 1)``, a constant); with random labels it stays above.
+    model = linear_net_model("SelfReg")
+    for batches in batch_list:
+      batches["image"] = 4 * batches["image"]
+      batches["label"] = jnp.argmax(
+          model(batches["image"].reshape(-1, 4, 4, 1)), axis=-1).reshape(
+              batches["label"].shape)
   theta, batch_list, got, state, metrics = train_linear_net(
-      "SelfReg", {"lr": LR, "weight_decay": WD})
+      "SelfReg", {"lr": LR, "weight_decay": WD}, batch_list=batch_list)
   draws_list = []
   for (_, draw_key), batches in zip(_steps_keys(5), batch_list):
     draws = algorithms.selfreg_draws(draw_key, batches["label"].reshape(-1),
@@ -256,8 +268,9 @@ def test_selfreg_matches_a_numpy_model_of_domainbed():
   projection = [[np.asarray(a, np.float64) for a in layer]
                 for layer in state.projection]
   assert [p[0].shape for p in projection] == [(4, 8), (8, 8), (8, 4)]
-  want, losses = oracle.selfreg(theta, projection, batch_list, draws_list,
-                                LR, WD, NUM_CLASSES)
+  want, losses, scales = oracle.selfreg(theta, projection, batch_list,
+                                        draws_list, LR, WD, NUM_CLASSES)
+  assert (max(scales) < 1) == confident
   for g, w, start in zip(got, want, theta):
     np.testing.assert_allclose(g, w, rtol=0, atol=ATOL)
     assert np.abs(w - start).max() > 1e-2
