@@ -23,7 +23,9 @@ and discriminator updates (``d_steps_per_g_step`` = 1), which cost
 differently: its time is the mean update of one such cycle. MLDG pairs every
 domain once (``mldg_pairs="random_pairs"``, DomainBed's MLDG before commit
 960f6a2, that of DomainBed's published results), two passes of one domain's
-batch per pair.
+batch per pair. ANDMask, SANDMask, IGA, RSC, SelfReg and MTL, timed when
+``--methods`` names them, are the study's updates too, at DomainBed's
+defaults (MTL on its network with an embedding head).
 
 With ``--devices N`` the batch axis is sharded over the first ``N`` devices
 and every method runs data-parallel under ``shard_map`` (gradients averaged
@@ -51,10 +53,16 @@ from pgrad_jax._src import trajectory as trajectory_lib
 
 INNER_LR = 1e-3
 # The experiments' algorithms timed beside PGrad-B, by their names here, with
-# the hparams that differ from DomainBed's defaults.
+# the hparams that differ from DomainBed's defaults. DANN and MLDG are timed
+# by default; the others when asked for (``--methods``). SANDMask at
+# DomainBed's tau = 1 masks every gradient, which costs as much as any tau.
 BASELINES = {"dann": ("DANN", {}),
-             "mldg": ("MLDG", {"mldg_pairs": "random_pairs"})}
+             "mldg": ("MLDG", {"mldg_pairs": "random_pairs"}),
+             "andmask": ("ANDMask", {}), "sandmask": ("SANDMask", {}),
+             "iga": ("IGA", {}), "rsc": ("RSC", {}),
+             "selfreg": ("SelfReg", {}), "mtl": ("MTL", {})}
 METHODS = ("erm", "rollout", "fish", "pgrad-B", *BASELINES)
+DEFAULT_METHODS = ("erm", "rollout", "fish", "pgrad-B", "dann", "mldg")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,8 +89,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="Time the rollout and PGrad-B rolled (unroll=1) "
                       "and fully unrolled instead of the default set.")
   parser.add_argument("--methods", nargs="+", choices=METHODS,
-                      default=list(METHODS),
-                      help="The methods to time (default: all).")
+                      default=list(DEFAULT_METHODS),
+                      help="The methods to time (default: "
+                      f"{' '.join(DEFAULT_METHODS)}).")
   parser.add_argument("--no-split", action="store_true",
                       help="Skip timing the parts of a PGrad-B update.")
   parser.add_argument("--out", default=None, help="Write the results as JSON.")
@@ -172,28 +181,35 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
   # pylint: disable=g-import-not-at-top
   from flax import nnx
   from experiments import algorithms
+  from experiments import catalog
   from experiments import hparams_registry
   from experiments import models
   # pylint: enable=g-import-not-at-top
 
   dtype = common.DTYPES[args.dtype]
-  if args.model == "mlp":
+
+  def build_model(domain_embedding=False):
+    """The network, with MTL's embedding head if asked for."""
+    if args.model != "mlp":
+      return models.build_model(
+          args.model, num_classes=common.NUM_CLASSES, input_shape=input_shape,
+          rngs=nnx.Rngs(0), dtype=dtype, domain_embedding=domain_embedding)
     featurizer = models.MLP(common.MLP_INPUTS, max(args.hidden // 2, 1),
                             width=args.hidden, depth=2, rngs=nnx.Rngs(0),
                             dtype=dtype)
-    model = models.Classifier(featurizer, common.NUM_CLASSES,
-                              rngs=nnx.Rngs(0), dtype=dtype)
-  else:
-    model = models.build_model(args.model, num_classes=common.NUM_CLASSES,
-                               input_shape=input_shape, rngs=nnx.Rngs(0),
-                               dtype=dtype)
-  network, params, stats = algorithms.Network.split(model)
+    head = models.EmbeddingClassifier if domain_embedding else (
+        models.Classifier)
+    return head(featurizer, common.NUM_CLASSES, rngs=nnx.Rngs(0),
+                dtype=dtype)
+
   batches = jax.device_put({"image": host_batches["x"],
                             "label": host_batches["y"]})
   dataset = "PACS" if args.model.startswith("resnet") else "RotatedDigits"
   calls = {}
   for name in names:
     algorithm, hparams = BASELINES[name]
+    network, params, stats = algorithms.Network.split(build_model(
+        **catalog.ALGORITHMS[algorithm].model_options))
     hparams = {**hparams_registry.default_hparams(algorithm, dataset),
                **hparams}
     built = algorithms.build_algorithm(algorithm, network, hparams,
@@ -208,8 +224,8 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
       return params, stats, state
 
     fn, state = jax.jit(run_cycle), built.init(params)
-    calls[name] = (lambda fn=fn, state=state: fn(params, stats, state,
-                                                 batches), cycle)
+    calls[name] = (lambda fn=fn, params=params, stats=stats, state=state:
+                   fn(params, stats, state, batches), cycle)
   return calls
 
 
