@@ -58,6 +58,17 @@ def test_step_time(tmp_path, capsys):
   assert "pgrad-B" in capsys.readouterr().out
 
 
+def test_step_time_times_the_other_domainbed_algorithms(tmp_path):
+  record = run_json(step_time.main, [
+      "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
+      "--methods", "erm", "andmask", "sandmask", "iga", "rsc", "selfreg",
+      "mtl", "--no-split"], tmp_path)
+  assert record["results"].keys() == {"erm", "andmask", "sandmask", "iga",
+                                      "rsc", "selfreg", "mtl"}
+  for result in record["results"].values():
+    assert result["median_ms"] > 0 and result["ratio_to_erm"] > 0
+
+
 def test_step_time_times_only_the_methods_asked_for(tmp_path, capsys):
   record = run_json(step_time.main, [
       "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
