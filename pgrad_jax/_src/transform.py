@@ -87,6 +87,20 @@ def _check_model_state(name: str, model_state: Any, held: Any) -> None:
         f"{rollout_lib.tree_shapes(model_state)}.")
 
 
+def _is_empty_container(params: Any) -> bool:
+  """Whether ``params`` is None or dicts, lists and tuples of nothing else.
+
+  Such params hold no arrays to optimise: a mistake ``init`` names. A pytree
+  node of another type without leaves is not one: it stands for the params,
+  as the placeholder ``optax.tree.map_params`` passes to ``init`` does.
+  """
+  if isinstance(params, dict):
+    params = list(params.values())
+  if isinstance(params, (list, tuple)):
+    return all(_is_empty_container(child) for child in params)
+  return params is None
+
+
 def _rollout_transform(
     name: str,
     inner_opt: optax.GradientTransformation,
@@ -121,7 +135,7 @@ def _rollout_transform(
     return PGradState(eigenvalues=eigenvalues, losses=losses, **fields)
 
   def init_fn(params):
-    if not jax.tree.leaves(params):
+    if _is_empty_container(params):
       raise ValueError(
           f"{name}.init needs the params, a pytree of floating-point arrays; "
           f"got {params!r}.")
