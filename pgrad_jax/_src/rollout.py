@@ -195,19 +195,25 @@ def vary_over(tree: Any, axis_name: Any) -> Any:
                       tree)
 
 
+def callable_loss_fn(loss_fn: Any) -> Callable[..., Any]:
+  """``loss_fn``, checked to be callable: an update given none gets None."""
+  if not callable(loss_fn):
+    raise TypeError(
+        "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
+        f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
+        "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
+  return loss_fn
+
+
 def check_loss_fn(
-    loss_fn: Any, params: optax.Params, batch: Any, model_state: Any = None,
+    loss_fn: Callable[..., Any], params: optax.Params, batch: Any,
+    model_state: Any = None,
 ) -> Any:
   """Checks at trace time that ``loss_fn`` returns what :func:`rollout` says.
 
   Returns:
     The loss traced to a closed jaxpr.
   """
-  if not callable(loss_fn):
-    raise TypeError(
-        "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
-        f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
-        "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
   stateful = model_state is not None
   jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
       params, batch, *([model_state] if stateful else []))
@@ -295,7 +301,7 @@ def rollout(
 
 
 def take_steps(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | None,
     inner_opt: optax.GradientTransformation,
     params: optax.Params,
     inner_state: optax.OptState,
@@ -309,6 +315,7 @@ def take_steps(
 ) -> Rollout:
   """:func:`rollout` on batches that :func:`check_batches` has accepted, as
   ``pgrad`` and ``fish`` call it, having checked them once."""
+  loss_fn = callable_loss_fn(loss_fn)
   chunked = jax.tree.map(lambda x: split_chunks(x, options.B), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
   loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, model_state)

@@ -294,6 +294,16 @@ def test_missing_extras():
     tx.update(None, tx.init(params), params, loss_fn=loss_fn)
 
 
+@pytest.mark.parametrize("make", [pgrad_jax.pgrad, pgrad_jax.fish])
+def test_another_transforms_state_is_refused(make):
+  params, batches = problem()
+  tx = make(optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"needs the state that .*init returned; "
+                     "got ScaleByAdamState"):
+    tx.update(None, optax.scale_by_adam().init(params), params,
+              loss_fn=loss_fn, batches=batches)
+
+
 def test_non_scalar_loss():
   params, batches = problem()
   per_example = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2
