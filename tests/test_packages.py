@@ -10,6 +10,7 @@ import collections
 import fnmatch
 import pathlib
 import re
+import tomllib
 
 ROOT = pathlib.Path(__file__).parent.parent
 # A registry's builder, "module:attribute", which it imports when it builds.
@@ -74,15 +75,6 @@ def test_no_two_modules_share_a_name():
           } == {}
 
 
-def pyproject_value(table, key):
-  """A value of pyproject.toml, a Python literal (tomllib is Python 3.11's,
-  and the repository supports 3.10)."""
-  text = (ROOT / "pyproject.toml").read_text()
-  found = re.search(rf"^\[{re.escape(table)}\]\n(?:[^\[].*\n)*?{re.escape(key)}"
-                    r" = (\[.*?\])\n", text, re.M | re.S)
-  return ast.literal_eval(found.group(1))
-
-
 def packaged(root, include):
   """The packages (folders with an ``__init__.py``) of ``root`` whose dotted
   names match one of setuptools' ``include`` patterns, as its
@@ -97,11 +89,11 @@ def packaged(root, include):
 def test_the_wheel_packages_the_library_alone():
   # The experiments and the benchmarks run from a checkout. (.ci/run lists
   # the built wheel too.)
-  assert packaged(ROOT, pyproject_value(
-      "tool.setuptools.packages.find", "include")) == [
-          "pgrad_jax", "pgrad_jax._src"]
-  assert pyproject_value("tool.setuptools.package-data", "pgrad_jax") == [
-      "py.typed"]
+  setuptools = tomllib.loads(
+      (ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+  assert packaged(ROOT, setuptools["packages"]["find"]["include"]) == [
+      "pgrad_jax", "pgrad_jax._src"]
+  assert setuptools["package-data"] == {"pgrad_jax": ["py.typed"]}
   assert (ROOT / "pgrad_jax" / "py.typed").is_file()
 
 
