@@ -290,6 +290,23 @@ def rollout(
   Returns:
     A :class:`Rollout`.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import pgrad_jax
+    >>> params = {"w": jnp.zeros(2)}
+    >>> batches = {"x": jnp.ones((2, 4, 2)), "y": jnp.ones((2, 4))}
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> inner = optax.sgd(0.1)
+    >>> domains, chunks = pgrad_jax.domain_schedule(
+    ...     jax.random.key(0), 2, 2, "fixed")
+    >>> rolled = pgrad_jax.rollout(
+    ...     loss_fn, inner, params, inner.init(params), batches, domains,
+    ...     chunks, pgrad_jax.RolloutOptions(B=2))
+    >>> rolled.losses.shape, rolled.point(-1)["w"].shape
+    ((4,), (2,))
+    >>> float(rolled.losses[0])  # Zero params: the mean of (0 - 1)^2.
+    1.0
+
   Raises:
     ValueError, TypeError: when traced, naming the fix, for batches that
       :func:`check_batches` refuses or a ``loss_fn`` that does not return
