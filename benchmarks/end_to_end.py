@@ -469,6 +469,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr, flush=True)
         results.append(summarize(case, algorithm, runs, walls, update_ms,
                                  compiled[algorithm].compile_ms))
+        # Every row as it ends, so a benchmark cut short keeps what ran.
+        if args.out:
+          common.write_json(make_record(args, load, results), args.out)
+  return make_record(args, load, results)
+
+
+def make_record(args: argparse.Namespace, load: Sequence[float],
+                results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """The JSON record of the ``results`` so far; ``load``: the load
+  averages when the benchmark started."""
   return {
       "benchmark": "end_to_end",
       "environment": common.environment(),
@@ -477,7 +487,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "load_average_before": load[0],
                "load_average_after": os.getloadavg()[0]},
       "config": vars(args),
-      "results": results,
+      "results": list(results),
   }
 
 
