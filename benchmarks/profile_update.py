@@ -196,6 +196,28 @@ def load_trace(trace_dir: str | Path) -> list[dict[str, Any]]:
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
+def _names(events: Sequence[Mapping[str, Any]]
+           ) -> tuple[dict[Any, str], dict[tuple[Any, Any], str]]:
+  """The trace's process names by pid and thread names by (pid, tid)."""
+  processes, threads = {}, {}
+  for event in events:
+    if event.get("ph") != "M":
+      continue
+    name = (event.get("args") or {}).get("name", "")
+    if event.get("name") == "process_name":
+      processes[event["pid"]] = name
+    elif event.get("name") == "thread_name":
+      threads[event["pid"], event.get("tid")] = name
+  return processes, threads
+
+
+def of_module(name: str | None, module: str) -> bool:
+  """Whether an event's ``hlo_module`` is ``module``, which a trace may
+  write with the program's id after it (``jit_step(12)``, ``jit_step.3``)."""
+  return name is not None and re.fullmatch(
+      re.escape(module) + r"([.(].*)?", name) is not None
+
+
 def op_events(events: Iterable[Mapping[str, Any]],
               module: str) -> list[dict[str, Any]]:
   """The complete (``"X"``) events of ``module``'s HLO ops, each with its
@@ -203,23 +225,15 @@ def op_events(events: Iterable[Mapping[str, Any]],
   it on its thread), from the device's processes where the trace has any,
   else from every process."""
   events = list(events)
-  processes, threads = {}, {}
-  for event in events:
-    if event.get("ph") != "M":
-      continue
-    name = event.get("args", {}).get("name", "")
-    if event.get("name") == "process_name":
-      processes[event["pid"]] = name
-    elif event.get("name") == "thread_name":
-      threads[event["pid"], event.get("tid")] = name
+  processes, threads = _names(events)
   ops = [e for e in events if e.get("ph") == "X"
-         and (e.get("args") or {}).get("hlo_module") == module
+         and of_module((e.get("args") or {}).get("hlo_module"), module)
          and (e.get("args") or {}).get("hlo_op")]
   on_device = [e for e in ops if processes.get(e["pid"], "").startswith(
       DEVICE_PROCESS_PREFIXES)]
   if on_device:
-    op_lines = {pid for (pid, _), name in threads.items()
-                if name == XLA_OPS_THREAD}
+    op_lines = {e["pid"] for e in on_device
+                if threads.get((e["pid"], e.get("tid"))) == XLA_OPS_THREAD}
     ops = [e for e in on_device if e["pid"] not in op_lines
            or threads.get((e["pid"], e.get("tid"))) == XLA_OPS_THREAD]
   # Own time: an event's duration less its children's, thread by thread.
@@ -304,6 +318,25 @@ def difference(pgrad: Sequence[Mapping[str, Any]],
   return sorted(rows, key=lambda r: -r["excess_ms"])
 
 
+def trace_overview(events: Sequence[Mapping[str, Any]],
+                   sample: int = 10) -> dict[str, Any]:
+  """The trace's processes and threads, the ``hlo_module`` names its
+  events carry, and its first ``sample`` complete events of a device (or
+  of the host, where it has no device)."""
+  processes, threads = _names(events)
+  complete = [e for e in events if e.get("ph") == "X"]
+  on_device = [e for e in complete if processes.get(e.get("pid"), "")
+               .startswith(DEVICE_PROCESS_PREFIXES)]
+  return {
+      "threads": sorted({f"{processes.get(pid, pid)}: {name}"
+                         for (pid, _), name in threads.items()}),
+      "hlo_modules": sorted({str(e["args"]["hlo_module"]) for e in complete
+                             if "hlo_module" in (e.get("args") or {})}),
+      "first_events": [{k: e.get(k) for k in ("name", "dur", "args")}
+                       for e in (on_device or complete)[:sample]],
+  }
+
+
 def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
                   trace_dir: Path) -> dict[str, Any]:
   """Compiles ``fn``, calls it ``warmup`` times, then traces ``calls``
@@ -316,13 +349,16 @@ def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
   with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
     for _ in range(calls):
       common.block(compiled(*call_args))
-  ops = op_events(load_trace(trace_dir), module)
+  events = load_trace(trace_dir)
+  ops = op_events(events, module)
   if not ops:
-    raise RuntimeError(f"The trace under {trace_dir} has no op of module "
-                       f"{module}: this JAX's profiler records no XLA ops.")
+    print(f"The trace under {trace_dir} has no op of module {module}; its "
+          "lines and first events are in the record.", file=sys.stderr)
   sources = hlo_sources(hlo_text)
   return {
       "module": module,
+      # What the trace holds, for a trace that does not read as expected.
+      "trace_overview": trace_overview(events),
       "op_ms_per_update": sum(e["self_us"] for e in ops) / 1e3 / calls,
       "by_op": summarize(ops, calls, sources, "op"),
       "by_kind": summarize(ops, calls, sources, "kind"),
@@ -418,6 +454,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   common.publish(record, table, args.out)
   if args.out:
     Path(args.out).with_suffix(".md").write_text(table + "\n")
+  empty = [name for name, traced in record["programs"].items()
+           if not traced["by_op"]]
+  if empty:
+    raise RuntimeError(f"No XLA op of {empty} in the traces; the record's "
+                       "trace_overview shows what they hold.")
   return record
 
 

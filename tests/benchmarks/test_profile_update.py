@@ -43,6 +43,7 @@ def test_summary_of_a_traced_convolution(tmp_path):
     assert sum(r["ms_per_update"] for r in record[table]) == pytest.approx(
         record["op_ms_per_update"])
   assert record["module"] == profile_update.hlo_module_name(hlo_text)
+  assert record["module"] in record["trace_overview"]["hlo_modules"]
 
 
 def _event(name, ts, dur, pid=1, tid=1, module="jit_f"):
@@ -80,6 +81,18 @@ def test_a_device_counts_its_xla_ops_line_alone():
             _event("fusion.1", 5, 2, pid=2, tid=8)]  # its kernel
   ops = profile_update.op_events(events, "jit_f")
   assert [(e["pid"], e["tid"]) for e in ops] == [(2, 7)]
+  # Where the ops' line does not name the ops' module, the kernels count.
+  unnamed = {**events[5], "args": {"hlo_op": "fusion.1"}}
+  ops = profile_update.op_events(events[:5] + [unnamed, events[6]], "jit_f")
+  assert [(e["pid"], e["tid"]) for e in ops] == [(2, 8)]
+
+
+def test_a_module_may_carry_its_programs_id():
+  assert profile_update.of_module("jit_step", "jit_step")
+  assert profile_update.of_module("jit_step(12)", "jit_step")
+  assert profile_update.of_module("jit_step.3", "jit_step")
+  assert not profile_update.of_module("jit_step_2", "jit_step")
+  assert not profile_update.of_module(None, "jit_step")
 
 
 def test_op_kind_drops_the_numbers():
