@@ -12,7 +12,7 @@
 #
 #   bash benchmarks/accelerator.sh [output_dir [name ...]]
 #
-# output_dir defaults to benchmarks/results; names (see `run` below, without
+# output_dir defaults to benchmarks/results; names (see `flags` below, without
 # the platform) pick some of the benchmarks, in the order given, and a set's
 # name (see `sets`) its benchmarks. Each writes
 # <output_dir>/<benchmark>_<platform>_<model>.json, its output to the same
@@ -25,9 +25,9 @@
 #       the benchmarks: a program an earlier one compiled loads from it, so
 #       its compile_ms is a load, not a compile (the loop's own runs in
 #       end_to_end keep their own caches, cold then warm, either way).
-#   BENCH_SMOKE=1  the same commands at tiny sizes (see `smoke`), to check
-#       on any CPU that every flag and import works before a device is
-#       spent on them; refuses benchmarks/results, whose files it would
+#   BENCH_SMOKE=1  the same commands at tiny sizes (see `smoke_flags`), to
+#       check on any CPU that every flag and import works before a device
+#       is spent on them; refuses benchmarks/results, whose files it would
 #       overwrite with tiny numbers.
 #   BENCH_DRY_RUN=1  print each command with its time limit; run nothing.
 set -uo pipefail
