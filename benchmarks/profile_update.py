@@ -83,13 +83,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--top", type=int, default=25,
                       help="Rows of the tables printed and written as "
                       "Markdown (the JSON holds every row).")
+  parser.add_argument("--rows", type=int, default=200,
+                      help="Ops the JSON keeps, the longest (the shares "
+                      "and totals count them all).")
   parser.add_argument("--trace-dir", default=None,
                       help="Keep the traces here (default: a temporary "
                       "directory, removed after).")
   parser.add_argument("--out", default=None, help="Write the results as JSON "
                       "and the tables as Markdown beside it.")
   args = parser.parse_args(argv)
-  for name in ("domains", "batch", "B", "k", "calls", "top"):
+  for name in ("domains", "batch", "B", "k", "calls", "top", "rows"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be at least 1.")
   if args.warmup < 0:
@@ -338,9 +341,10 @@ def trace_overview(events: Sequence[Mapping[str, Any]],
 
 
 def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
-                  trace_dir: Path) -> dict[str, Any]:
+                  trace_dir: Path, rows: int | None = None) -> dict[str, Any]:
   """Compiles ``fn``, calls it ``warmup`` times, then traces ``calls``
-  calls to ``trace_dir``; returns its module, the op rows and totals."""
+  calls to ``trace_dir``; returns its module, the op rows (the ``rows``
+  longest ops; all by default) and totals."""
   compiled = fn.lower(*call_args).compile()
   hlo_text = compiled.as_text()
   module = hlo_module_name(hlo_text)
@@ -360,7 +364,8 @@ def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
       # What the trace holds, for a trace that does not read as expected.
       "trace_overview": trace_overview(events),
       "op_ms_per_update": sum(e["self_us"] for e in ops) / 1e3 / calls,
-      "by_op": summarize(ops, calls, sources, "op"),
+      "num_ops": len({e["args"]["hlo_op"] for e in ops}),
+      "by_op": summarize(ops, calls, sources, "op")[:rows],
       "by_kind": summarize(ops, calls, sources, "kind"),
       "by_source": summarize(ops, calls, sources, "source"),
   }
@@ -389,7 +394,7 @@ def run(args: argparse.Namespace, trace_root: Path) -> dict[str, Any]:
     print(f"Tracing {name}.", file=sys.stderr, flush=True)
     traced[name] = trace_program(
         fn, (params, common.place(state, mesh), batches), args.warmup,
-        args.calls, trace_root / name.lower())
+        args.calls, trace_root / name.lower(), args.rows)
   return {
       "benchmark": "profile_update",
       "environment": common.environment(),
@@ -426,7 +431,8 @@ def report(record: dict[str, Any], top: int) -> str:
       f"{env['jax']}; {config['calls']} traced call(s) of each program"]
   for name, traced in record["programs"].items():
     parts.append(f"### {name}: {traced['op_ms_per_update']:.4g} ms of ops "
-                 f"per update (module {traced['module']})")
+                 f"per update, {traced['num_ops']} ops (module "
+                 f"{traced['module']})")
     parts.append(_markdown_table(
         ["op", "count", "total ms", "ms per update", "share", "source"],
         [[r["name"], r["count"], r["total_ms"], r["ms_per_update"],

@@ -44,6 +44,10 @@ def test_summary_of_a_traced_convolution(tmp_path):
         record["op_ms_per_update"])
   assert record["module"] == profile_update.hlo_module_name(hlo_text)
   assert record["module"] in record["trace_overview"]["hlo_modules"]
+  assert record["num_ops"] == len(rows)
+  longest = profile_update.trace_program(fn, (x, w), 0, 1, tmp_path / "one",
+                                         rows=1)["by_op"]
+  assert len(longest) == 1 and 0 < longest[0]["share"] <= 1
 
 
 def _event(name, ts, dur, pid=1, tid=1, module="jit_f"):
