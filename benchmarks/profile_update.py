@@ -25,10 +25,10 @@ orientation, calibration and projection).
 
 The tables, by op and by source file, give the count (calls of the op over
 the traced calls), the total and per-update milliseconds, and the share of
-the program's summed op time. The last table sets PGrad-B's ops against
-the rollout's, grouped by the op's name without its number (``fusion.12``
-and ``fusion.7`` are both ``fusion``): what PGrad-B spends over the rollout
-is its principal step.
+the program's summed op time. Two more isolate the principal step: PGrad-B's
+ops from source lines the rollout's program has none of (`principal_step`),
+and PGrad-B's ops against the rollout's, grouped by the op's name without
+its number (``fusion.12`` and ``fusion.7`` are both ``fusion``).
 
 Run ``python -m benchmarks.profile_update --help`` for the flags. The
 tables go to stdout; with ``--out`` the record goes to a JSON file and the
@@ -307,6 +307,22 @@ def op_kind(op: str) -> str:
   return _NUMBER_SUFFIX.sub("", op)
 
 
+def principal_step(pgrad: Sequence[Mapping[str, Any]],
+                   rollout: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+  """PGrad-B's ops from source lines the bare rollout's program has none
+  of (rows of `summarize` by op): the principal step's, and its glue.
+
+  The two programs run the same inner steps from the same lines, so what
+  PGrad-B runs from other lines is what it adds. Ops without a source (a
+  layout's copy, say) cannot be told apart and are left out.
+  """
+  rollout_sources = {r["source"] for r in rollout}
+  ops = [dict(r) for r in pgrad
+         if r["source"] is not None and r["source"] not in rollout_sources]
+  return {"ms_per_update": sum(r["ms_per_update"] for r in ops),
+          "ops": ops}
+
+
 def difference(pgrad: Sequence[Mapping[str, Any]],
                rollout: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
   """PGrad-B's per-update time over the rollout's, kind by kind (rows of
@@ -341,10 +357,9 @@ def trace_overview(events: Sequence[Mapping[str, Any]],
 
 
 def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
-                  trace_dir: Path, rows: int | None = None) -> dict[str, Any]:
+                  trace_dir: Path) -> dict[str, Any]:
   """Compiles ``fn``, calls it ``warmup`` times, then traces ``calls``
-  calls to ``trace_dir``; returns its module, the op rows (the ``rows``
-  longest ops; all by default) and totals."""
+  calls to ``trace_dir``; returns its module, the op rows and totals."""
   compiled = fn.lower(*call_args).compile()
   hlo_text = compiled.as_text()
   module = hlo_module_name(hlo_text)
@@ -365,7 +380,7 @@ def trace_program(fn, call_args: Sequence[Any], warmup: int, calls: int,
       "trace_overview": trace_overview(events),
       "op_ms_per_update": sum(e["self_us"] for e in ops) / 1e3 / calls,
       "num_ops": len({e["args"]["hlo_op"] for e in ops}),
-      "by_op": summarize(ops, calls, sources, "op")[:rows],
+      "by_op": summarize(ops, calls, sources, "op"),
       "by_kind": summarize(ops, calls, sources, "kind"),
       "by_source": summarize(ops, calls, sources, "source"),
   }
@@ -394,7 +409,11 @@ def run(args: argparse.Namespace, trace_root: Path) -> dict[str, Any]:
     print(f"Tracing {name}.", file=sys.stderr, flush=True)
     traced[name] = trace_program(
         fn, (params, common.place(state, mesh), batches), args.warmup,
-        args.calls, trace_root / name.lower(), args.rows)
+        args.calls, trace_root / name.lower())
+  principal = principal_step(traced["pgrad-B"]["by_op"],
+                             traced["rollout"]["by_op"])
+  for program in traced.values():
+    program["by_op"] = program["by_op"][:args.rows]
   return {
       "benchmark": "profile_update",
       "environment": common.environment(),
@@ -402,6 +421,7 @@ def run(args: argparse.Namespace, trace_root: Path) -> dict[str, Any]:
                               "m": args.domains * args.B + 1,
                               "unroll": common.unroll_name(unroll)},
       "programs": traced,
+      "principal_step": principal | {"ops": principal["ops"][:args.rows]},
       "pgrad_over_rollout": difference(traced["pgrad-B"]["by_kind"],
                                        traced["rollout"]["by_kind"]),
   }
@@ -441,6 +461,13 @@ def report(record: dict[str, Any], top: int) -> str:
         ["source file", "count", "ms per update", "share"],
         [[r["name"], r["count"], r["ms_per_update"], r["share"]]
          for r in traced["by_source"][:top]]))
+  principal = record["principal_step"]
+  parts.append(f"### The principal step: {principal['ms_per_update']:.4g} ms "
+               "per update in pgrad-B's ops from lines the rollout lacks")
+  parts.append(_markdown_table(
+      ["op", "count", "ms per update", "share of pgrad-B", "source"],
+      [[r["name"], r["count"], r["ms_per_update"], r["share"], r["source"]]
+       for r in principal["ops"][:top]]))
   parts.append("### pgrad-B over the rollout, by kind of op")
   parts.append(_markdown_table(
       ["kind of op", "pgrad-B ms", "rollout ms", "excess ms"],

@@ -45,9 +45,19 @@ def test_summary_of_a_traced_convolution(tmp_path):
   assert record["module"] == profile_update.hlo_module_name(hlo_text)
   assert record["module"] in record["trace_overview"]["hlo_modules"]
   assert record["num_ops"] == len(rows)
-  longest = profile_update.trace_program(fn, (x, w), 0, 1, tmp_path / "one",
-                                         rows=1)["by_op"]
-  assert len(longest) == 1 and 0 < longest[0]["share"] <= 1
+
+
+def test_the_principal_step_is_what_the_rollout_has_no_line_of():
+  def row(name, ms, source):
+    return {"name": name, "count": 1, "total_ms": ms, "ms_per_update": ms,
+            "share": ms / 10, "source": source}
+  rollout = [row("fusion.1", 4.0, "rollout.py:3"), row("copy.2", 1.0, None)]
+  pgrad = [row("fusion.7", 4.0, "rollout.py:3"),
+           row("dot.3", 2.5, "principal.py:10"),
+           row("fusion.9", 0.5, "principal.py:12"), row("copy.4", 3.0, None)]
+  principal = profile_update.principal_step(pgrad, rollout)
+  assert [r["name"] for r in principal["ops"]] == ["dot.3", "fusion.9"]
+  assert principal["ms_per_update"] == 3.0
 
 
 def _event(name, ts, dur, pid=1, tid=1, module="jit_f"):
