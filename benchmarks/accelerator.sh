@@ -57,30 +57,34 @@ declare -A flags=(
   [vmap_trials_resnet18_32px]="benchmarks.vmap_trials --model resnet18 --image-size 32 --trials 1 3 8 --algorithms PGrad-B --repeats 10"
 )
 # Seconds each benchmark may run, where a set needs them to fit. The GPU
-# check's add up to 460 s, under 8 minutes of an H200. Estimated from
-# the committed H200 JSONs (compiles included) and the H200's end_to_end log:
-# * step_time, ResNet-50 (~90 s): compiles of 18.2 (ERM), 16.0 (rollout),
+# check's add up to 460 s, under 8 minutes of an H200. Estimated from the
+# committed H200 and H100 JSONs (compiles included), the H200's end_to_end
+# log, and, for vmapped programs, their compiles on CPU (1.3-2.4 times the
+# separate update's, with 1 and 2 trials):
+# * step_time, ResNet-50 (~85 s): compiles of 18.2 (ERM), 16.0 (rollout),
 #   14.8 (Fish) and 17.0 s (PGrad-B), 7 s for the split's parts, 12 rounds
 #   of 0.27 s, and the process's start and the model's initialisation.
-# * profile_update, ResNet-50 (~30 s): PGrad-B's and the rollout's programs,
+# * profile_update, ResNet-50 (~25 s): PGrad-B's and the rollout's programs
 #   loaded from the compile cache step_time filled (~50 s without), 3 calls
 #   each, and two traces written and read.
-# * end_to_end, ResNet-50 (~230 s): ERM's and PGrad-B's updates from the
+# * end_to_end, ResNet-50 (~300 s): ERM's and PGrad-B's updates from the
 #   cache, then a cold and a warm run of each, ~55 s of start-up,
 #   evaluation and checkpoints a run (a 60-step ResNet-18 run took 67 s)
-#   and 300 steps of ~60 (ERM) and ~120 ms (PGrad-B).
-# * vmap_trials, digits CNN (~35 s): 8 compiles of 2-4 s (the H100's step
-#   compiled in 2.9 and 3.4 s), 10 rounds of milliseconds.
-# * vmap_trials, ResNet-18 at 32 px (~55 s): PGrad-B's update compiled once
-#   separate and three times vmapped, ~10 s each (11.5 s at 224 px).
+#   and 300 steps of ~60 (ERM) and ~120 ms (PGrad-B). It does not fit: the
+#   time limit cuts PGrad-B's warm run, and the JSON, written after every
+#   run, keeps the others.
+# * vmap_trials, digits CNN (~40 s): 2 x 4 compiles of 3-8 s (the H100's
+#   separate updates compiled in 2.9 and 3.4 s), 10 rounds of milliseconds.
+# * vmap_trials, ResNet-18 at 32 px (~70 s): PGrad-B's update compiled once
+#   separate (11.5 s at 224 px) and three times vmapped (~15-25 s each).
 # ResNet-18's loop over 200 steady steps (~250 s: four runs of ~60 s) does
 # not fit beside them: gpu_check_resnet18_loop is the next command for it.
 declare -A budget=(
-  [step_time_resnet50_224px_erm_fish_pgrad]=100
-  [profile_update_resnet50_224px]=40
-  [end_to_end_resnet50_224px_200steps]=235
-  [vmap_trials_mnist_cnn_28px]=35
-  [vmap_trials_resnet18_32px]=50
+  [step_time_resnet50_224px_erm_fish_pgrad]=95
+  [profile_update_resnet50_224px]=35
+  [end_to_end_resnet50_224px_200steps]=215
+  [vmap_trials_mnist_cnn_28px]=45
+  [vmap_trials_resnet18_32px]=70
   [end_to_end_resnet18_224px_200steps]=270
 )
 declare -A sets=(

@@ -29,7 +29,7 @@ stdout and, with ``--out``, to a JSON file.
 """
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,9 +132,9 @@ def check_same_step(params, separate, vmapped) -> None:
                          f"update of norm {np.linalg.norm(update):.3g}.")
 
 
-def time_algorithm(name: str, args: argparse.Namespace) -> list[dict]:
-  """For every number of trials, both variants' `common.Timing`s as dicts
-  and their trial steps per hour, their steps checked equal."""
+def time_algorithm(name: str, args: argparse.Namespace) -> Iterator[dict]:
+  """For every number of trials in turn, both variants' `common.Timing`s as
+  dicts and their trial steps per hour, their steps checked equal."""
   hparams = hparams_registry.default_hparams(name, DATASETS[args.model])
   trials = [build_trial(args, name, hparams, seed)
             for seed in range(max(args.trials))]
@@ -151,7 +151,6 @@ def time_algorithm(name: str, args: argparse.Namespace) -> list[dict]:
       for seed, (_, params, stats) in enumerate(trials)]
   update = jax.jit(algorithm.update)
   vmapped = jax.jit(jax.vmap(algorithm.update))
-  results = []
   for count in args.trials:
     some = inputs[:count]
     stacked = [_stack(column) for column in zip(*some)]
@@ -163,17 +162,18 @@ def time_algorithm(name: str, args: argparse.Namespace) -> list[dict]:
     for trial, x in enumerate(some):
       check_same_step(x[0], update(*x),
                       jax.tree.map(lambda v, t=trial: v[t], vmapped_out))
-    results.append({
+    yield {
         "algorithm": name, "trials": count,
         "timings": {variant: timing.as_dict() | {
             "trial_steps_per_hour": count * 3.6e6 / timing.median_ms}
-                    for variant, timing in timings.items()}})
-  return results
+                    for variant, timing in timings.items()}}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
   args = parse_args(argv)
-  results, rows = [], []
+  record = {"benchmark": "vmap_trials", "args": vars(args),
+            "environment": common.environment(), "results": []}
+  rows = []
   for name in args.algorithms:
     for result in time_algorithm(name, args):
       separate = result["timings"]["separate"]["median_ms"]
@@ -182,9 +182,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
                      timing["compile_ms"] / 1e3, timing["median_ms"],
                      timing["median_ms"] / separate,
                      timing["trial_steps_per_hour"]])
-      results.append(result)
-  record = {"benchmark": "vmap_trials", "args": vars(args),
-            "environment": common.environment(), "results": results}
+      record["results"].append(result)
+      # The results so far, so a benchmark cut short keeps what ran.
+      if args.out:
+        common.write_json(record, args.out)
   common.publish(record, common.format_table(
       ["algorithm", "trials", "variant", "compile s", "median ms",
        "/ separate", "trial steps / hour"], rows), args.out)
