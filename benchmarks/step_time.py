@@ -1,4 +1,4 @@
-"""Time one update of ERM, Fish, PGrad-B, the bare rollout, DANN and MLDG.
+"""Time one update of ERM, Fish, PGrad-B, the bare rollout and baselines.
 
 Every method takes the same ``domains x batch`` examples: ERM in one Adam step
 on all of them, the others in ``domains * B`` sequential Adam steps on chunks
@@ -15,19 +15,22 @@ second, to set against the device's memory bandwidth. Where the trajectory
 is contiguous (one GPU, ``pgrad_jax._src.layout``), both are also timed on
 the same trajectory stored leaf by leaf, the layout it replaces there.
 
-DANN and MLDG, the baselines the paper's appendix times against PGrad-B, are
-the study's own updates (``experiments.algorithms``) with DomainBed's default
-hparams, on the same network (the MLP as a DomainBed ``MLP`` featurizer of
-the same widths and a linear head) and examples. DANN alternates generator
-and discriminator updates (``d_steps_per_g_step`` = 1), which cost
-differently: its time is the mean update of one such cycle. MLDG pairs every
-domain once (``mldg_pairs="random_pairs"``, DomainBed's MLDG before commit
-960f6a2, that of DomainBed's published results), two passes of one domain's
-batch per pair.
+The baselines are the study's own updates (``experiments.algorithms``) with
+DomainBed's default hparams, on the same network (the MLP as a DomainBed
+``MLP`` featurizer of the same widths and a linear head, with SagNet's style
+head or MTL's embedding head where they need one) and examples: by default
+DANN and MLDG, which the paper's appendix times against PGrad-B; with
+``--methods``, also VREx, IB_ERM, SD, CDANN, SagNet, ANDMask, SANDMask, IGA,
+RSC, SelfReg and MTL. DANN and CDANN alternate generator and discriminator
+updates (``d_steps_per_g_step`` = 1), which cost differently: their time is
+the mean update of one such cycle. MLDG pairs every domain once
+(``mldg_pairs="random_pairs"``, DomainBed's MLDG before commit 960f6a2, that
+of DomainBed's published results), two passes of one domain's batch per
+pair.
 
 With ``--devices N`` the batch axis is sharded over the first ``N`` devices
 and every method runs data-parallel under ``shard_map`` (gradients averaged
-over the ``data`` axis), each device chunking its own rows. DANN and MLDG
+over the ``data`` axis), each device chunking its own rows. The baselines
 are timed on one device only: the study runs them unsharded.
 
 Run ``python -m benchmarks.step_time --help`` for the flags; the results go to
@@ -51,10 +54,19 @@ from pgrad_jax._src import trajectory as trajectory_lib
 
 INNER_LR = 1e-3
 # The experiments' algorithms timed beside PGrad-B, by their names here, with
-# the hparams that differ from DomainBed's defaults.
+# the hparams that differ from DomainBed's defaults. DANN and MLDG are timed
+# by default; the others when asked for (``--methods``). SANDMask at
+# DomainBed's tau = 1 masks every gradient, which costs as much as any tau.
 BASELINES = {"dann": ("DANN", {}),
-             "mldg": ("MLDG", {"mldg_pairs": "random_pairs"})}
+             "mldg": ("MLDG", {"mldg_pairs": "random_pairs"}),
+             "vrex": ("VREx", {}), "ib_erm": ("IB_ERM", {}), "sd": ("SD", {}),
+             "cdann": ("CDANN", {}), "sagnet": ("SagNet", {}),
+             "andmask": ("ANDMask", {}), "sandmask": ("SANDMask", {}),
+             "iga": ("IGA", {}), "rsc": ("RSC", {}),
+             "selfreg": ("SelfReg", {}), "mtl": ("MTL", {})}
 METHODS = ("erm", "rollout", "fish", "pgrad-B", *BASELINES)
+# The paper's appendix times DANN and MLDG against PGrad-B.
+DEFAULT_METHODS = ("erm", "rollout", "fish", "pgrad-B", "dann", "mldg")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -81,8 +93,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="Time the rollout and PGrad-B rolled (unroll=1) "
                       "and fully unrolled instead of the default set.")
   parser.add_argument("--methods", nargs="+", choices=METHODS,
-                      default=list(METHODS),
-                      help="The methods to time (default: all).")
+                      default=list(DEFAULT_METHODS),
+                      help="The methods to time (default: "
+                      f"{' '.join(DEFAULT_METHODS)}).")
   parser.add_argument("--no-split", action="store_true",
                       help="Skip timing the parts of a PGrad-B update.")
   parser.add_argument("--out", default=None, help="Write the results as JSON.")
@@ -172,28 +185,40 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
   # pylint: disable=g-import-not-at-top
   from flax import nnx
   from experiments import algorithms
+  from experiments import catalog
   from experiments import hparams_registry
   from experiments import models
   # pylint: enable=g-import-not-at-top
 
   dtype = common.DTYPES[args.dtype]
-  if args.model == "mlp":
+
+  def split_model(style_head=False, domain_embedding=False):
+    """The network, with SagNet's style head or MTL's embedding head if
+    asked for, split as the algorithms take it."""
+    if args.model != "mlp":
+      return algorithms.Network.split(models.build_model(
+          args.model, num_classes=common.NUM_CLASSES, input_shape=input_shape,
+          rngs=nnx.Rngs(0), dtype=dtype, style_head=style_head,
+          domain_embedding=domain_embedding))
     featurizer = models.MLP(common.MLP_INPUTS, max(args.hidden // 2, 1),
                             width=args.hidden, depth=2, rngs=nnx.Rngs(0),
                             dtype=dtype)
-    model = models.Classifier(featurizer, common.NUM_CLASSES,
-                              rngs=nnx.Rngs(0), dtype=dtype)
-  else:
-    model = models.build_model(args.model, num_classes=common.NUM_CLASSES,
-                               input_shape=input_shape, rngs=nnx.Rngs(0),
-                               dtype=dtype)
-  network, params, stats = algorithms.Network.split(model)
+    model_class = (models.StyleClassifier if style_head else
+                   models.EmbeddingClassifier if domain_embedding else
+                   models.Classifier)
+    return algorithms.Network.split(model_class(
+        featurizer, common.NUM_CLASSES, rngs=nnx.Rngs(0), dtype=dtype))
+
   batches = jax.device_put({"image": host_batches["x"],
                             "label": host_batches["y"]})
   dataset = "PACS" if args.model.startswith("resnet") else "RotatedDigits"
   calls = {}
   for name in names:
     algorithm, hparams = BASELINES[name]
+    # The network the training loop builds for it (SagNet's style head,
+    # MTL's embedding head).
+    network, params, stats = split_model(
+        **catalog.ALGORITHMS[algorithm].model_options)
     hparams = {**hparams_registry.default_hparams(algorithm, dataset),
                **hparams}
     built = algorithms.build_algorithm(algorithm, network, hparams,
@@ -208,8 +233,8 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
       return params, stats, state
 
     fn, state = jax.jit(run_cycle), built.init(params)
-    calls[name] = (lambda fn=fn, state=state: fn(params, stats, state,
-                                                 batches), cycle)
+    calls[name] = (lambda fn=fn, params=params, stats=stats, state=state: fn(
+        params, stats, state, batches), cycle)
   return calls
 
 

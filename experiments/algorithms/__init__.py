@@ -21,12 +21,13 @@ or arrays; a loop averages them over the steps between evaluations, except
 the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
-module each: `invariance` (IRM, MMD, DANN, CORAL), `optimization` (ERM,
-GroupDRO, MLDG), `mixing` (MixUp, ARM), `gradient_manipulation` (Fish,
-Fishr) and `principal_gradients` (PGrad and its variants), on the shared
+module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN,
+SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM,
+SelfReg, MTL), `gradient_manipulation` (Fish, Fishr, ANDMask, SANDMask,
+IGA, RSC) and `principal_gradients` (PGrad and its variants), on the shared
 pieces of `base`. Adding one is a builder in its module and a block in
-``experiments/catalog.py``: its entry and its hparams (``experiments/README.md``
-lists every file).
+``experiments/catalog.py``: its entry and its hparams
+(``experiments/README.md`` lists every file).
 
 Each follows DomainBed's class of the same name; line numbers are of
 DomainBed's ``domainbed/algorithms.py`` at commit b93c22a1
@@ -42,11 +43,17 @@ builder's docstring gives them for its terms. Conventions shared by all:
   - ERM, MixUp, IRM, CORAL, MMD, GroupDRO, ARM and MLDG's outer step: on the
     gradient fed to Adam (ERM's ``torch.optim.Adam(..., weight_decay=...)``,
     lines 107-111, which the others inherit).
+  - VREx, IB_ERM and SD: as ERM's, whose Adam they inherit.
   - MLDG's inner step: its own fresh Adam, decayed alike (lines 897-901).
-  - DANN: ``weight_decay_g`` on the generator's Adam and ``weight_decay_d``
-    on the discriminator's (lines 502-514).
+  - DANN and CDANN: ``weight_decay_g`` on the generator's Adam and
+    ``weight_decay_d`` on the discriminator's (lines 502-514).
+  - SagNet: on each of its three Adams' gradients (lines 1175-1181).
   - Fishr: on the gradient fed to Adam, restarted with it (``_init_optimizer``,
     lines 1597-1602).
+  - ANDMask, SANDMask, IGA, RSC, SelfReg: on the gradient fed to ERM's Adam
+    (SANDMask builds its own, alike, lines 1517-1523), after ANDMask's and
+    SANDMask's masks. MTL: on its Adam over the featurizer and the head
+    (lines 1086-1091).
   - Fish: by default inside the inner Adam of every rollout step, the meta
     step undecayed (``create_clone``'s ``Adam(..., weight_decay=...)``, lines
     415-419; ``fish``, lines 423-427). ``fish_weight_decay="outer"`` moves it
@@ -64,21 +71,31 @@ builder's docstring gives them for its terms. Conventions shared by all:
   rollout draws fresh masks.
 * BatchNorm in ``"train"`` mode: the forward passes are DomainBed's, and
   the running statistics are those of the loss's own passes. ERM, IRM,
-  DANN, Fishr and ARM run the network once over all domains pooled, as
-  DomainBed; GroupDRO, MMD and CORAL once per domain in turn, and MixUp once
-  per mixed pair in DomainBed's order of the pairs (`base.domain_features`;
+  DANN, Fishr, ARM, RSC and SelfReg run the network once over all domains
+  pooled, as DomainBed; GroupDRO, MMD, CORAL, ANDMask, SANDMask, IGA and
+  MTL once per domain in turn, and MixUp once per mixed pair in DomainBed's
+  order of the pairs (`base.domain_features`;
   where no BatchNorm trains, one pooled pass gives the same outputs and is
   taken). A gradient step keeps the statistics of its passes (MLDG's passes
   are of DomainBed's throw-away copies, so it keeps none); a rollout hands
   them to `pgrad_jax` as its model state, so every inner step updates them in
   turn and the update returns the statistics of the rollout's last step, as a
   sequence of train-mode steps of the network would. (With frozen BatchNorm
-  there are no statistics to carry.)
+  there are no statistics to carry.) VREx, IB_ERM, SD and CDANN run it once
+  over all domains pooled, as DomainBed, and SagNet three times in turn
+  (content, style, adversary).
 """
 
 from experiments.algorithms.mixing import ARM_EVAL_BATCH
+from experiments.algorithms.mixing import MTLState
+from experiments.algorithms.mixing import SelfRegDraws
+from experiments.algorithms.mixing import SelfRegState
 from experiments.algorithms.mixing import arm
 from experiments.algorithms.mixing import mixup_algorithm
+from experiments.algorithms.mixing import mtl
+from experiments.algorithms.mixing import project
+from experiments.algorithms.mixing import selfreg
+from experiments.algorithms.mixing import selfreg_draws
 from experiments.algorithms.mixing import support_context
 from experiments.algorithms.base import Algorithm
 from experiments.algorithms.base import AnnealState
@@ -91,6 +108,7 @@ from experiments.algorithms.base import Params
 from experiments.algorithms.base import Stats
 from experiments.algorithms.base import batch_loss
 from experiments.algorithms.base import build_algorithm
+from experiments.algorithms.base import domain_gradients
 from experiments.algorithms.base import domain_losses
 from experiments.algorithms.base import merge_domains
 from experiments.algorithms.base import mixup
@@ -98,24 +116,41 @@ from experiments.algorithms.base import restart_at_anneal
 from experiments.algorithms.base import with_example_keys
 from experiments.algorithms.gradient_manipulation import FISH_WEIGHT_DECAY
 from experiments.algorithms.gradient_manipulation import FishrState
+from experiments.algorithms.gradient_manipulation import and_mask
+from experiments.algorithms.gradient_manipulation import andmask
 from experiments.algorithms.gradient_manipulation import fish
 from experiments.algorithms.gradient_manipulation import fishr
 from experiments.algorithms.gradient_manipulation import fishr_penalty
 from experiments.algorithms.gradient_manipulation import head_gradients
+from experiments.algorithms.gradient_manipulation import iga
+from experiments.algorithms.gradient_manipulation import numpy_percentile
+from experiments.algorithms.gradient_manipulation import rsc
+from experiments.algorithms.gradient_manipulation import sand_mask
+from experiments.algorithms.gradient_manipulation import sandmask
 from experiments.algorithms.invariance import DANNState
 from experiments.algorithms.invariance import MMD_GAMMAS
+from experiments.algorithms.invariance import SAGNET_EPS
+from experiments.algorithms.invariance import SagNetDraws
+from experiments.algorithms.invariance import SagNetState
+from experiments.algorithms.invariance import cdann
 from experiments.algorithms.invariance import coral
 from experiments.algorithms.invariance import coral_penalty
 from experiments.algorithms.invariance import dann
 from experiments.algorithms.invariance import dann_step_kind
+from experiments.algorithms.invariance import ib_erm
 from experiments.algorithms.invariance import irm
 from experiments.algorithms.invariance import irm_penalty
 from experiments.algorithms.invariance import mmd
 from experiments.algorithms.invariance import mmd_penalty
+from experiments.algorithms.invariance import sagnet
+from experiments.algorithms.invariance import sagnet_draws
+from experiments.algorithms.invariance import sagnet_randomize
+from experiments.algorithms.invariance import vrex
 from experiments.algorithms.optimization import GroupDROState
 from experiments.algorithms.optimization import MLDG_PAIRS
 from experiments.algorithms.optimization import erm
 from experiments.algorithms.optimization import group_dro
 from experiments.algorithms.optimization import meta_pairs
 from experiments.algorithms.optimization import mldg
+from experiments.algorithms.optimization import sd
 from experiments.algorithms.principal_gradients import pgrad

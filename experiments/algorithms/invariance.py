@@ -1,4 +1,5 @@
-"""Invariant features: IRM, MMD, DANN and CORAL, as DomainBed's.
+"""Invariant features: IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN and
+SagNet, as DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
 unless another file is named.
@@ -52,31 +53,39 @@ def irm_penalty(outputs: jax.Array, labels: jax.Array) -> jax.Array:
   return jax.vmap(domain_penalty)(outputs, labels)
 
 
-def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
-        seed: int) -> base.Algorithm:
-  """IRMv1 (Arjovsky et al., 2019) as in DomainBed (lines 581-634).
+def _annealed_penalty(
+    hparams: base.HParams,
+    terms: Callable[[base.Params, base.Stats, base.Batches],
+                    tuple[jax.Array, jax.Array, base.Stats, base.Metrics]],
+    *,
+    weight: float,
+    warmup_weight: float,
+    anneal: int,
+) -> base.Algorithm:
+  """Adam on a risk plus a penalty whose weight jumps at step ``anneal``.
 
-  The objective is the mean over domains of the risk plus ``irm_lambda``
-  times the mean of `irm_penalty` (lines 608-618), of one forward pass over
-  all domains (line 609). Before step ``irm_penalty_anneal_iters`` the
-  penalty's weight is 1 (DomainBed's warm-up, not 0; lines 602-604); at that
-  step it becomes ``irm_lambda`` and Adam restarts (`base.restart_at_anneal`,
-  lines 620-626).
+  DomainBed's IRM, VREx and IB_ERM share this update: the penalty weighs
+  ``warmup_weight`` before update number ``anneal`` (counted from 0) and
+  ``weight`` from it on; at that step Adam restarts
+  (`base.restart_at_anneal`), then steps, then the count goes up.
+
+  Args:
+    hparams: the run's hparams (ERM's Adam: ``lr``, ``weight_decay``).
+    terms: ``terms(params, stats, batches) -> (risk, penalty, stats,
+      metrics)``, on batches with example keys; its metrics join ``loss``
+      (the objective), ``nll`` (the risk) and ``penalty``, and override them.
+    weight: the penalty's weight from step ``anneal`` on.
+    warmup_weight: its weight before.
+    anneal: the step its weight jumps, and Adam restarts.
   """
-  del num_domains, seed
   tx = base.adam(hparams)
-  weight, anneal = hparams["irm_lambda"], hparams["irm_penalty_anneal_iters"]
 
   def objective(params, stats, batches, count):
-    n, b = batches["label"].shape
-    batch = base.merge_domains(batches)
-    outputs, stats = network.logits(params, stats, batch["image"],
-                                    batch["key"][0])
-    nll = tasks.example_loss(outputs, batch).mean()
-    penalty = irm_penalty(outputs.reshape(n, b, -1), batches["label"]).mean()
-    objective = nll + jnp.where(count >= anneal, weight, 1.0) * penalty
-    return objective, (stats, {"loss": objective, "nll": nll,
-                               "penalty": penalty})
+    risk, penalty, stats, metrics = terms(params, stats, batches)
+    objective = risk + jnp.where(count >= anneal, weight,
+                                 warmup_weight) * penalty
+    return objective, (stats, {"loss": objective, "nll": risk,
+                               "penalty": penalty, **metrics})
 
   def update(params, stats, state, batches, key):
     batches = base.with_example_keys(batches, key)
@@ -92,6 +101,113 @@ def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
       lambda params: base.AnnealState(tx.init(params),
                                       jnp.zeros((), jnp.int32)),
       update)
+
+
+def _pooled_outputs(
+    network: base.Network, params: base.Params, stats: base.Stats,
+    batches: base.Batches,
+) -> tuple[jax.Array, jax.Array, base.Stats]:
+  """One forward pass over all domains pooled, as DomainBed's ``all_x``.
+
+  Returns:
+    ``(features (n, b, F), outputs (n, b, C), stats after the pass)``.
+  """
+  n, b = batches["label"].shape
+  batch = base.merge_domains(batches)
+  model = network.bind(params, stats)
+  features = model.features(batch["image"], rngs=batch["key"][0])
+  outputs = model.head(features)
+  return (features.reshape(n, b, -1), outputs.reshape(n, b, -1),
+          nnx.state(model, nnx.BatchStat))
+
+
+def _domain_risks(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+  """``(n,)``: every domain's mean task loss of its ``(n, b, C)`` outputs."""
+  n, b = labels.shape
+  return tasks.example_loss(outputs.reshape(n * b, -1),
+                            {"label": labels.reshape(-1)}).reshape(n, b).mean(1)
+
+
+def irm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+        seed: int) -> base.Algorithm:
+  """IRMv1 (Arjovsky et al., 2019) as in DomainBed (lines 581-634).
+
+  The objective is the mean over domains of the risk plus ``irm_lambda``
+  times the mean of `irm_penalty` (lines 608-618), of one forward pass over
+  all domains (line 609). Before step ``irm_penalty_anneal_iters`` the
+  penalty's weight is 1 (DomainBed's warm-up, not 0; lines 602-604); at that
+  step it becomes ``irm_lambda`` and Adam restarts (`_annealed_penalty`,
+  lines 620-626).
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    _, outputs, stats = _pooled_outputs(network, params, stats, batches)
+    risk = _domain_risks(outputs, batches["label"]).mean()
+    return risk, irm_penalty(outputs, batches["label"]).mean(), stats, {}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["irm_lambda"],
+                           warmup_weight=1.0,
+                           anneal=hparams["irm_penalty_anneal_iters"])
+
+
+def vrex(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """V-REx (Krueger et al., ICML 2021) as in DomainBed (lines 745-788).
+
+  The objective is the mean of the domains' risks plus ``vrex_lambda``
+  times their variance (the biased one, ``((losses - mean) ** 2).mean()``,
+  lines 770-772), the risks of one forward pass over all domains (lines
+  760-768). Before step ``vrex_penalty_anneal_iters`` the variance weighs 1,
+  as IRM's warm-up (lines 753-756); at that step its weight becomes
+  ``vrex_lambda`` and Adam restarts (lines 774-780; `_annealed_penalty`).
+
+  As DomainBed's, the ``nll`` metric is the last domain's risk (its loop
+  overwrites ``nll``, line 767, and returns it, line 787), not their
+  mean. DomainBed gathers the risks in a ``torch.zeros`` buffer of
+  PyTorch's default float32 (line 763); here they stay in the model's
+  dtype, which is float32 in DomainBed's runs.
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    _, outputs, stats = _pooled_outputs(network, params, stats, batches)
+    risks = _domain_risks(outputs, batches["label"])
+    mean = risks.mean()
+    return mean, ((risks - mean) ** 2).mean(), stats, {"nll": risks[-1]}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["vrex_lambda"],
+                           warmup_weight=1.0,
+                           anneal=hparams["vrex_penalty_anneal_iters"])
+
+
+def ib_erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
+           seed: int) -> base.Algorithm:
+  """IB-ERM (Ahuja et al., NeurIPS 2021) as in DomainBed (lines 1869-1924).
+
+  The objective is the mean of the domains' risks plus ``ib_lambda`` times
+  the information bottleneck penalty: every domain's featurizer outputs'
+  variance over its batch (unbiased, PyTorch's ``var(dim=0)``), averaged
+  over the features (line 1900), then over the domains (line 1903), all
+  from one forward pass over all domains (lines 1891-1893). Before step
+  ``ib_penalty_anneal_iters`` the penalty weighs 0 (lines 1884-1886; IRM's
+  and VREx's warm-ups weigh 1); at that step its weight becomes
+  ``ib_lambda`` and Adam restarts (lines 1909-1915; `_annealed_penalty`).
+  The penalty's metric is ``penalty`` (DomainBed's ``IB_penalty``), as
+  IRM's and VREx's.
+  """
+  del num_domains, seed
+
+  def terms(params, stats, batches):
+    features, outputs, stats = _pooled_outputs(network, params, stats,
+                                               batches)
+    risk = _domain_risks(outputs, batches["label"]).mean()
+    penalty = features.var(axis=1, ddof=1).mean(axis=-1).mean()
+    return risk, penalty, stats, {}
+
+  return _annealed_penalty(hparams, terms, weight=hparams["ib_lambda"],
+                           warmup_weight=0.0,
+                           anneal=hparams["ib_penalty_anneal_iters"])
 
 
 def _mean_over_domain_pairs(
@@ -265,38 +381,12 @@ def dann_step_kind(count: jax.Array, d_steps_per_g_step: int) -> jax.Array:
   return count % (1 + d_steps_per_g_step) < d_steps_per_g_step
 
 
-def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
-         seed: int) -> base.Algorithm:
-  """Unconditional DANN (Ganin et al., JMLR 2016) as in DomainBed.
-
-  DomainBed's ``AbstractDANN`` with ``conditional=False,
-  class_balance=False`` (``DANN``, lines 567-571; the class, lines 477-565):
-
-  * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
-    the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
-    of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
-    ``seed``, in the model's dtype (as DomainBed's, a part of the same
-    ``torch.nn.Module``). It and its Adam live in the algorithm's state.
-  * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
-    with ``weight_decay_d`` (lines 502-507) and the generator's, over the
-    featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
-    (lines 509-514). ``lr`` and ``weight_decay`` are unused, as in
-    DomainBed.
-  * Every update counts itself first (line 518), runs the featurizer once
-    over all domains pooled (lines 519-521) and the discriminator on its
-    outputs (line 526), whose labels are the domains (lines 527-530). The
-    discriminator's loss is its mean cross-entropy (line 538) plus
-    ``grad_penalty`` times the mean over examples of the squared norm of the
-    gradient of its summed cross-entropy with respect to its input (lines
-    540-544).
-  * `dann_step_kind` (lines 546-547) picks the step: the discriminator
-    descends its loss (lines 549-552), or the generator descends the
-    classifier's mean cross-entropy minus ``lambda`` times the
-    discriminator's loss, penalty included (lines 554-562).
-
-  The metrics are the classifier's loss (``loss``), the discriminator's
-  (``disc_loss``) and the gradient penalty (``penalty``), every step.
-  """
+def _adversarial(network: base.Network, hparams: base.HParams, *,
+                 num_domains: int, seed: int,
+                 conditional: bool) -> base.Algorithm:
+  """DomainBed's ``AbstractDANN`` (lines 477-565): DANN, or CDANN with
+  ``conditional`` (its ``conditional=True, class_balance=True``); see
+  `dann` and `cdann`."""
   d_steps = hparams["d_steps_per_g_step"]
   gen_tx = base.torch_adam(hparams["lr_g"], hparams["weight_decay_g"],
                            hparams["beta1"], 0.9)
@@ -307,13 +397,25 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
     # In the model's dtype (its head's): parameters, Adam's moments and the
     # forward pass, which computes in the dtype its inputs (the features)
     # and parameters promote to.
-    return models.MLP(head_kernel.shape[0], num_domains,
-                      width=hparams["mlp_width"], depth=hparams["mlp_depth"],
-                      dropout=hparams["mlp_dropout"], rngs=nnx.Rngs(seed),
-                      dtype=None, param_dtype=head_kernel.dtype)
+    num_features, num_classes = head_kernel.shape
+    rngs = nnx.Rngs(seed)
+    mlp = models.MLP(num_features, num_domains, width=hparams["mlp_width"],
+                     depth=hparams["mlp_depth"],
+                     dropout=hparams["mlp_dropout"], rngs=rngs, dtype=None,
+                     param_dtype=head_kernel.dtype)
+    if not conditional:
+      return mlp
+    # DomainBed's nn.Embedding, whose PyTorch init is N(0, 1) (line 498).
+    embeddings = nnx.Embed(
+        num_classes, num_features, param_dtype=head_kernel.dtype,
+        embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+    return nnx.Dict(mlp=mlp, class_embeddings=embeddings)
 
   def head_kernel(params):
     return params["head"]["kernel"][...]
+
+  def num_classes(params):
+    return head_kernel(params).shape[1]
 
   def init(params):
     disc_params = nnx.state(discriminator(head_kernel(params)), nnx.Param)
@@ -321,23 +423,46 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
                      disc_tx.init(disc_params), jnp.zeros((), jnp.int32))
 
   def update(params, stats, state, batches, key):
+    if conditional and tasks.is_regression(batches["label"]):
+      raise ValueError("CDANN's discriminator is conditioned on classes; "
+                       "a regression task has none: train DANN instead.")
     data_key, disc_key = jax.random.split(key)
     n, b = batches["label"].shape
     batch = base.merge_domains(base.with_example_keys(batches, data_key))
+    labels = batch["label"]
     domains = jnp.repeat(jnp.arange(n), b)
     disc_def = nnx.graphdef(nnx.eval_shape(
         lambda: discriminator(head_kernel(params))))
 
     def disc_loss_fn(disc_params, features):
       disc = nnx.merge(disc_def, disc_params)
+      if conditional:
+        # The input is the features plus the class's embedding (line 523),
+        # so the gradient penalty is taken at that sum (lines 540-541).
+        inputs = features + disc["class_embeddings"](labels)
+        disc = disc["mlp"]
+      else:
+        inputs = features
 
       def summed_loss(inputs):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            disc(inputs, rngs=disc_key), domains).sum()
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            disc(inputs, rngs=disc_key), domains)
+        return losses.sum(), losses
 
-      total, input_grads = jax.value_and_grad(summed_loss)(features)
+      (total, losses), input_grads = jax.value_and_grad(
+          summed_loss, has_aux=True)(inputs)
       penalty = (input_grads**2).sum(axis=1).mean()
-      return total / len(domains) + hparams["grad_penalty"] * penalty, penalty
+      if conditional:
+        # DomainBed's class balance (lines 532-536): example weights of
+        # 1 / (its class's count * the classes), where F.one_hot without
+        # num_classes counts the classes up to the batch's largest label,
+        # fewer than the task's when the batch lacks the last ones.
+        counts = jnp.bincount(labels, length=num_classes(params))
+        weights = 1.0 / (counts[labels] * (labels.max() + 1))
+        loss = (weights.astype(losses.dtype) * losses).sum()
+      else:
+        loss = total / len(domains)
+      return loss + hparams["grad_penalty"] * penalty, penalty
 
     def featurize(params):
       model = network.bind(params, stats)
@@ -391,5 +516,267 @@ def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
     metrics = {"loss": nll, "disc_loss": disc_loss, "penalty": penalty}
     return params, stats, DANNState(gen_opt_state, disc_params,
                                     disc_opt_state, count), metrics
+
+  return base.Algorithm(init, update)
+
+
+def dann(network: base.Network, hparams: base.HParams, *, num_domains: int,
+         seed: int) -> base.Algorithm:
+  """Unconditional DANN (Ganin et al., JMLR 2016) as in DomainBed.
+
+  DomainBed's ``AbstractDANN`` with ``conditional=False,
+  class_balance=False`` (``DANN``, lines 567-571; the class, lines 477-565):
+
+  * The discriminator is DomainBed's ``MLP`` from the featurizer's outputs to
+    the domains (lines 496-497; ``networks.py`` lines 47-70): `models.MLP`
+    of ``mlp_width``, ``mlp_depth`` and ``mlp_dropout``, initialised from
+    ``seed``, in the model's dtype (as DomainBed's, a part of the same
+    ``torch.nn.Module``). It and its Adam live in the algorithm's state.
+  * Two Adams with ``betas=(beta1, 0.9)``: the discriminator's at ``lr_d``
+    with ``weight_decay_d`` (lines 502-507) and the generator's, over the
+    featurizer and the classifier, at ``lr_g`` with ``weight_decay_g``
+    (lines 509-514). ``lr`` and ``weight_decay`` are unused, as in
+    DomainBed.
+  * Every update counts itself first (line 518), runs the featurizer once
+    over all domains pooled (lines 519-521) and the discriminator on its
+    outputs (line 526), whose labels are the domains (lines 527-530). The
+    discriminator's loss is its mean cross-entropy (line 538) plus
+    ``grad_penalty`` times the mean over examples of the squared norm of the
+    gradient of its summed cross-entropy with respect to its input (lines
+    540-544).
+  * `dann_step_kind` (lines 546-547) picks the step: the discriminator
+    descends its loss (lines 549-552), or the generator descends the
+    classifier's mean cross-entropy minus ``lambda`` times the
+    discriminator's loss, penalty included (lines 554-562).
+
+  The metrics are the classifier's loss (``loss``), the discriminator's
+  (``disc_loss``) and the gradient penalty (``penalty``), every step.
+  """
+  return _adversarial(network, hparams, num_domains=num_domains, seed=seed,
+                      conditional=False)
+
+
+def cdann(network: base.Network, hparams: base.HParams, *, num_domains: int,
+          seed: int) -> base.Algorithm:
+  """Conditional DANN (Li et al., ECCV 2018) as in DomainBed.
+
+  DomainBed's ``AbstractDANN`` with ``conditional=True,
+  class_balance=True`` (``CDANN``, lines 574-578): `dann`'s update, but
+
+  * the discriminator sees the features plus a learned embedding of the
+    example's class (lines 522-523): DomainBed's ``nn.Embedding(num_classes,
+    num_features)`` (lines 498-499), ``N(0, 1)`` at init as PyTorch's, which
+    the discriminator's Adam trains with it (lines 502-507) and the
+    generator's leaves alone. Its params are ``{"mlp": ...,
+    "class_embeddings": ...}``;
+  * its cross-entropy is class-balanced (lines 532-536): every example
+    weighs ``1 / (count of its class * number of classes)``, summed. As
+    DomainBed's ``F.one_hot(all_y)``, the number of classes is the batch's
+    largest label plus one, so a batch without the last classes weighs its
+    examples more. The gradient penalty stays of the unweighted summed
+    cross-entropy (lines 540-541).
+
+  Raises (at the first update):
+    ValueError: the labels are regression targets, which have no classes.
+  """
+  return _adversarial(network, hparams, num_domains=num_domains, seed=seed,
+                      conditional=True)
+
+
+# SagNet's variance floor in its normalisation (``randomize``'s ``eps``,
+# line 1192).
+SAGNET_EPS = 1e-5
+
+
+class SagNetState(NamedTuple):
+  """SagNet's state: its three Adams (DomainBed's lines 1175-1181).
+
+  Attributes:
+    featurizer_opt_state: the featurizer's, which steps twice an update.
+    content_opt_state: the content network's (the model's ``head``).
+    style_opt_state: the style network's (its ``style_head``).
+  """
+
+  featurizer_opt_state: optax.OptState
+  content_opt_state: optax.OptState
+  style_opt_state: optax.OptState
+
+
+class SagNetDraws(NamedTuple):
+  """The random draws of one of SagNet's forward passes.
+
+  Attributes:
+    alpha: ``(N, 1)``, every example's weight of its own style (``U(0,
+      1)``, line 1195; a content randomisation draws it too and uses none).
+    perm: ``(N,)``, the example whose style or content it takes
+      (``torch.randperm``, line 1206).
+    dropout_key: the featurizer pass's dropout key.
+  """
+
+  alpha: jax.Array
+  perm: jax.Array
+  dropout_key: jax.Array
+
+
+def sagnet_draws(key: jax.Array, num_examples: int,
+                 dtype: jnp.dtype) -> list[SagNetDraws]:
+  """The draws of a SagNet update from its ``key``: those of its content,
+  style and adversary passes, in that order (`sagnet`)."""
+  draws = []
+  for pass_key in jax.random.split(key, 3):
+    alpha_key, perm_key, dropout_key = jax.random.split(pass_key, 3)
+    draws.append(SagNetDraws(
+        jax.random.uniform(alpha_key, (num_examples, 1), dtype),
+        jax.random.permutation(perm_key, num_examples), dropout_key))
+  return draws
+
+
+def sagnet_randomize(features: jax.Array, draws: SagNetDraws,
+                     what: str) -> jax.Array:
+  """DomainBed's ``SagNet.randomize`` (lines 1190-1214) of ``(N, F)``
+  features.
+
+  Every example's features are normalised by their mean and (unbiased)
+  variance over the features, then given back a mean and variance:
+  ``"style"`` mixes its own with example ``perm``'s, ``alpha`` of its own;
+  ``"content"`` gives example ``perm``'s normalised features, held constant
+  (``detach``, line 1211), the example's own mean and variance, through
+  which gradients flow.
+
+  DomainBed's featurizers all end in a flat vector, so its branch for
+  ``(N, C, H, W)`` feature maps (lines 1197-1199) never runs, and is not
+  here.
+  """
+  mean = features.mean(-1, keepdims=True)
+  var = features.var(-1, ddof=1, keepdims=True)
+  normalised = (features - mean) / jnp.sqrt(var + SAGNET_EPS)
+  if what == "style":
+    alpha = draws.alpha.astype(features.dtype)
+    mean = alpha * mean + (1 - alpha) * mean[draws.perm]
+    var = alpha * var + (1 - alpha) * var[draws.perm]
+  else:
+    normalised = jax.lax.stop_gradient(normalised[draws.perm])
+  return normalised * jnp.sqrt(var + SAGNET_EPS) + mean
+
+
+def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
+           seed: int) -> base.Algorithm:
+  """Style-agnostic networks (Nam et al., CVPR 2021) as in DomainBed.
+
+  DomainBed's ``SagNet`` (lines 1126-1245), whose featurizer, content
+  network and style network are the model's ``featurizer``, ``head`` and
+  ``style_head`` (a `models.StyleClassifier`, which the training loop
+  builds for SagNet). Each has its own Adam at ``lr`` with ``weight_decay``
+  (lines 1175-1181). Every update, on all domains pooled (lines 1217-1218),
+  runs the featurizer three times, each pass with its own draws
+  (`sagnet_draws`), and steps in turn (lines 1220-1239):
+
+  1. content: the content network's cross-entropy on the features with
+     randomised style (`sagnet_randomize`); the featurizer's and content
+     network's Adams step;
+  2. style: the style network's cross-entropy on the features, of the
+     featurizer just stepped, with randomised content; the style network's
+     Adam steps (the gradient that reaches the featurizer is thrown away
+     by the next step's ``zero_grad``, line 1235);
+  3. adversary: ``sag_w_adv`` times the mean over examples and classes of
+     the stepped style network's negative log-probabilities, on
+     randomised content again; the featurizer's Adam steps a second time.
+
+  So the featurizer's Adam counts two steps an update, the others one.
+  Trained BatchNorm statistics follow the three passes in turn. The
+  metrics are the content loss (``loss``, DomainBed's ``loss_c``),
+  ``loss_s`` and ``loss_adv``. Prediction is the content network on the
+  features (lines 1244-1245), the model's own.
+
+  Raises (at the first update):
+    ValueError: the model has no ``style_head``, or the labels are
+      regression targets, which the adversary's class probabilities lack.
+  """
+  del num_domains, seed
+  tx = base.adam(hparams)
+  weight = hparams["sag_w_adv"]
+
+  def in_part(part, tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: path[0].key == part, tree)
+
+  def only(part, grads):
+    # The gradient of the part's params alone: a part's Adam passes the
+    # others' (zero) gradients through, as its parameters' updates.
+    return jax.tree.map(lambda mine, g: g if mine else jnp.zeros_like(g),
+                        in_part(part, grads), grads)
+
+  def part_adam(part):
+    return optax.masked(tx, lambda params: in_part(part, params))
+
+  featurizer_tx, content_tx, style_tx = (
+      part_adam("featurizer"), part_adam("head"), part_adam("style_head"))
+
+  def init(params):
+    if "style_head" not in params:
+      raise ValueError(
+          "SagNet trains a style network beside the classifier: build its "
+          "model with models.build_model(..., style_head=True), as the "
+          "training loop does for SagNet.")
+    return SagNetState(featurizer_tx.init(params), content_tx.init(params),
+                       style_tx.init(params))
+
+  def step(part_tx, grads, opt_state, params):
+    updates, opt_state = part_tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def update(params, stats, state, batches, key):
+    batch = base.merge_domains(batches)
+    images, labels = batch["image"], batch["label"]
+    if tasks.is_regression(labels):
+      raise ValueError("SagNet's adversary needs classes; a regression task "
+                       "has none.")
+    content, style, adversary = sagnet_draws(key, len(labels),
+                                             base.model_dtype(params))
+
+    def randomized_logits(params, stats, draws, what, head,
+                          through_featurizer=True):
+      model = network.bind(params, stats)
+      features = model.features(images, rngs=draws.dropout_key)
+      if not through_featurizer:
+        features = jax.lax.stop_gradient(features)
+      inputs = sagnet_randomize(features, draws, what)
+      return getattr(model, head)(inputs), nnx.state(model, nnx.BatchStat)
+
+    def content_loss(params, stats):
+      logits, stats = randomized_logits(params, stats, content, "style",
+                                        "head")
+      return tasks.example_loss(logits, batch).mean(), stats
+
+    def style_loss(params, stats):
+      # Only the style network steps on this loss: no backward pass through
+      # the featurizer, whose gradient DomainBed throws away.
+      logits, stats = randomized_logits(params, stats, style, "content",
+                                        "style_head",
+                                        through_featurizer=False)
+      return tasks.example_loss(logits, batch).mean(), stats
+
+    def adversary_loss(params, stats):
+      logits, stats = randomized_logits(params, stats, adversary, "content",
+                                        "style_head")
+      return -weight * jax.nn.log_softmax(logits).mean(), stats
+
+    grad = lambda loss: jax.value_and_grad(loss, has_aux=True)
+    (loss_c, stats), grads = grad(content_loss)(params, stats)
+    params, featurizer_opt_state = step(
+        featurizer_tx, only("featurizer", grads), state.featurizer_opt_state,
+        params)
+    params, content_opt_state = step(content_tx, only("head", grads),
+                                     state.content_opt_state, params)
+    (loss_s, stats), grads = grad(style_loss)(params, stats)
+    params, style_opt_state = step(style_tx, only("style_head", grads),
+                                   state.style_opt_state, params)
+    (loss_adv, stats), grads = grad(adversary_loss)(params, stats)
+    params, featurizer_opt_state = step(
+        featurizer_tx, only("featurizer", grads), featurizer_opt_state,
+        params)
+    return params, stats, SagNetState(
+        featurizer_opt_state, content_opt_state, style_opt_state), {
+            "loss": loss_c, "loss_s": loss_s, "loss_adv": loss_adv}
 
   return base.Algorithm(init, update)

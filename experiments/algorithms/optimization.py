@@ -1,4 +1,4 @@
-"""Optimization: ERM, GroupDRO and MLDG, as DomainBed's.
+"""Optimization: ERM, SD, GroupDRO and MLDG, as DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
 unless another file is named.
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from experiments.algorithms import base
+from experiments.data import tasks
 
 # How MLDG pairs meta-train with meta-test domains (see `meta_pairs`).
 MLDG_PAIRS = ("meta_test_split", "random_pairs")
@@ -33,6 +34,31 @@ def erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
     loss, stats = base.batch_loss(network)(params,
                                            base.merge_domains(batches), stats)
     return loss, ({"loss": loss}, stats)
+
+  return base.gradient_algorithm(hparams, objective)
+
+
+def sd(network: base.Network, hparams: base.HParams, *, num_domains: int,
+       seed: int) -> base.Algorithm:
+  """Spectral decoupling (Pezeshki et al., NeurIPS 2021) as in DomainBed.
+
+  DomainBed's ``SD`` (lines 1305-1328): ERM's Adam on the mean loss of one
+  forward pass over all domains pooled plus ``sd_reg`` times the mean of
+  the squared logits, over examples and classes (lines 1316-1322). The
+  metrics are the loss without the penalty (``loss``, as DomainBed's) and
+  the penalty.
+  """
+  del num_domains, seed
+
+  def objective(params, stats, batches, key):
+    del key
+    batch = base.merge_domains(batches)
+    logits, stats = network.logits(params, stats, batch["image"],
+                                   batch["key"][0])
+    loss = tasks.example_loss(logits, batch).mean()
+    penalty = (logits**2).mean()
+    return loss + hparams["sd_reg"] * penalty, (
+        {"loss": loss, "penalty": penalty}, stats)
 
   return base.gradient_algorithm(hparams, objective)
 

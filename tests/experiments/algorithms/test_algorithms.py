@@ -10,6 +10,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -18,6 +19,7 @@ from experiments import catalog
 from experiments import config as config_lib
 from experiments import hparams_registry
 from experiments import models
+from experiments import training
 
 NUM_DOMAINS, BATCH, NUM_CLASSES = 2, 6, 3
 
@@ -75,8 +77,15 @@ def algorithm_hparams(name):
     hparams["penalty_anneal_iters"] = 0  # Penalise from the first step.
   if name == "IRM":
     hparams["irm_penalty_anneal_iters"] = 0
+  if name == "VREx":
+    hparams["vrex_penalty_anneal_iters"] = 0
+  if name == "IB_ERM":
+    hparams["ib_penalty_anneal_iters"] = 0
   if name == "MLDG":
     hparams["n_meta_test"] = 1  # One of the NUM_DOMAINS = 2 domains.
+  if name == "SANDMask":
+    # At DomainBed's default tau = 1 the mask is 0 everywhere: no step.
+    hparams["tau"] = 0.5
   return hparams
 
 
@@ -86,21 +95,98 @@ def linear_model(num_features=4, seed=0):
   return algorithms.Network.split(model)
 
 
+def takes_context(name):
+  """Whether ``name``'s model is ARM's, whose featurizer sees one more
+  channel."""
+  return bool(catalog.ALGORITHMS[name].model_options.get("context_net"))
+
+
 def build_model(name, featurizer, *, in_channels=1, seed=1,
                 dtype=jnp.float32):
-  """``name``'s model on ``featurizer``: with ARM's context network if the
-  catalog says so (the featurizer then takes ``in_channels + 1``)."""
+  """``name``'s model on ``featurizer``: with ARM's context network (the
+  featurizer then takes ``in_channels + 1``), SagNet's style head or MTL's
+  domain embedding if the catalog says so."""
   kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
-  if catalog.ALGORITHMS[name].model_options.get("context_net"):
+  options = catalog.ALGORITHMS[name].model_options
+  if takes_context(name):
     return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
                                     **kwargs)
+  if options.get("style_head"):
+    return models.StyleClassifier(featurizer, NUM_CLASSES, **kwargs)
+  if options.get("domain_embedding"):
+    return models.EmbeddingClassifier(featurizer, NUM_CLASSES, **kwargs)
   return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
+
+
+def linear_featurizer_model(seed=0, dtype=jnp.float32, style_head=False):
+  """A `LinearFeaturizer` of 2x2 images to 3 features and a linear head (and
+  SagNet's style head, with ``style_head``), for the NumPy models of
+  oracle.py."""
+  model_class = models.StyleClassifier if style_head else models.Classifier
+  model = model_class(
+      LinearFeaturizer(4, 3, rngs=nnx.Rngs(seed), dtype=dtype), NUM_CLASSES,
+      rngs=nnx.Rngs(seed + 1), dtype=dtype, param_dtype=dtype)
+  return algorithms.Network.split(model)
+
+
+def float64_batches(steps, image_shape=(2, 2, 1)):
+  """`make_batches` of every step in float64; step 1's labels lack the last
+  class (which CDANN's class balance counts as DomainBed's does)."""
+  batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
+                             if x.dtype == jnp.float32 else x,
+                             make_batches(step, image_shape))
+                for step in range(steps)]
+  batch_list[1]["label"] = batch_list[1]["label"] % (NUM_CLASSES - 1)
+  return batch_list
+
+
+def linear_net_theta(params):
+  """A `LinearFeaturizer` model's params as ``oracle.linear_net`` takes
+  them: ``[W_f, b_f, W_h, b_h]`` in float64."""
+  return [np.asarray(leaf[...], np.float64) for leaf in (
+      params["featurizer"]["linear"]["kernel"],
+      params["featurizer"]["linear"]["bias"], params["head"]["kernel"],
+      params["head"]["bias"])]
+
+
+def linear_net_model(name, num_features=4):
+  """``name``'s model (`build_model`) on a `LinearFeaturizer` of 4x4 images."""
+  return build_model(name, LinearFeaturizer(16, num_features,
+                                            rngs=nnx.Rngs(0)))
+
+
+def train_linear_net(name, hparams, num_steps=5, num_domains=3,
+                     num_features=4, batch_list=None):
+  """``num_steps`` updates of ``name`` on `linear_net_model`, step ``i`` on
+  ``make_batches(i)`` (or ``batch_list[i]``) with key ``PRNGKey(i)``.
+
+  Returns:
+    ``(theta before, batches, params after, state after, metrics of every
+    step)``, the thetas as `linear_net_theta`.
+  """
+  network, params, stats = algorithms.Network.split(
+      linear_net_model(name, num_features))
+  algorithm = algorithms.build_algorithm(
+      name, network, {**algorithm_hparams(name), **hparams},
+      num_domains=num_domains)
+  update = jax.jit(algorithm.update)
+  theta = linear_net_theta(params)
+  state = algorithm.init(params)
+  if batch_list is None:
+    batch_list = [make_batches(step, num_domains=num_domains)
+                  for step in range(num_steps)]
+  metrics = []
+  for step, batches in enumerate(batch_list):
+    params, stats, state, step_metrics = update(params, stats, state, batches,
+                                                jax.random.PRNGKey(step))
+    metrics.append(step_metrics)
+  return theta, batch_list, linear_net_theta(params), state, metrics
 
 
 @pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
 def test_every_algorithm_takes_a_finite_step(name):
   # 4x4 images of one channel, and ARM's context channel.
-  pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+  pixels = 16 * (1 + takes_context(name))
   model = build_model(name, TinyFeaturizer(pixels, rngs=nnx.Rngs(0)))
   network, params, stats = algorithms.Network.split(model)
   algorithm = algorithms.build_algorithm(name, network,
@@ -125,6 +211,52 @@ def test_every_algorithm_takes_a_finite_step(name):
     assert np.all(np.diff(eigenvalues) <= 0)
 
 
+# Algorithms with state beyond one Adam's, with hparams that use it around
+# the resume after step 2: VREx's and IB_ERM's update count, whose anneal
+# step (2) restarts Adam after the resume; CDANN's count, which picks the
+# step kind, its discriminator, class embeddings and their Adam; SagNet's
+# three Adams. SD's is ERM's Adam.
+@pytest.mark.parametrize("name, hparams", [
+    ("VREx", {"vrex_penalty_anneal_iters": 2}),
+    ("IB_ERM", {"ib_penalty_anneal_iters": 2}),
+    ("CDANN", {"d_steps_per_g_step": 2, "mlp_width": 8}),
+    ("SagNet", {}),
+    ("SD", {}),
+])
+def test_a_checkpointed_state_resumes_bit_for_bit(name, hparams, tmp_path):
+  model = build_model(name, TinyFeaturizer(16, rngs=nnx.Rngs(0)))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(
+      name, network, {**algorithm_hparams(name), **hparams},
+      num_domains=NUM_DOMAINS)
+  update = jax.jit(algorithm.update)
+
+  def train(state, steps):
+    for step in steps:
+      state = training.TrainState(state.step + 1, *update(
+          state.params, state.stats, state.algorithm_state,
+          make_batches(step), jax.random.PRNGKey(step))[:3])
+    return state
+
+  start = training.TrainState(jnp.zeros((), jnp.int32), params, stats,
+                              algorithm.init(params))
+  uninterrupted = train(start, range(5))
+  # As the training loop checkpoints and restores its state.
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", train(start, range(2)))
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(
+      tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                       start))
+  resumed = train(restored, range(2, 5))
+  assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)
+  for got, want in zip(jax.tree.leaves(resumed),
+                       jax.tree.leaves(uninterrupted)):
+    np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(uninterrupted.params["head"]["kernel"][...],
+                            params["head"]["kernel"][...])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 @pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
 def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
@@ -133,7 +265,7 @@ def test_every_algorithm_keeps_to_the_models_dtype(name, dtype):
   # The update's dtypes are those of its trace, which jax.eval_shape gives
   # without compiling it (as jax.jit would, to the same output types).
   with jax.enable_x64(True):
-    pixels = 16 * (1 + len(catalog.ALGORITHMS[name].model_options))
+    pixels = 16 * (1 + takes_context(name))
     model = build_model(name, LinearFeaturizer(pixels, 5, rngs=nnx.Rngs(0),
                                                dtype=dtype), dtype=dtype)
     network, params, stats = algorithms.Network.split(model)
@@ -194,12 +326,18 @@ def numpy_running_stats(chunks):
     ("GroupDRO", {}, lambda x: [x[0], x[1]]),
     ("MMD", {}, lambda x: [x[0], x[1]]),
     ("CORAL", {}, lambda x: [x[0], x[1]]),
-    # IRM: one pass over all domains, as DomainBed's.
+    # IRM, VREx, IB_ERM, SD and CDANN: one pass over all domains, as
+    # DomainBed's.
     ("IRM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("VREx", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("IB_ERM", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("SD", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    ("CDANN", {}, lambda x: [x.reshape(-1, 4, 4, 1)]),
+    # SagNet: three passes over all domains (content, style, adversary).
+    ("SagNet", {}, lambda x: [x.reshape(-1, 4, 4, 1)] * 3),
 ])
 def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
-  model = models.Classifier(NormalizedPixels(16, rngs=nnx.Rngs(0)),
-                            NUM_CLASSES, rngs=nnx.Rngs(1))
+  model = build_model(name, NormalizedPixels(16, rngs=nnx.Rngs(0)), seed=1)
   network, params, stats = algorithms.Network.split(model)
   algorithm = algorithms.build_algorithm(
       name, network, {**algorithm_hparams(name), **hparams},
@@ -218,7 +356,8 @@ def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
 
 def test_registry():
   assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
-          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(catalog.ALGORITHMS)
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL", "ANDMask", "SANDMask",
+          "IGA", "RSC", "SelfReg", "MTL"} <= set(catalog.ALGORITHMS)
   with pytest.raises(ValueError, match="already registered"):
     catalog.ALGORITHMS.register("ERM", algorithms.erm)
   with pytest.raises(ValueError, match="Unknown algorithm"):
@@ -309,6 +448,12 @@ def test_irm_and_coral_hparams_follow_domainbed():
 # name -> (default on the digits, default on photos, the search's range).
 DOMAINBED_HPARAMS = {
     "MMD": {"mmd_gamma": (1.0, 1.0, (0.1, 10))},
+    "VREx": {"vrex_lambda": (10.0, 10.0, (0.1, 1e5)),
+             "vrex_penalty_anneal_iters": (500, 500, (1, 1e4))},
+    "IB_ERM": {"ib_lambda": (100.0, 100.0, (0.1, 1e5)),
+               "ib_penalty_anneal_iters": (500, 500, (1, 1e4))},
+    "SD": {"sd_reg": (0.1, 0.1, (1e-5, 0.1))},
+    "SagNet": {"sag_w_adv": (0.1, 0.1, (1e-2, 10))},
     "GroupDRO": {"groupdro_eta": (1e-2, 1e-2, (1e-3, 1e-1))},
     "MLDG": {"mldg_beta": (1.0, 1.0, (0.1, 10)),
              "n_meta_test": (2, 2, (1, 2))},
@@ -323,7 +468,15 @@ DOMAINBED_HPARAMS = {
              "mlp_dropout": (0.0, 0.0, (0.0, 0.5)),
              "lr_g": (1e-3, 5e-5, None), "lr_d": (1e-3, 5e-5, None),
              "weight_decay_g": (0.0, 0.0, None)},
+    "ANDMask": {"tau": (1.0, 1.0, (0.5, 1.0))},
+    "SANDMask": {"tau": (1.0, 1.0, (0.0, 1.0)), "k": (10.0, 10.0, (1e-3, 1e5))},
+    "IGA": {"penalty": (1000.0, 1000.0, (10.0, 1e5))},
+    "RSC": {"rsc_f_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5)),
+            "rsc_b_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5))},
+    "MTL": {"mtl_ema": (0.99, 0.99, (0.5, 1.0))},
 }
+# DomainBed's DANN block is CDANN's too.
+DOMAINBED_HPARAMS["CDANN"] = DOMAINBED_HPARAMS["DANN"]
 
 
 @pytest.mark.parametrize("name", list(DOMAINBED_HPARAMS))
@@ -349,7 +502,7 @@ def test_the_compared_baselines_take_domainbeds_hparams(name, dataset,
     # Its support sets, 8 images, are not searched on photos.
     assert {hparams_registry.random_hparams(name, dataset, seed)["batch_size"]
             for seed in range(1, 30)} == {8}
-  if name == "DANN":
+  if name in ("DANN", "CDANN"):
     # The generator's and discriminator's rates are drawn as lr is, apart.
     draws = [hparams_registry.random_hparams(name, dataset, seed)
              for seed in range(1, 30)]

@@ -3,6 +3,7 @@ requeueing and resuming them, with test_sweep.py's stand-in training script
 and with real training."""
 
 import os
+import pathlib
 import shlex
 import signal
 import socket
@@ -167,6 +168,11 @@ def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
   # steps after it are fast, their evaluations not).
   script = tmp_path / "train_notifying.py"
   script.write_text(TRAIN_NOTIFYING.format(notify_step=25))
+  # The script imports experiments, which runs from the checkout: Python
+  # puts the script's folder on the path, not the working directory.
+  checkout = str(pathlib.Path(__file__).resolve().parents[3])
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      filter(None, [checkout, os.environ.get("PYTHONPATH")])))
   # The sweep passes the rest of each run's flags.
   train_command = (f"{shlex.quote(sys.executable)} "
                    f"{shlex.quote(str(script))} {TRAIN_FLAGS}")
