@@ -252,10 +252,17 @@ class Sharder:
             for key, value in example.items()}
 
   def replicate(self, tree: Any) -> Any:
-    """Copies ``tree`` to every device."""
-    if self.mesh is None:
-      return tree
-    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    """Copies ``tree`` to every device, committed to them (on one device
+    too, where nothing is copied).
+
+    Committed, so that a fresh run compiles the programs that a resumed one
+    does, and the compilation cache holds them for both: Orbax restores a
+    checkpoint's arrays committed, and jit lowers a committed argument with
+    its sharding, an uncommitted one without.
+    """
+    return jax.device_put(
+        tree, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if self.mesh is None else NamedSharding(self.mesh, P()))
 
   def on_mesh(self, step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` called with the mesh set, as explicit sharding traces it."""
@@ -363,12 +370,14 @@ class MetricMeter:
   @classmethod
   def from_state(cls, state: dict[str, Any],
                  place: Callable[[Any], Any]) -> MetricMeter:
-    """The meter that a `state` describes, its arrays put by ``place`` (e.g.
-    `Sharder.replicate`), as the step's metrics are."""
+    """The meter that a `state` describes, its NumPy arrays put on the
+    devices by ``place`` (`Sharder.replicate`), as the step's metrics are.
+    (Not by ``jnp.asarray``, which compiles a program per dtype and shape,
+    which a fresh run never compiles.)"""
     meter = cls()
     meter.count = state["count"]
     meter.sums, meter.latest = (
-        place({key: jnp.asarray(np.asarray(value, dtype))
+        place({key: np.asarray(value, dtype)
                for key, (dtype, value) in state[name].items()})
         for name in ("sums", "latest"))
     return meter

@@ -282,7 +282,7 @@ def training_table(records: Sequence[Record],
   """Where one dataset's runs ended: a row per algorithm, over all its runs.
 
   Args:
-    records: the dataset's records, with ``env{i}_in_loss``.
+    records: the dataset's records.
     algorithms: the rows, in order; those without runs are left out.
 
   Returns:
@@ -325,10 +325,6 @@ def training_table(records: Sequence[Record],
        "steps (median; most)", "training time per run (s, median)"], rows)
 
 
-def _has_loss_curves(record: Record) -> bool:
-  return any(key.endswith("_in_loss") for key in record)
-
-
 def write_plots(
     records: Sequence[Record], dataset: str, env: int, plots_dir: Path
 ) -> tuple[list[Plot], list[str]]:
@@ -350,7 +346,7 @@ def write_plots(
   by_algorithm = model_selection.group_by(runs,
                                           lambda r: r["args"]["algorithm"])
   algorithms = catalog.ALGORITHMS.in_order(by_algorithm)
-  loss_runs = [r for r in runs if _has_loss_curves(r)]
+  loss_runs = [r for r in runs if records_lib.has_training_losses(r)]
   # (caption, file suffix, plot function, records or [] with the reason).
   figures = [
       ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs, ""),
@@ -358,8 +354,8 @@ def write_plots(
        "no run records env{i}_in_loss"),
   ]
   skipped = []
-  without_loss = [a for a in algorithms
-                  if not any(map(_has_loss_curves, by_algorithm[a]))]
+  without_loss = [a for a in algorithms if not any(
+      map(records_lib.has_training_losses, by_algorithm[a]))]
   if loss_runs and without_loss:
     skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
                    "record no env{i}_in_loss")
@@ -435,10 +431,14 @@ def render(records: Sequence[Record], output_dir: Path,
             "held-out domain: the runs behind the accuracy tables. Training "
             "time excludes evaluation and includes compilation."]
   for dataset in datasets:
-    with_loss = [r for r in by_dataset[dataset] if _has_loss_curves(r)]
-    if with_loss:
-      lines += ["", f"### {dataset}", "", training_table(with_loss,
-                                                        algorithms)]
+    lines += ["", f"### {dataset}", "", training_table(by_dataset[dataset],
+                                                      algorithms)]
+    runs = model_selection.by_run(by_dataset[dataset])
+    lacking = sum(not records_lib.has_training_losses(run[-1]) for run in runs)
+    if lacking:
+      lines += ["", f"{lacking} of the {len(runs)} runs record no "
+                "training-domain losses (env{i}_in_loss, which DomainBed's own "
+                "runs do not write): their final training loss is n/a."]
 
   if wilds_table:
     lines += ["", "## WILDS", "",

@@ -213,6 +213,83 @@ def test_training_table_gives_the_steps_the_runs_trained():
   assert row[header.index("steps (median; most)")] == "30; 50"
 
 
+def _domainbed_record(algorithm, trial, step):
+  """A ColoredDigits record as DomainBed's own train.py writes it: every
+  domain's accuracies, but no loss of any domain."""
+  return make_record("ColoredDigits", algorithm, 0, 0, trial, step,
+                     in_accs=[0.5] * 3, out_accs=[0.4 + 0.01 * step] * 3,
+                     epoch=step / 100, loss=0.3, step_time=0.1, mem_gb=0.0)
+
+
+@pytest.mark.parametrize("without_losses", [
+    ("ERM",), ("ERM", "PGrad", "PGrad-Bottom")])
+def test_runs_without_training_losses_are_reported_without_them(
+    tmp_path, capsys, undrawn, without_losses):
+  # The case seen: the report of such a sweep failed, KeyError:
+  # 'env1_in_loss'. This project's runs record every domain's loss; a
+  # sweep of DomainBed's own runs (alone, or beside this project's) does not.
+  steps, trials = (5, 10, 15), (0, 1)
+  records = []
+  for algorithm in ("ERM", "PGrad", "PGrad-Bottom"):
+    for trial in trials:
+      for step in steps:
+        record = _domainbed_record(algorithm, trial, step)
+        if algorithm not in without_losses:
+          record.update(env1_in_loss=1 / step + trial,
+                        env2_in_loss=2 / step + trial,
+                        eigenvalues=[0.9, 0.1])
+        records.append(record)
+  write_runs(tmp_path / "sweep", records)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  err = capsys.readouterr().err
+  assert "nan" not in text.lower()
+
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  header, _, *rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+                      for line in training.splitlines()
+                      if line.startswith("|")]
+  losses = {row[0]: row[header.index("final training loss")] for row in rows}
+  assert list(losses) == ["ERM", "PGrad", "PGrad-Bottom"]
+  # The runs' final loss, the mean over domains 1 and 2, over the trials.
+  final = np.array([np.mean([1 / steps[-1] + t, 2 / steps[-1] + t])
+                    for t in trials], np.float64)
+  measured = (f"{final.mean():.4f} ± "
+              f"{final.std(ddof=1) / np.sqrt(len(final)):.4f}")
+  assert losses == {algorithm: "n/a" if algorithm in without_losses
+                    else measured for algorithm in losses}
+  # Its other columns read accuracies alone.
+  for row in rows:
+    assert row[header.index("training acc. (%)")] == "50.0 ± 0.0"
+  assert (f"{2 * len(without_losses)} of the 6 runs record no training-domain "
+          "losses (env{i}_in_loss, which DomainBed's own runs do not write): "
+          "their final training loss is n/a.") in training
+
+  # The loss-based claims read every run they compare, or are not measured.
+  claims = json.loads((tmp_path / "out" / "claims" /
+                       "claims.json").read_text())
+  lacking = {"smoothness": [a for a in ("ERM", "PGrad")
+                            if a in without_losses],
+             "bottom": [a for a in ("PGrad", "PGrad-Bottom")
+                        if a in without_losses]}
+  for claim, algorithms in lacking.items():
+    reason = (f"ColoredDigits: no {claim} numbers or figures: "
+              f"{2 * len(algorithms)} of its 4 runs ({', '.join(algorithms)}) "
+              "record no training-domain losses (env{i}_in_loss, which "
+              "DomainBed's own runs do not write).")
+    assert (reason in text) == bool(algorithms), claim
+    assert (reason in err) == bool(algorithms), claim
+    assert (claim in claims.get("ColoredDigits", {})) == (not algorithms)
+  plot_reason = ("ColoredDigits, held-out env0: no training loss per domain "
+                 "plot: no run records env{i}_in_loss." if len(
+                     without_losses) == 3 else
+                 f"ColoredDigits, held-out env0: no loss curves of "
+                 f"{', '.join(without_losses)}: their runs record no "
+                 "env{i}_in_loss.")
+  assert plot_reason in text
+
+
 def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys, undrawn):
   write_runs(tmp_path / "sweep", sweep_records())
   damaged = sorted((tmp_path / "sweep").iterdir())[0]
