@@ -124,10 +124,11 @@ def digits_cnn(image_size: int, width: int, seed: int = 0):
 
 
 def digit_batches(rng: np.random.Generator, num_domains: int, batch: int,
-                  image_size: int) -> dict[str, np.ndarray]:
+                  image_size: int, channels: int = 1) -> dict[str, np.ndarray]:
   """Random ``{"image", "label"}`` batches of ``num_domains x batch`` digits
-  for the experiments' algorithms, drawn from ``rng`` (images first)."""
-  images = rng.random((num_domains, batch, image_size, image_size, 1),
+  (or, with three ``channels``, photos) for the experiments' algorithms,
+  drawn from ``rng`` (images first)."""
+  images = rng.random((num_domains, batch, image_size, image_size, channels),
                       np.float32)
   labels = rng.integers(0, NUM_CLASSES, (num_domains, batch)).astype(np.int32)
   return {"image": images, "label": labels}
@@ -310,10 +311,15 @@ def num_bytes(tree: Any) -> int:
              for x in jax.tree.leaves(tree))
 
 
+def write_json(record: dict[str, Any], out: str) -> None:
+  """Writes a benchmark's record as JSON to ``out``."""
+  with open(out, "w") as f:
+    json.dump(record, f, indent=2)
+    f.write("\n")
+
+
 def publish(record: dict[str, Any], table: str, out: str | None) -> None:
   """Prints a benchmark's table and writes its record as JSON to ``out``."""
   print(table)
   if out:
-    with open(out, "w") as f:
-      json.dump(record, f, indent=2)
-      f.write("\n")
+    write_json(record, out)

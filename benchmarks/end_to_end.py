@@ -288,8 +288,8 @@ def _host_ms(step_s: float | None, data_wait_s: float | None,
 
 
 def _median(values: Sequence[float | None]) -> float | None:
-  """The median, or None if any value is None."""
-  return None if None in values else statistics.median(values)
+  """The median, or None if any value is None or there is none."""
+  return None if None in values or not values else statistics.median(values)
 
 
 def run_summary(run: Sequence[records_lib.Record], wall_s: float,
@@ -467,8 +467,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"host {_rounded(ran['host_ms'])} ms; update "
                 f"{ran['update_ms']:.1f} ms around the run.",
                 file=sys.stderr, flush=True)
-        results.append(summarize(case, algorithm, runs, walls, update_ms,
-                                 compiled[algorithm].compile_ms))
+          row = summarize(case, algorithm, runs, walls, update_ms,
+                          compiled[algorithm].compile_ms)
+          # The row so far after every run, so a benchmark cut short keeps
+          # what ran (a row without warm runs has None for what they give).
+          if args.out:
+            common.write_json(make_record(args, load, [*results, row]),
+                              args.out)
+        results.append(row)
+  return make_record(args, load, results)
+
+
+def make_record(args: argparse.Namespace, load: Sequence[float],
+                results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """The JSON record of the ``results`` so far; ``load``: the load
+  averages when the benchmark started."""
   return {
       "benchmark": "end_to_end",
       "environment": common.environment(),
@@ -477,7 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "load_average_before": load[0],
                "load_average_after": os.getloadavg()[0]},
       "config": vars(args),
-      "results": results,
+      "results": list(results),
   }
 
 

@@ -17,10 +17,11 @@ the same trajectory stored leaf by leaf, the layout it replaces there.
 
 The baselines are the study's own updates (``experiments.algorithms``) with
 DomainBed's default hparams, on the same network (the MLP as a DomainBed
-``MLP`` featurizer of the same widths and a linear head, and SagNet's style
-head beside it) and examples: by default DANN and MLDG, which the paper's
-appendix times against PGrad-B; with ``--methods``, also VREx, IB_ERM, SD,
-CDANN and SagNet. DANN and CDANN alternate generator and discriminator
+``MLP`` featurizer of the same widths and a linear head, with SagNet's style
+head or MTL's embedding head where they need one) and examples: by default
+DANN and MLDG, which the paper's appendix times against PGrad-B; with
+``--methods``, also VREx, IB_ERM, SD, CDANN, SagNet, ANDMask, SANDMask, IGA,
+RSC, SelfReg and MTL. DANN and CDANN alternate generator and discriminator
 updates (``d_steps_per_g_step`` = 1), which cost differently: their time is
 the mean update of one such cycle. MLDG pairs every domain once
 (``mldg_pairs="random_pairs"``, DomainBed's MLDG before commit 960f6a2, that
@@ -53,11 +54,16 @@ from pgrad_jax._src import trajectory as trajectory_lib
 
 INNER_LR = 1e-3
 # The experiments' algorithms timed beside PGrad-B, by their names here, with
-# the hparams that differ from DomainBed's defaults.
+# the hparams that differ from DomainBed's defaults. DANN and MLDG are timed
+# by default; the others when asked for (``--methods``). SANDMask at
+# DomainBed's tau = 1 masks every gradient, which costs as much as any tau.
 BASELINES = {"dann": ("DANN", {}),
              "mldg": ("MLDG", {"mldg_pairs": "random_pairs"}),
              "vrex": ("VREx", {}), "ib_erm": ("IB_ERM", {}), "sd": ("SD", {}),
-             "cdann": ("CDANN", {}), "sagnet": ("SagNet", {})}
+             "cdann": ("CDANN", {}), "sagnet": ("SagNet", {}),
+             "andmask": ("ANDMask", {}), "sandmask": ("SANDMask", {}),
+             "iga": ("IGA", {}), "rsc": ("RSC", {}),
+             "selfreg": ("SelfReg", {}), "mtl": ("MTL", {})}
 METHODS = ("erm", "rollout", "fish", "pgrad-B", *BASELINES)
 # The paper's appendix times DANN and MLDG against PGrad-B.
 DEFAULT_METHODS = ("erm", "rollout", "fish", "pgrad-B", "dann", "mldg")
@@ -186,15 +192,20 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
 
   dtype = common.DTYPES[args.dtype]
 
-  def split_model(style_head=False):
+  def split_model(style_head=False, domain_embedding=False):
+    """The network, with SagNet's style head or MTL's embedding head if
+    asked for, split as the algorithms take it."""
     if args.model != "mlp":
       return algorithms.Network.split(models.build_model(
           args.model, num_classes=common.NUM_CLASSES, input_shape=input_shape,
-          rngs=nnx.Rngs(0), dtype=dtype, style_head=style_head))
+          rngs=nnx.Rngs(0), dtype=dtype, style_head=style_head,
+          domain_embedding=domain_embedding))
     featurizer = models.MLP(common.MLP_INPUTS, max(args.hidden // 2, 1),
                             width=args.hidden, depth=2, rngs=nnx.Rngs(0),
                             dtype=dtype)
-    model_class = models.StyleClassifier if style_head else models.Classifier
+    model_class = (models.StyleClassifier if style_head else
+                   models.EmbeddingClassifier if domain_embedding else
+                   models.Classifier)
     return algorithms.Network.split(model_class(
         featurizer, common.NUM_CLASSES, rngs=nnx.Rngs(0), dtype=dtype))
 
@@ -204,7 +215,8 @@ def baseline_calls(args: argparse.Namespace, input_shape: tuple[int, ...],
   calls = {}
   for name in names:
     algorithm, hparams = BASELINES[name]
-    # The network the training loop builds for it (SagNet's style head).
+    # The network the training loop builds for it (SagNet's style head,
+    # MTL's embedding head).
     network, params, stats = split_model(
         **catalog.ALGORITHMS[algorithm].model_options)
     hparams = {**hparams_registry.default_hparams(algorithm, dataset),

@@ -586,6 +586,51 @@ def _arm(space: hp.SearchSpace) -> None:
 ALGORITHMS.register("ARM", f"{_MIXING}:arm",
                     model_options={"context_net": True}, hparams=_arm)
 
+# Agreements and moving-average weights: 0 to 1, both included.
+_UNIT_INTERVAL = hp.Allowed(float, low=0, high=1)
+
+
+def _andmask(space: hp.SearchSpace) -> None:
+  # DomainBed's default is the integer 1.
+  space.add("tau", 1.0, _UNIT_INTERVAL, hp.uniform(0.5, 1.0))
+
+
+def _sandmask(space: hp.SearchSpace) -> None:
+  space.add("tau", 1.0, _UNIT_INTERVAL, hp.uniform(0.0, 1.0))
+  space.add("k", 10.0, hp.NON_NEGATIVE, hp.log_uniform(-3, 5))
+
+
+def _iga(space: hp.SearchSpace) -> None:
+  # DomainBed's default is the integer 1000.
+  space.add("penalty", 1000.0, hp.NON_NEGATIVE, hp.log_uniform(1, 5))
+
+
+def _rsc(space: hp.SearchSpace) -> None:
+  for name in ("rsc_f_drop_factor", "rsc_b_drop_factor"):
+    space.add(name, 1 / 3, hp.FRACTION, hp.uniform(0, 0.5))
+
+
+def _mtl(space: hp.SearchSpace) -> None:
+  space.add("mtl_ema", 0.99, _UNIT_INTERVAL,
+            hp.choice([0.5, 0.9, 0.99, 1.0]))
+
+
+# Every domain's gradient from its own pass, masked or penalised per
+# parameter: the data axis splits each pass (`base.domain_gradients`).
+ALGORITHMS.register("ANDMask", f"{_GRADIENTS}:andmask", data_parallel=True,
+                    hparams=_andmask)
+ALGORITHMS.register("SANDMask", f"{_GRADIENTS}:sandmask", data_parallel=True,
+                    hparams=_sandmask)
+ALGORITHMS.register("IGA", f"{_GRADIENTS}:iga", data_parallel=True,
+                    hparams=_iga)
+# RSC's batch percentile and SelfReg's class sort pool the domains, as
+# does MTL's one featurizer pass where no BatchNorm trains.
+ALGORITHMS.register("RSC", f"{_GRADIENTS}:rsc", hparams=_rsc)
+ALGORITHMS.register("SelfReg", f"{_MIXING}:selfreg")
+# MTL's head takes a domain embedding (models.EmbeddingClassifier).
+ALGORITHMS.register("MTL", f"{_MIXING}:mtl",
+                    model_options={"domain_embedding": True}, hparams=_mtl)
+
 # The algorithms whose params paths the claims compare (the paper's appendix
 # A.4): a sweep saves their snapshots (``--trajectory_freq``) by default.
 TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")

@@ -129,6 +129,7 @@ def build_model(
     param_dtype: Dtype = jnp.float32,
     context_net: bool = False,
     style_head: bool = False,
+    domain_embedding: bool = False,
     **kwargs,
 ) -> Classifier:
   """Builds the featurizer registered as ``name`` with a fresh linear head.
@@ -146,6 +147,8 @@ def build_model(
       takes ``C + 1`` channels, the last one a context network's map.
     style_head: build a :class:`StyleClassifier` (SagNet's): a second
       linear head beside the classifier's.
+    domain_embedding: build an :class:`EmbeddingClassifier` (MTL's): the
+      head takes the features and an embedding of as many features.
     **kwargs: model options, e.g. ``bn_mode`` and ``dropout`` for ResNets.
 
   Returns:
@@ -160,6 +163,9 @@ def build_model(
   if context_net:
     return ContextClassifier(featurizer, num_classes, channels, rngs=rngs,
                              dtype=dtype, param_dtype=param_dtype)
+  if domain_embedding:
+    return EmbeddingClassifier(featurizer, num_classes, rngs=rngs,
+                               dtype=dtype, param_dtype=param_dtype)
   model_class = StyleClassifier if style_head else Classifier
   return model_class(
       featurizer, num_classes, rngs=rngs, dtype=dtype, param_dtype=param_dtype
@@ -348,6 +354,33 @@ class ContextClassifier(Classifier):
                                  (1,))
     return super().__call__(
         jnp.concatenate([x, context.astype(x.dtype)], axis=-1), rngs=rngs)
+
+
+class EmbeddingClassifier(Classifier):
+  """MTL's network (DomainBed's ``algorithms.py`` lines 1071-1124).
+
+  The head sees every example's features and an embedding of its domain,
+  a vector of as many features (lines 1082-1085, 1124).
+  """
+
+  def __init__(self, featurizer: nnx.Module, num_classes: int, *,
+               rngs: nnx.Rngs, dtype: Dtype = jnp.float32,
+               param_dtype: Dtype = jnp.float32):
+    # Not Classifier's __init__, whose head would take the features alone.
+    self.featurizer = featurizer
+    self.head = nnx.Linear(2 * featurizer.num_features, num_classes,
+                           dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, *, rngs: Rng = None,
+               embedding: jax.Array | None = None) -> jax.Array:
+    """The logits of images ``x``, ``(N, H, W, C)``, with their domain's
+    ``embedding``, ``(N, num_features)``: by default the batch's mean
+    features, the marginal embedding of MTL's paper."""
+    features = self.features(x, rngs=rngs)
+    if embedding is None:
+      embedding = jnp.broadcast_to(features.mean(0), features.shape)
+    return self.head(jnp.concatenate(
+        [features, embedding.astype(features.dtype)], axis=-1))
 
 
 def statistics_dtype(param_dtype: Dtype) -> jnp.dtype:

@@ -25,10 +25,6 @@ ALLOWED_CYCLES = {
     # the queries (which read the catalog's entries).
     "catalog <-> hparams_registry": (
         "experiments.catalog", "experiments.hparams_registry"),
-    # Issue 47, "runs/ run (Run, Status)" of its target: `Run` leaves the
-    # sweep's command line, which rerun imports it from.
-    "runs.sweep <-> runs.rerun": (
-        "experiments.runs.sweep", "experiments.runs.rerun"),
 }
 # The packages below the run: none imports the run's configuration, its
 # command, its loop or the run directories' and sweeps' modules. Checked

@@ -7,8 +7,10 @@ is.
 
 import ast
 import collections
+import fnmatch
 import pathlib
 import re
+import tomllib
 
 ROOT = pathlib.Path(__file__).parent.parent
 # A registry's builder, "module:attribute", which it imports when it builds.
@@ -71,3 +73,32 @@ def test_no_two_modules_share_a_name():
         paths[path.name].append(str(path.relative_to(ROOT)))
   assert {name: found for name, found in paths.items() if len(found) > 1
           } == {}
+
+
+def packaged(root, include):
+  """The packages (folders with an ``__init__.py``) of ``root`` whose dotted
+  names match one of setuptools' ``include`` patterns, as its
+  ``packages.find`` chooses them."""
+  names = [".".join(path.parent.relative_to(root).parts)
+           for path in root.rglob("__init__.py")]
+  return sorted(name for name in names
+                if any(fnmatch.fnmatchcase(name, pattern)
+                       for pattern in include))
+
+
+def test_the_wheel_packages_the_library_alone():
+  # The experiments and the benchmarks run from a checkout. (.ci/run lists
+  # the built wheel too.)
+  setuptools = tomllib.loads(
+      (ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+  assert packaged(ROOT, setuptools["packages"]["find"]["include"]) == [
+      "pgrad_jax", "pgrad_jax._src"]
+  assert setuptools["package-data"] == {"pgrad_jax": ["py.typed"]}
+  assert (ROOT / "pgrad_jax" / "py.typed").is_file()
+
+
+def test_packaged_matches_setuptools_patterns(tmp_path):
+  for package in ("lib", "lib/sub", "libx", "other/lib"):
+    (tmp_path / package).mkdir(parents=True)
+    (tmp_path / package / "__init__.py").write_text("")
+  assert packaged(tmp_path, ["lib", "lib.*"]) == ["lib", "lib.sub"]

@@ -35,12 +35,47 @@ def quick_start():
   return namespace
 
 
+def numpy_loss(params, batches):
+  """The Quick start's loss, mean over its domains, in float64 NumPy."""
+  x = np.asarray(batches["x"], np.float64)
+  logits = x @ np.asarray(params["w"], np.float64) + np.asarray(
+      params["b"], np.float64)
+  logits -= logits.max(-1, keepdims=True)
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  labels = np.asarray(batches["y"])[..., None]
+  return -np.take_along_axis(log_probs, labels, -1).mean()
+
+
+def test_quick_start_prints_the_loss_before_and_after(capsys):
+  namespace = quick_start()
+  printed = [float(number) for number in re.findall(
+      r"loss (?:before|after)[^:]*: (\d+\.\d+)", capsys.readouterr().out)]
+  assert len(printed) == 2, printed
+  before, after = printed
+  # Zero params: every class equally likely, a loss of ln 10.
+  np.testing.assert_allclose(before, np.log(10), atol=5e-5)
+  np.testing.assert_allclose(
+      after, numpy_loss(namespace["params"], namespace["batches"]), atol=5e-5)
+  assert after < before - 0.01
+  # The state is sized for the batches' domains, and so holds every inner
+  # step's loss: 3 domains x B = 3 chunks.
+  state = namespace["state"][0]
+  assert state.losses.shape == (9,)
+  assert state.eigenvalues.shape == (10,)
+  assert bool(jnp.isfinite(state.ref_norm)) and float(state.ref_norm) > 0
+
+
+def test_quick_start_says_its_nnx_part_needs_flax():
+  text = README.read_text()
+  quick_start_text = text[text.index("## Quick start"):]
+  before_nnx = quick_start_text[:quick_start_text.index("from flax import")]
+  prose = re.sub(r"```python\n.*?```", "", before_nnx, flags=re.S)
+  assert re.search(r"pip install[^`]*flax", prose, re.I), prose
+
+
 def test_readme_examples_run_and_do_what_they_say():
   _, nnx_example, *later_examples = python_blocks(README)
   namespace = quick_start()
-  state = namespace["state"]
-  assert bool(jnp.isfinite(state[0].ref_norm))
-  assert float(state[0].ref_norm) > 0
 
   # The NNX model's own parameters move, by the transform's update.
   first_batch = jax.tree.map(lambda x: x[0], namespace["batches"])

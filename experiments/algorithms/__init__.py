@@ -22,11 +22,12 @@ the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
 module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN,
-SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM),
-`gradient_manipulation` (Fish, Fishr) and `principal_gradients` (PGrad
-and its variants), on the shared pieces of `base`. Adding one is a builder
-in its module and a block in ``experiments/catalog.py``: its entry and its
-hparams (``experiments/README.md`` lists every file).
+SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM,
+SelfReg, MTL), `gradient_manipulation` (Fish, Fishr, ANDMask, SANDMask,
+IGA, RSC) and `principal_gradients` (PGrad and its variants), on the shared
+pieces of `base`. Adding one is a builder in its module and a block in
+``experiments/catalog.py``: its entry and its hparams
+(``experiments/README.md`` lists every file).
 
 Each follows DomainBed's class of the same name; line numbers are of
 DomainBed's ``domainbed/algorithms.py`` at commit b93c22a1
@@ -49,6 +50,10 @@ builder's docstring gives them for its terms. Conventions shared by all:
   - SagNet: on each of its three Adams' gradients (lines 1175-1181).
   - Fishr: on the gradient fed to Adam, restarted with it (``_init_optimizer``,
     lines 1597-1602).
+  - ANDMask, SANDMask, IGA, RSC, SelfReg: on the gradient fed to ERM's Adam
+    (SANDMask builds its own, alike, lines 1517-1523), after ANDMask's and
+    SANDMask's masks. MTL: on its Adam over the featurizer and the head
+    (lines 1086-1091).
   - Fish: by default inside the inner Adam of every rollout step, the meta
     step undecayed (``create_clone``'s ``Adam(..., weight_decay=...)``, lines
     415-419; ``fish``, lines 423-427). ``fish_weight_decay="outer"`` moves it
@@ -66,9 +71,10 @@ builder's docstring gives them for its terms. Conventions shared by all:
   rollout draws fresh masks.
 * BatchNorm in ``"train"`` mode: the forward passes are DomainBed's, and
   the running statistics are those of the loss's own passes. ERM, IRM,
-  DANN, Fishr and ARM run the network once over all domains pooled, as
-  DomainBed; GroupDRO, MMD and CORAL once per domain in turn, and MixUp once
-  per mixed pair in DomainBed's order of the pairs (`base.domain_features`;
+  DANN, Fishr, ARM, RSC and SelfReg run the network once over all domains
+  pooled, as DomainBed; GroupDRO, MMD, CORAL, ANDMask, SANDMask, IGA and
+  MTL once per domain in turn, and MixUp once per mixed pair in DomainBed's
+  order of the pairs (`base.domain_features`;
   where no BatchNorm trains, one pooled pass gives the same outputs and is
   taken). A gradient step keeps the statistics of its passes (MLDG's passes
   are of DomainBed's throw-away copies, so it keeps none); a rollout hands
@@ -81,8 +87,15 @@ builder's docstring gives them for its terms. Conventions shared by all:
 """
 
 from experiments.algorithms.mixing import ARM_EVAL_BATCH
+from experiments.algorithms.mixing import MTLState
+from experiments.algorithms.mixing import SelfRegDraws
+from experiments.algorithms.mixing import SelfRegState
 from experiments.algorithms.mixing import arm
 from experiments.algorithms.mixing import mixup_algorithm
+from experiments.algorithms.mixing import mtl
+from experiments.algorithms.mixing import project
+from experiments.algorithms.mixing import selfreg
+from experiments.algorithms.mixing import selfreg_draws
 from experiments.algorithms.mixing import support_context
 from experiments.algorithms.base import Algorithm
 from experiments.algorithms.base import AnnealState
@@ -95,6 +108,7 @@ from experiments.algorithms.base import Params
 from experiments.algorithms.base import Stats
 from experiments.algorithms.base import batch_loss
 from experiments.algorithms.base import build_algorithm
+from experiments.algorithms.base import domain_gradients
 from experiments.algorithms.base import domain_losses
 from experiments.algorithms.base import merge_domains
 from experiments.algorithms.base import mixup
@@ -102,10 +116,17 @@ from experiments.algorithms.base import restart_at_anneal
 from experiments.algorithms.base import with_example_keys
 from experiments.algorithms.gradient_manipulation import FISH_WEIGHT_DECAY
 from experiments.algorithms.gradient_manipulation import FishrState
+from experiments.algorithms.gradient_manipulation import and_mask
+from experiments.algorithms.gradient_manipulation import andmask
 from experiments.algorithms.gradient_manipulation import fish
 from experiments.algorithms.gradient_manipulation import fishr
 from experiments.algorithms.gradient_manipulation import fishr_penalty
 from experiments.algorithms.gradient_manipulation import head_gradients
+from experiments.algorithms.gradient_manipulation import iga
+from experiments.algorithms.gradient_manipulation import numpy_percentile
+from experiments.algorithms.gradient_manipulation import rsc
+from experiments.algorithms.gradient_manipulation import sand_mask
+from experiments.algorithms.gradient_manipulation import sandmask
 from experiments.algorithms.invariance import DANNState
 from experiments.algorithms.invariance import MMD_GAMMAS
 from experiments.algorithms.invariance import SAGNET_EPS

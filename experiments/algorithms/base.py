@@ -223,6 +223,31 @@ def domain_losses(
   return losses, stats
 
 
+def domain_gradients(
+    network: Network, params: Params, stats: Stats, batches: Batches
+) -> tuple[jax.Array, Params, Stats]:
+  """Every domain's mean task loss and its gradient, from its own pass.
+
+  As `domain_losses`: the passes run in domain order, the statistics
+  following each, as DomainBed's loops of ``autograd.grad(env_loss, ...)``
+  over the minibatches (ANDMask, SANDMask, IGA). The gradients stay
+  differentiable w.r.t. ``params`` (IGA's penalty differentiates them).
+
+  Returns:
+    ``(losses (n,), gradients with a leading (n,) axis on every leaf of
+    params, stats after the last pass)``.
+  """
+  loss_and_grad = jax.value_and_grad(batch_loss(network), has_aux=True)
+
+  def one_domain(stats, batch):
+    (loss, stats), grads = loss_and_grad(params, batch, stats)
+    return stats, (loss, grads)
+
+  stats, (losses, grads) = jax.lax.scan(one_domain, stats, batches,
+                                        unroll=True)
+  return losses, grads, stats
+
+
 def mixup(
     batches: Batches, key: jax.Array, alpha: float, num_chunks: int = 1,
     dtype: jnp.dtype | None = None,

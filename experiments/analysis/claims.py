@@ -29,7 +29,8 @@ up to the last step all of them reached (`common_steps`), the
 bottom-eigenvector comparison gives its loss change both there and at each
 run's end, and the trajectory-length comparison reads each run's end. A
 claim read from changes between evaluations is not measured where a run has
-a single evaluation (`unmeasured` says so).
+a single evaluation, nor a claim read from the losses where a run records
+none (`unmeasured` says so).
 
 The numbers are sums taken with `math.fsum`, which rounds the exact sum once:
 unlike NumPy's and BLAS's sums, whose order of additions depends on the
@@ -49,8 +50,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from experiments.analysis.model_selection import by_run, group_by
-from experiments.catalog import TRAJECTORY_ALGORITHMS
-from experiments.rundir.records import Record, env_key, held_out_env, train_envs
+from experiments.catalog import ALGORITHMS, TRAJECTORY_ALGORITHMS
+from experiments.rundir.records import (Record, env_key, has_training_losses,
+                                      held_out_env, train_envs)
 
 SMOOTHNESS_ALGORITHMS = ("ERM", "PGrad", "PGrad-B", "Fish")
 BOTTOM_ALGORITHMS = ("PGrad", "PGrad-Bottom")
@@ -470,11 +472,13 @@ def select(
 
 def unmeasured(
     selected: Mapping[str, ClaimRecords]) -> dict[str, dict[str, str]]:
-  """The claims whose runs are there but too short to measure.
+  """The claims whose runs are there but cannot be measured.
 
   Smoothness reads a loss curve's changes, and the bottom-eigenvector claim
-  the change of the loss, over the steps every run reached: a run with a
-  single evaluation there has none.
+  the change of the loss, over the steps every run reached: a run whose
+  records hold no training-domain losses (`has_training_losses`) has no
+  curve, and a run with a single evaluation there has no change. The claim
+  compares all its runs or is not measured.
 
   Args:
     selected: what the claims read, per dataset (`select`).
@@ -488,8 +492,17 @@ def unmeasured(
     for claim, records in (("smoothness", inputs.smoothness),
                            ("bottom", common_steps(inputs.bottom))):
       runs = by_run(records)
+      lacking = [run for run in runs
+                 if not all(map(has_training_losses, run))]
       single = sum(len(run) < 2 for run in runs)
-      if single:
+      if lacking:
+        algorithms = ALGORITHMS.in_order(run[0]["args"]["algorithm"]
+                                         for run in lacking)
+        found[claim] = (
+            f"{len(lacking)} of its {len(runs)} runs ({', '.join(algorithms)}) "
+            "record no training-domain losses (env{i}_in_loss, which "
+            "DomainBed's own runs do not write)")
+      elif single:
         found[claim] = (
             f"{single} of its {len(runs)} runs have a single evaluation over "
             "the steps every run reached, and a change of the loss needs two")

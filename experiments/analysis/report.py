@@ -24,7 +24,7 @@ the paper's claims measured by `experiments.analysis.claims` to
 are read from their directories and from packs (``runs.jsonl.gz``,
 `experiments.rundir.pack.pack_runs`), as a committed study keeps them. Where
 ``--input_dir`` is a sweep's directory, the report counts the runs of its
-saved grid (`experiments.runs.sweep.GRID_FILE`) that are done, so that a
+saved grid (`experiments.runs.grid.GRID_FILE`) that are done, so that a
 report of a sweep still training says so.
 """
 
@@ -45,13 +45,14 @@ from experiments import catalog
 from experiments import errors
 from experiments.analysis import claims as claims_lib
 from experiments.runs import convergence
+from experiments.runs import grid as grid_lib
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.rundir import pack
 from experiments.rundir import records as records_lib
+from experiments.runs import run as run_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
-from experiments.runs import sweep
 from experiments.rundir.records import Record
 
 PLOTS_DIR = "plots"
@@ -282,7 +283,7 @@ def training_table(records: Sequence[Record],
   """Where one dataset's runs ended: a row per algorithm, over all its runs.
 
   Args:
-    records: the dataset's records, with ``env{i}_in_loss``.
+    records: the dataset's records.
     algorithms: the rows, in order; those without runs are left out.
 
   Returns:
@@ -325,10 +326,6 @@ def training_table(records: Sequence[Record],
        "steps (median; most)", "training time per run (s, median)"], rows)
 
 
-def _has_loss_curves(record: Record) -> bool:
-  return any(key.endswith("_in_loss") for key in record)
-
-
 def write_plots(
     records: Sequence[Record], dataset: str, env: int, plots_dir: Path
 ) -> tuple[list[Plot], list[str]]:
@@ -350,7 +347,7 @@ def write_plots(
   by_algorithm = model_selection.group_by(runs,
                                           lambda r: r["args"]["algorithm"])
   algorithms = catalog.ALGORITHMS.in_order(by_algorithm)
-  loss_runs = [r for r in runs if _has_loss_curves(r)]
+  loss_runs = [r for r in runs if records_lib.has_training_losses(r)]
   # (caption, file suffix, plot function, records or [] with the reason).
   figures = [
       ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs, ""),
@@ -358,8 +355,8 @@ def write_plots(
        "no run records env{i}_in_loss"),
   ]
   skipped = []
-  without_loss = [a for a in algorithms
-                  if not any(map(_has_loss_curves, by_algorithm[a]))]
+  without_loss = [a for a in algorithms if not any(
+      map(records_lib.has_training_losses, by_algorithm[a]))]
   if loss_runs and without_loss:
     skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
                    "record no env{i}_in_loss")
@@ -435,10 +432,14 @@ def render(records: Sequence[Record], output_dir: Path,
             "held-out domain: the runs behind the accuracy tables. Training "
             "time excludes evaluation and includes compilation."]
   for dataset in datasets:
-    with_loss = [r for r in by_dataset[dataset] if _has_loss_curves(r)]
-    if with_loss:
-      lines += ["", f"### {dataset}", "", training_table(with_loss,
-                                                        algorithms)]
+    lines += ["", f"### {dataset}", "", training_table(by_dataset[dataset],
+                                                      algorithms)]
+    runs = model_selection.by_run(by_dataset[dataset])
+    lacking = sum(not records_lib.has_training_losses(run[-1]) for run in runs)
+    if lacking:
+      lines += ["", f"{lacking} of the {len(runs)} runs record no "
+                "training-domain losses (env{i}_in_loss, which DomainBed's own "
+                "runs do not write): their final training loss is n/a."]
 
   if wilds_table:
     lines += ["", "## WILDS", "",
@@ -571,14 +572,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     scope += (f"; {len(found.skipped)} runs skipped, their records damaged: "
               + ", ".join(str(p) for p in found.skipped))
   try:
-    grid = sweep.read_grid(args.input_dir)
+    grid = grid_lib.read_grid(args.input_dir)
   except errors.UsageError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if grid is not None:
-    scope += (f". The sweep's grid ({sweep.GRID_FILE}) has "
-              + sweep.summary(sweep.make_runs(output_dir=args.input_dir,
-                                              **grid)))
+    scope += (f". The sweep's grid ({grid_lib.GRID_FILE}) has "
+              + run_lib.summary(grid_lib.make_runs(
+                  output_dir=args.input_dir, **grid)))
   output_dir = Path(args.output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"

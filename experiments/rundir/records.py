@@ -89,6 +89,13 @@ def train_envs(record: Record) -> list[int]:
   return [i for i in range(num_envs(record)) if i not in held_out]
 
 
+def has_training_losses(record: Record) -> bool:
+  """Whether a record holds every training domain's loss,
+  ``env{i}_in_loss``: this project's runs record it at every evaluation;
+  DomainBed's own runs (its ``train.py``) record accuracies alone."""
+  return all(env_key(i, "in", "loss") in record for i in train_envs(record))
+
+
 def held_out_metric(record: Record, env: int) -> float:
   """A held-out domain's headline metric: accuracy, or Pearson's r."""
   return record.get(env_key(env, "in", "acc"),

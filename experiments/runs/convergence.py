@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from experiments.rundir.records import Record, env_key, train_envs
+from experiments.rundir.records import (Record, env_key, has_training_losses,
+                                      train_envs)
 
 WINDOW = 0.2  # The last fifth of the steps.
 
@@ -25,7 +26,8 @@ class RunEnd(NamedTuple):
   """Where one run ended.
 
   Attributes:
-    loss: the final training-domain loss, averaged over training domains.
+    loss: the final training-domain loss, averaged over training domains;
+      NaN where the records hold none (`records.has_training_losses`).
     accuracy: the final training-domain accuracy on their ``in`` splits.
     validation_change: |change| of the training-domain validation accuracy
       over the last `WINDOW` of the steps (from the evaluation before the
@@ -62,8 +64,7 @@ def run_end(run: Sequence[Record]) -> RunEnd:
   """Where a run ended.
 
   Args:
-    run: one run's records (one per evaluation), in step order, with
-      ``env{i}_in_loss``.
+    run: one run's records (one per evaluation), in step order.
 
   Returns:
     The run's `RunEnd`.
@@ -81,7 +82,8 @@ def run_end(run: Sequence[Record]) -> RunEnd:
             if start >= 0 else float("nan"))
   steps = np.diff([0] + [r["step"] for r in run])
   return RunEnd(
-      loss=_pooled(last, "in", "loss")[0],
+      loss=(_pooled(last, "in", "loss")[0] if has_training_losses(last)
+            else float("nan")),
       accuracy=_pooled(last, "in", "acc")[0],
       validation_change=change,
       validation_se=float(se),

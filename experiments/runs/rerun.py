@@ -26,9 +26,10 @@ runs' environment files, `experiments.rundir.records.ENVIRONMENT_FILE`). Where
 the two are the same, a run must come out equal, bit for bit. Where they
 differ, or the run did not record where it trained, a run whose records
 differ is judged against the spread of its cell's committed trials
-(`judge_noise`): "within the trials' noise" or "differs beyond" it, at the
-numbers a study reports of it (`reported_numbers`). ``--changed_hparams``
-retrains with some hparams changed, to see the check find a real change.
+(`experiments.runs.noise.judge_noise`): "within the trials' noise" or
+"differs beyond" it, at the numbers a study reports of it
+(`experiments.runs.noise.reported_numbers`). ``--changed_hparams`` retrains
+with some hparams changed, to see the check find a real change.
 
 ``longer`` trains one run for a given number of steps without stopping at its
 plateau, in its own directory (default: the runs' directory with
@@ -39,9 +40,9 @@ total (the learning rates are constant, Fishr's anneal step is fixed), so its
 steps are the run's own up to where that one stopped; it shows what happens
 after.
 
-This module lists no runs and so imports neither `experiments.runs.sweep` nor a
-study: it takes their runs (``sweep.Run``) and trains them with their own
-``train`` method.
+This module lists no runs and so imports neither `experiments.runs.sweep` nor
+a study: it takes their runs (`experiments.runs.run.Run`) and trains them
+with their own ``train`` method.
 """
 
 from __future__ import annotations
@@ -51,21 +52,19 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import math
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from experiments.runs import convergence
 from experiments.runs import environment
+from experiments.runs import noise as noise_lib
 from experiments.rundir import pack
 from experiments.rundir import records
-
-if TYPE_CHECKING:
-  from experiments.runs import sweep
+from experiments.runs import run as run_lib
 
 COMMANDS = ("reproduce", "longer")
 # Fields of a record that differ between two trainings of one run: where it
@@ -76,15 +75,6 @@ _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
                  "test_env", "longer_steps")
 # The characters of a run's first difference that its line shows.
 _SHOWN = 160
-# How often, at most, a run trained again elsewhere is said to differ beyond
-# the trials' noise when it does not (docs/study.md#reproducing-the-study):
-# shared by `NUMBERS`, each tested at a third of it.
-FALSE_ALARM_RATE = 0.01
-# The numbers a study reports of a run (`reported_numbers`), as they are
-# printed.
-NUMBERS = {"held_out_acc": "held-out accuracy",
-           "validation_acc": "validation accuracy",
-           "log_final_loss": "log final training loss"}
 # What `reproduce` finds of a run, and whether it passes.
 VERDICTS = {"equal": True, "within the trials' noise": True,
             "differs beyond the trials' noise": False,
@@ -112,128 +102,16 @@ def first_difference(committed: Sequence[dict[str, Any]],
   return None
 
 
-def reported_numbers(run: Sequence[records.Record]) -> dict[str, Any]:
-  """The numbers a study reports of one run, each with how many examples it
-  counts.
 
-  Args:
-    run: the run's records, in step order.
-
-  Returns:
-    For each of `NUMBERS`, ``(value, examples)``: at the evaluation that
-    training-domain validation selects
-    (`experiments.analysis.model_selection.TrainingDomainValidation`), the
-    held-out domain's accuracy and the training domains' mean validation
-    accuracy; and the log of the final training-domain loss
-    (`experiments.runs.convergence.run_end`), whose examples are 0 (not an
-    accuracy). Examples are 0 where the records do not count them.
-  """
-  # Here, not at the top: launching and training (sweep.py imports this
-  # module) import nothing of the analysis.
-  from experiments.analysis import model_selection  # pylint: disable=import-outside-toplevel
-  selected = model_selection.TrainingDomainValidation.run_acc(run)
-  last = run[-1]
-  held_out = records.held_out_env(last)
-  validation_examples = [last.get(records.env_key(i, "out", "examples"))
-                         for i in records.train_envs(last)]
-  return {
-      "held_out_acc": (
-          selected.test_acc,
-          last.get(records.env_key(held_out, "in", "examples"), 0)),
-      "validation_acc": (
-          selected.val_acc,
-          0 if None in validation_examples else sum(validation_examples)),
-      "log_final_loss": (math.log(convergence.run_end(run).loss), 0),
-  }
-
-
-def t_two_sided_cdf(t: float, df: int) -> float:
-  """P(|T| <= t) for Student's t with ``df`` (a positive integer) degrees of
-  freedom, in closed form (Abramowitz & Stegun 26.7.3 and 26.7.4)."""
-  theta = math.atan(t / math.sqrt(df))
-  cos2 = math.cos(theta) ** 2
-  # A series in the powers of cos(theta) up to df - 2: the odd ones for odd
-  # df, the even ones for even df.
-  term, total = (math.cos(theta), 0.0) if df % 2 else (1.0, 0.0)
-  for power in range(df % 2, df - 1, 2):
-    total += term
-    term *= cos2 * (power + 1) / (power + 2)
-  if df % 2:
-    return 2 / math.pi * (theta + math.sin(theta) * total)
-  return math.sin(theta) * total
-
-
-def t_critical(alpha: float, df: int) -> float:
-  """The t with P(|T| > t) = ``alpha`` for Student's t with ``df`` degrees
-  of freedom, by bisection of `t_two_sided_cdf`."""
-  low, high = 0.0, 1.0
-  while t_two_sided_cdf(high, df) < 1 - alpha:
-    low, high = high, 2 * high
-  for _ in range(100):
-    middle = (low + high) / 2
-    low, high = ((middle, high) if t_two_sided_cdf(middle, df) < 1 - alpha
-                 else (low, middle))
-  return high
-
-
-def judge_noise(retrained: dict[str, Any], committed: dict[str, Any],
-                trials: Sequence[dict[str, Any]],
-                false_alarm_rate: float = FALSE_ALARM_RATE
-                ) -> dict[str, dict[str, Any]] | None:
-  """Whether a run trained again lies within its cell's spread of trials.
-
-  For each of `NUMBERS`, the retrained value x is held against the n
-  committed trials of the run's cell (its dataset, algorithm, draw and
-  held-out domain; the committed run is one of them): their mean m and
-  standard deviation s, at least one example's worth, 1 / examples, for an
-  accuracy, since three trials can tie. If x were one more trial, (x - m) /
-  (s sqrt(1 + 1/n)) would follow Student's t with n - 1 degrees of freedom,
-  so x lies within the noise where that is at most `t_critical` of a third
-  of ``false_alarm_rate``: the run is then said to differ when it does not
-  with probability at most ``false_alarm_rate``. A run trained again from
-  its own seeds lies closer to its committed run than another trial would,
-  so the rate is lower in fact (docs/study.md).
-
-  Args:
-    retrained: `reported_numbers` of the run trained again.
-    committed: `reported_numbers` of the committed run, for the report.
-    trials: `reported_numbers` of every committed trial of the cell.
-    false_alarm_rate: the rate above.
-
-  Returns:
-    None with fewer than two trials (no spread to judge by); else, for each
-    of `NUMBERS`, the retrained and the committed value, the trials' values,
-    mean and standard deviation, the most that the retrained value may lie
-    from their mean (``allowed``), and whether it lies within.
-  """
-  if len(trials) < 2:
-    return None
-  n = len(trials)
-  factor = t_critical(false_alarm_rate / len(NUMBERS), n - 1) * math.sqrt(
-      1 + 1 / n)
-  judged = {}
-  for name in NUMBERS:
-    values = [trial[name][0] for trial in trials]
-    mean = math.fsum(values) / n
-    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    examples = retrained[name][1]
-    allowed = factor * max(sd, 1 / examples if examples else 0.0)
-    judged[name] = {
-        "retrained": retrained[name][0], "committed": committed[name][0],
-        "trials": values, "mean": mean, "sd": sd, "allowed": allowed,
-        "within": abs(retrained[name][0] - mean) <= allowed}
-  return judged
-
-
-def group(run: sweep.Run) -> tuple[Any, ...]:
+def group(run: run_lib.Run) -> tuple[Any, ...]:
   """The run's ``(dataset, algorithm, hparams_seed, trial_seed)``."""
   a = run.args
   return a["dataset"], a["algorithm"], a["hparams_seed"], a["trial_seed"]
 
 
-def sample(runs: Sequence[sweep.Run],
+def sample(runs: Sequence[run_lib.Run],
            hparams_seeds: Sequence[int] | None = None,
-           algorithms: Sequence[str] | None = None) -> list[sweep.Run]:
+           algorithms: Sequence[str] | None = None) -> list[run_lib.Run]:
   """One run per (dataset, algorithm, hparams_seed, trial_seed) group, the one
   holding out the lowest domain, from the given draws and algorithms
   (default: all)."""
@@ -245,7 +123,7 @@ def sample(runs: Sequence[sweep.Run],
   return list(chosen.values())
 
 
-def _cell(run: sweep.Run) -> tuple[Any, ...]:
+def _cell(run: run_lib.Run) -> tuple[Any, ...]:
   """The run's dataset, algorithm, draw and held-out domains: its trials
   differ in nothing else."""
   a = run.args
@@ -253,7 +131,7 @@ def _cell(run: sweep.Run) -> tuple[Any, ...]:
           tuple(a["test_envs"]))
 
 
-def with_hparams(run: sweep.Run, changed: dict[str, Any]) -> sweep.Run:
+def with_hparams(run: run_lib.Run, changed: dict[str, Any]) -> run_lib.Run:
   """``run`` with ``changed`` in its ``--hparams``, under its own name (a
   copy retrained with them must compare with the run's records)."""
   hparams = json.loads(run.args.get("hparams") or "{}")
@@ -280,7 +158,7 @@ def verdict(result: dict[str, Any]) -> str:
   return "differs beyond the trials' noise"
 
 
-def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
+def reproduce(runs: Sequence[run_lib.Run], chosen: Sequence[run_lib.Run],
               scratch_dir: Path, jobs: int,
               changed_hparams: dict[str, Any] | None = None
               ) -> dict[str, Any]:
@@ -303,10 +181,10 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
     before runs recorded them) and on which it was retrained
     (``retrained_on``, the copy's; None if it wrote none), for records that
     differ how the numbers a study reports lie among its cell's trials
-    (``noise``, `judge_noise`), and the `verdict`; the changed hparams; and
-    the estimated wall time of all of ``runs`` in the chosen groups at
-    ``jobs`` runs at a time (each chosen run's time times its group's size,
-    over ``jobs``).
+    (``noise``, `noise_lib.judge_noise`), and the `verdict`; the changed
+    hparams; and the estimated wall time of all of ``runs`` in the chosen
+    groups at ``jobs`` runs at a time (each chosen run's time times its
+    group's size, over ``jobs``).
   """
   cells = collections.defaultdict(list)
   for run in runs:
@@ -329,9 +207,10 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
       trials = [finished for trial in cells[_cell(run)] if (
           finished := pack.finished_records(trial.output_dir))]
       try:
-        noise = judge_noise(reported_numbers(retrained),
-                            reported_numbers(committed),
-                            [reported_numbers(trial) for trial in trials])
+        noise = noise_lib.judge_noise(
+            noise_lib.reported_numbers(retrained),
+            noise_lib.reported_numbers(committed),
+            [noise_lib.reported_numbers(trial) for trial in trials])
       except KeyError:
         pass  # Records without accuracies (a regression's): not judged.
     result = {"run": run.output_dir.name, "group": list(group(run)),
@@ -347,7 +226,7 @@ def reproduce(runs: Sequence[sweep.Run], chosen: Sequence[sweep.Run],
   sizes = collections.Counter(map(group, runs))
   total = sum(r["seconds"] * sizes[tuple(r["group"])] for r in results)
   return {"runs": results, "changed_hparams": changed_hparams,
-          "false_alarm_rate": FALSE_ALARM_RATE,
+          "false_alarm_rate": noise_lib.FALSE_ALARM_RATE,
           "runs_in_sampled_groups": sum(sizes[group(run)] for run in chosen),
           "jobs": jobs,
           "estimated_hours": round(total / jobs / 3600, 2)}
@@ -410,9 +289,9 @@ def describe_environments(results: Sequence[dict[str, Any]],
   return "\n".join(lines)
 
 
-def longer_run(runs: Sequence[sweep.Run], *, dataset: str, algorithm: str,
+def longer_run(runs: Sequence[run_lib.Run], *, dataset: str, algorithm: str,
                hparams_seed: int, trial_seed: int, test_env: int,
-               longer_steps: int, output_dir: str | Path) -> sweep.Run:
+               longer_steps: int, output_dir: str | Path) -> run_lib.Run:
   """One of ``runs`` made ``steps`` long without stopping at its plateau.
 
   Args:
@@ -524,7 +403,7 @@ def check_arguments(parser: argparse.ArgumentParser,
 
 
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
-         runs: Sequence[sweep.Run], output_dir: str | Path,
+         runs: Sequence[run_lib.Run], output_dir: str | Path,
          lock: tuple[str, dict[str, str]] | None = None) -> int:
   """Runs ``args.command``, one of `COMMANDS`, on ``runs``.
 
@@ -548,7 +427,7 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
   return _longer_command(parser, runs, args, output_dir)
 
 
-def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
+def _reproduce_command(runs: Sequence[run_lib.Run], args: argparse.Namespace,
                        output_dir: str | Path,
                        lock: tuple[str, dict[str, str]] | None) -> int:
   chosen = [run for run in sample(runs, args.hparams_seeds)
@@ -574,7 +453,8 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
           + (f"; {difference[:_SHOWN]}{'…' * (len(difference) > _SHOWN)}"
              if difference else ""))
     for name, number in (result["noise"] or {}).items():
-      print(f"  {NUMBERS[name] + ':':24} {number['retrained']:8.4f} "
+      label = noise_lib.NUMBERS[name] + ":"
+      print(f"  {label:24} {number['retrained']:8.4f} "
             f"retrained, {number['committed']:8.4f} committed; trials "
             f"{number['mean']:8.4f} ± {number['sd']:.4f} "
             f"(n = {len(number['trials'])}), within ± {number['allowed']:.4f}"
@@ -589,7 +469,7 @@ def _reproduce_command(runs: Sequence[sweep.Run], args: argparse.Namespace,
 
 
 def _longer_command(parser: argparse.ArgumentParser,
-                    runs: Sequence[sweep.Run], args: argparse.Namespace,
+                    runs: Sequence[run_lib.Run], args: argparse.Namespace,
                     output_dir: str | Path) -> int:
   missing = [f"--{name}" for name in _LONGER_FLAGS
              if getattr(args, name) is None]

@@ -50,11 +50,12 @@ from pathlib import Path
 from types import ModuleType
 
 from experiments.runs import environment
-from experiments.rundir import pack
+from experiments.runs import launchers
+from experiments.rundir import pack as pack_lib
 from experiments.rundir import records
 from experiments.runs import rerun
+from experiments.runs import run as run_lib
 from experiments import studies
-from experiments.runs import sweep
 
 DEFAULT_STUDY = "digits"
 # Where a study's REQUIREMENTS are found, whatever the working directory.
@@ -88,7 +89,7 @@ def study_lock(study: ModuleType) -> tuple[str, dict[str, str]] | None:
 
 
 def pack(directory: Path) -> int:
-  """Packs the finished runs in ``directory`` (`pack.pack_runs`), with
+  """Packs the finished runs in ``directory`` (`pack_lib.pack_runs`), with
   what the paper's claims read of their params snapshots in place of these
   (`experiments.analysis.claims.project_paths`), and says what it packed.
 
@@ -99,19 +100,19 @@ def pack(directory: Path) -> int:
   # analysis.
   from experiments.analysis import claims  # pylint: disable=import-outside-toplevel
   snapshots = {}
-  for run_dir in pack.finished_run_dirs(directory):
+  for run_dir in pack_lib.finished_run_dirs(directory):
     if files := records.trajectory_files(run_dir):
       try:
         snapshots[run_dir] = (records.read_run(run_dir).records[0], files)
       except records.DamagedRunError:
         continue  # pack_runs says why it leaves the run out.
   paths = claims.project_paths(snapshots)
-  packed, skipped = pack.pack_runs(
+  packed, skipped = pack_lib.pack_runs(
       directory, {run_dir.name: path.to_json()
                   for run_dir, path in paths.items()})
   for run_dir, why in skipped.items():
     print(f"Left out {run_dir}: {why}.", file=sys.stderr)
-  print(f"Packed {len(packed)} runs in {directory / pack.PACK_FILE}.")
+  print(f"Packed {len(packed)} runs in {directory / pack_lib.PACK_FILE}.")
   return len(skipped)
 
 
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="launch (default): train every run not done; "
                       "list: the status of every run; pack: write the done "
                       "runs, and the longer command's, to one compressed "
-                      f"file, {pack.PACK_FILE}, in their directory; "
+                      f"file, {pack_lib.PACK_FILE}, in their directory; "
                       "reproduce: retrain a sample of the done runs and "
                       "compare their records; longer: train one run for "
                       "more steps and say when it plateaus.")
@@ -161,24 +162,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == "list":
     for run in runs:
       print(run)
-    print(sweep.summary(runs))
+    print(run_lib.summary(runs))
     return 0
   if args.command == "pack":
     damaged = sum(pack(Path(directory)) for directory in (
         args.output_dir, rerun.longer_dir(args.output_dir, args.longer_dir))
         if Path(directory).is_dir())
-    print(sweep.summary(runs))
+    print(run_lib.summary(runs))
     return 1 if damaged else 0
-  print(sweep.summary(runs))
-  damaged = sweep.report_damaged(runs)
+  print(run_lib.summary(runs))
+  damaged = run_lib.report_damaged(runs)
   try:
-    failed = sweep.launch(runs, jobs=args.jobs)
+    failed = launchers.train_on_host(runs, jobs=args.jobs)
   except KeyboardInterrupt:
     print("Interrupted; the same command resumes the study.", file=sys.stderr)
     return 130
   for run in failed:
     print(f"Failed (see {run.log_file}): {run}")
-  print(sweep.summary(runs))
+  print(run_lib.summary(runs))
   return 1 if failed or damaged else 0
 
 

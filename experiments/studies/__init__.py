@@ -1,7 +1,7 @@
 """Studies as configs: each module holds one study's constants and run list.
 
 A study module defines ``runs(output_dir)``, every
-`experiments.runs.sweep.Run` of the study, and ``OUTPUT_DIR``, where they go
+`experiments.runs.run.Run` of the study, and ``OUTPUT_DIR``, where they go
 by default (its longer runs go beside it, in ``OUTPUT_DIR`` with ``_longer``
 appended: `experiments.runs.rerun`); it may name in ``REQUIREMENTS`` a file
 of the repository that locks the versions its runs trained with.

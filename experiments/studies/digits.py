@@ -19,7 +19,8 @@ import json
 
 from experiments import catalog
 from experiments import hparams_registry
-from experiments.runs import sweep
+from experiments.runs import grid as grid_lib
+from experiments.runs import run as run_lib
 
 DATASETS = ("RotatedDigits", "ColoredDigits")
 # Every algorithm of the paper's Table 2, in its order: ERM, the ten
@@ -55,7 +56,7 @@ OUTPUT_DIR = "results/study"
 REQUIREMENTS = "requirements/study.txt"
 
 
-def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
+def runs(output_dir: str = OUTPUT_DIR) -> list[run_lib.Run]:
   """Every run of the study.
 
   Trajectories are saved only by trial 0's default runs of ERM and PGrad:
@@ -66,7 +67,7 @@ def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
     known = set().union(*(hparams_registry.default_hparams(a, d)
                           for a in algorithms for d in DATASETS))
     fixed = {k: v for k, v in FIXED_HPARAMS.items() if k in known}
-    return sweep.make_runs(
+    return grid_lib.make_runs(
         output_dir=output_dir, datasets=DATASETS, algorithms=algorithms,
         n_hparams=n_hparams, n_trials=N_TRIALS, test_envs=test_envs,
         steps=MAX_STEPS,
@@ -81,7 +82,7 @@ def runs(output_dir: str = OUTPUT_DIR) -> list[sweep.Run]:
   for run in planned:
     if run.args["trial_seed"] and "trajectory_freq" in run.args:
       args = {k: v for k, v in run.args.items() if k != "trajectory_freq"}
-      run = sweep.Run.create(args, output_dir)
+      run = run_lib.Run.create(args, output_dir)
     kept.append(run)
   # The default-hparams runs first: they are the cheapest (a random draw's
   # batch is up to 8x the default's). Then an algorithm at a time, every

@@ -134,12 +134,14 @@ class MetricMeter:
   @classmethod
   def from_state(cls, state: dict[str, Any],
                  place: Callable[[Any], Any]) -> MetricMeter:
-    """The meter that a `state` describes, its arrays put by ``place`` (e.g.
-    `Sharder.replicate`), as the step's metrics are."""
+    """The meter that a `state` describes, its NumPy arrays put on the
+    devices by ``place`` (`sharding.Sharder.replicate`), as the step's
+    metrics are. (Not by ``jnp.asarray``, which compiles a program per dtype
+    and shape, which a fresh run never compiles.)"""
     meter = cls()
     meter.count = state["count"]
     meter.sums, meter.latest = (
-        place({key: jnp.asarray(np.asarray(value, dtype))
+        place({key: np.asarray(value, dtype)
                for key, (dtype, value) in state[name].items()})
         for name in ("sums", "latest"))
     return meter

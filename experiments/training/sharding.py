@@ -72,10 +72,17 @@ class Sharder:
             for key, value in example.items()}
 
   def replicate(self, tree: Any) -> Any:
-    """Copies ``tree`` to every device."""
-    if self.mesh is None:
-      return tree
-    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    """Copies ``tree`` to every device, committed to them (on one device
+    too, where nothing is copied).
+
+    Committed, so that a fresh run compiles the programs that a resumed one
+    does, and the compilation cache holds them for both: Orbax restores a
+    checkpoint's arrays committed, and jit lowers a committed argument with
+    its sharding, an uncommitted one without.
+    """
+    return jax.device_put(
+        tree, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if self.mesh is None else NamedSharding(self.mesh, P()))
 
   def on_mesh(self, step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` called with the mesh set, as explicit sharding traces it."""

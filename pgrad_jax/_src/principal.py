@@ -74,12 +74,12 @@ class PrincipalGradient(NamedTuple):
     update: a pytree like one trajectory point, in gradient sign convention
       (``theta <- theta - lr * update`` descends).
     eigenvalues: ``(m,)``, those of the centred Gram matrix, descending and
-      clamped at zero.
+      clamped at zero; None where no spectrum was computed (:func:`fish`).
     ref_norm: ``||r||``, the length of the reference ``r``.
   """
 
   update: optax.Updates
-  eigenvalues: jax.Array
+  eigenvalues: jax.Array | None
   ref_norm: jax.Array
 
 

@@ -195,19 +195,25 @@ def vary_over(tree: Any, axis_name: Any) -> Any:
                       tree)
 
 
+def callable_loss_fn(loss_fn: Any) -> Callable[..., Any]:
+  """``loss_fn``, checked to be callable: an update given none gets None."""
+  if not callable(loss_fn):
+    raise TypeError(
+        "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
+        f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
+        "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
+  return loss_fn
+
+
 def check_loss_fn(
-    loss_fn: Any, params: optax.Params, batch: Any, model_state: Any = None,
+    loss_fn: Callable[..., Any], params: optax.Params, batch: Any,
+    model_state: Any = None,
 ) -> Any:
   """Checks at trace time that ``loss_fn`` returns what :func:`rollout` says.
 
   Returns:
     The loss traced to a closed jaxpr.
   """
-  if not callable(loss_fn):
-    raise TypeError(
-        "loss_fn must be a callable loss_fn(params, batch) -> scalar loss, got "
-        f"{type(loss_fn).__name__}. An update needs loss_fn as a keyword: "
-        "tx.update(grads, state, params, loss_fn=loss_fn, batches=batches).")
   stateful = model_state is not None
   jaxpr, out = jax.make_jaxpr(loss_fn, return_shape=True)(
       params, batch, *([model_state] if stateful else []))
@@ -284,6 +290,23 @@ def rollout(
   Returns:
     A :class:`Rollout`.
 
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import pgrad_jax
+    >>> params = {"w": jnp.zeros(2)}
+    >>> batches = {"x": jnp.ones((2, 4, 2)), "y": jnp.ones((2, 4))}
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> inner = optax.sgd(0.1)
+    >>> domains, chunks = pgrad_jax.domain_schedule(
+    ...     jax.random.key(0), 2, 2, "fixed")
+    >>> rolled = pgrad_jax.rollout(
+    ...     loss_fn, inner, params, inner.init(params), batches, domains,
+    ...     chunks, pgrad_jax.RolloutOptions(B=2))
+    >>> rolled.losses.shape, rolled.point(-1)["w"].shape
+    ((4,), (2,))
+    >>> float(rolled.losses[0])  # Zero params: the mean of (0 - 1)^2.
+    1.0
+
   Raises:
     ValueError, TypeError: when traced, naming the fix, for batches that
       :func:`check_batches` refuses or a ``loss_fn`` that does not return
@@ -295,7 +318,7 @@ def rollout(
 
 
 def take_steps(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | None,
     inner_opt: optax.GradientTransformation,
     params: optax.Params,
     inner_state: optax.OptState,
@@ -309,6 +332,7 @@ def take_steps(
 ) -> Rollout:
   """:func:`rollout` on batches that :func:`check_batches` has accepted, as
   ``pgrad`` and ``fish`` call it, having checked them once."""
+  loss_fn = callable_loss_fn(loss_fn)
   chunked = jax.tree.map(lambda x: split_chunks(x, options.B), batches)
   first_chunk = jax.tree.map(lambda x: x[0, 0], chunked)
   loss_jaxpr = check_loss_fn(loss_fn, params, first_chunk, model_state)

@@ -18,6 +18,7 @@ so full precision costs no time (docs/design.md).
 
 import dataclasses
 import functools
+import operator
 import itertools
 import math
 from typing import Any
@@ -245,8 +246,8 @@ def gram(trajectory: Any) -> jax.Array:
         preferred_element_type=_accumulation_dtype(b.dtype))
     return tiles.sum(axis=0)[1:, 1:]
 
-  return sum(jax.tree.leaves(_map(stacked_gram, interleaved_gram,
-                                  trajectory)))
+  return functools.reduce(operator.add, jax.tree.leaves(
+      _map(stacked_gram, interleaved_gram, trajectory)))
 
 
 def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
@@ -259,8 +260,10 @@ def weighted_sum(beta: jax.Array, trajectory: Any) -> Any:
     trajectory at about a twentieth of the memory bandwidth)."""
     acc = _accumulation_dtype(blocks.dtype)
     weights = beta.astype(acc)
-    return sum(weights[i] * jnp.take(blocks, i, axis=step_axis).astype(acc)
-               for i in range(len(beta)))
+    return functools.reduce(
+        operator.add,
+        (weights[i] * jnp.take(blocks, i, axis=step_axis).astype(acc)
+         for i in range(len(beta))))
 
   if isinstance(trajectory, ContiguousTrajectory):
     b = trajectory.blocks

@@ -87,6 +87,20 @@ def _check_model_state(name: str, model_state: Any, held: Any) -> None:
         f"{rollout_lib.tree_shapes(model_state)}.")
 
 
+def _is_empty_container(params: Any) -> bool:
+  """Whether ``params`` is None or dicts, lists and tuples of nothing else.
+
+  Such params hold no arrays to optimise: a mistake ``init`` names. A pytree
+  node of another type without leaves is not one: it stands for the params,
+  as the placeholder ``optax.tree.map_params`` passes to ``init`` does.
+  """
+  if isinstance(params, dict):
+    params = list(params.values())
+  if isinstance(params, (list, tuple)):
+    return all(_is_empty_container(child) for child in params)
+  return params is None
+
+
 def _rollout_transform(
     name: str,
     inner_opt: optax.GradientTransformation,
@@ -120,8 +134,10 @@ def _rollout_transform(
       return FishState(losses=losses, **fields)
     return PGradState(eigenvalues=eigenvalues, losses=losses, **fields)
 
-  def init_fn(params):
-    if not jax.tree.leaves(params):
+  # The states are typed at their fields: optax.OptState leaves out None,
+  # which absent diagnostics are (and a pytree and a checkpoint hold).
+  def init_fn(params: optax.Params) -> Any:
+    if _is_empty_container(params):
       raise ValueError(
           f"{name}.init needs the params, a pytree of floating-point arrays; "
           f"got {params!r}.")
@@ -142,9 +158,21 @@ def _rollout_transform(
         loss=jnp.zeros((), jnp.float32),
         num_skipped=jnp.zeros((), jnp.int32))
 
-  def update_fn(updates, state, params=None, *, loss_fn=None, batches=None,
-                model_state=None, **extra_args):
+  def update_fn(
+      updates: optax.Updates,
+      state: optax.OptState,
+      params: optax.Params | None = None,
+      *,
+      loss_fn: Callable[..., Any] | None = None,
+      batches: Any = None,
+      model_state: Any = None,
+      **extra_args: Any,
+  ) -> tuple[optax.Updates, Any]:
     del updates, extra_args  # The rollout computes its own gradients.
+    if not isinstance(state, (PGradState, FishState)):
+      raise TypeError(
+          f"{name}.update needs the state that {name}.init returned; got "
+          f"{type(state).__name__}.")
     if params is None:
       raise ValueError(
           f"{name}.update needs params: "
@@ -183,7 +211,8 @@ def _rollout_transform(
           (inner_state, new_model_state), (state.inner_state, model_state))
 
     return update, make_state(
-        eigenvalues=optax.tree.cast(step.eigenvalues, jnp.float32),
+        eigenvalues=(None if step.eigenvalues is None
+                     else step.eigenvalues.astype(jnp.float32)),
         losses=rolled.losses,
         inner_state=inner_state,
         model_state=new_model_state,
@@ -313,8 +342,14 @@ def fish(
 
   Args:
     inner_opt: the Optax transform of the inner steps (Fish uses Adam).
-    B, order, reset_inner_state, nonfinite, unroll, axis_name, num_domains,
-      seed: as in :func:`pgrad`.
+    B: chunks per domain batch, as in :func:`pgrad`.
+    order: ``"random"`` or ``"fixed"``, as in :func:`pgrad`.
+    reset_inner_state: as in :func:`pgrad`.
+    nonfinite: as in :func:`pgrad`.
+    unroll: as in :func:`pgrad`.
+    axis_name: as in :func:`pgrad`.
+    num_domains: as in :func:`pgrad`; it sizes the state's ``losses``.
+    seed: as in :func:`pgrad`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with a :class:`FishState`;

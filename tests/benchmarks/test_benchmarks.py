@@ -58,6 +58,17 @@ def test_step_time(tmp_path, capsys):
   assert "pgrad-B" in capsys.readouterr().out
 
 
+def test_step_time_times_the_other_domainbed_algorithms(tmp_path):
+  record = run_json(step_time.main, [
+      "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
+      "--methods", "erm", "andmask", "sandmask", "iga", "rsc", "selfreg",
+      "mtl", "--no-split"], tmp_path)
+  assert record["results"].keys() == {"erm", "andmask", "sandmask", "iga",
+                                      "rsc", "selfreg", "mtl"}
+  for result in record["results"].values():
+    assert result["median_ms"] > 0 and result["ratio_to_erm"] > 0
+
+
 def test_step_time_times_only_the_methods_asked_for(tmp_path, capsys):
   record = run_json(step_time.main, [
       "--model", "mlp", *TINY, "--repeats", "1", "--warmup", "0",
@@ -285,6 +296,20 @@ def test_end_to_end_ratios_come_from_the_measured_times(capsys):
   with pytest.raises(ValueError, match="2 runs need 3 sets"):
     end_to_end.summarize(case, "ERM", [cold, warm[0]], [1.0, 1.0],
                          update[:2], 1.0)
+
+  # A benchmark cut short after the cold run: its row so far, the warm runs'
+  # numbers None, its own as with warm runs.
+  cut = end_to_end.summarize(case, "PGrad-B", [cold], [20.0], update[:2],
+                             5000.0)
+  assert cut["warm_saves_s"] == {"init_time": None, "compile_time": None,
+                                 "time_to_first_step": None}
+  assert [run["cache"] for run in cut["runs"]] == ["cold"]
+  assert cut["loop_over_update"] == pytest.approx(ratios[0])
+  assert cut["loop_step_ms"] == pytest.approx(1e3 * (0.30 + 0.50) / 2)
+  assert " n/a " in end_to_end.report(
+      {"environment": common.environment(),
+       "config": {"steps": 10, "checkpoint_freq": 5, "warm_runs": 1},
+       "results": [cut]})
 
   # Records of a loop that does not time its start-up: "n/a", no crash.
   old = end_to_end.summarize(

@@ -49,13 +49,25 @@ def test_accumulated_erm_gradient_is_the_full_batch_gradient():
 def test_vmap_trials_checks_every_trial_and_times_both_variants(tmp_path):
   from benchmarks import vmap_trials
   record = run_json(vmap_trials.main,
-                    ["--algorithms", "ERM", "--trials", "2", "--domains", "2",
-                     "--batch", "3", "--repeats", "1"], tmp_path)
-  (result,) = record["results"]
-  assert result["algorithm"] == "ERM"
-  assert result["timings"].keys() == {"separate", "vmapped"}
-  for timing in result["timings"].values():
-    assert timing["compile_ms"] > 0 and len(timing["times_ms"]) == 1
+                    ["--algorithms", "ERM", "--trials", "1", "2",
+                     "--domains", "2", "--batch", "3", "--repeats", "1"],
+                    tmp_path)
+  assert [(r["algorithm"], r["trials"]) for r in record["results"]] == [
+      ("ERM", 1), ("ERM", 2)]
+  for result in record["results"]:
+    assert result["timings"].keys() == {"separate", "vmapped"}
+    for timing in result["timings"].values():
+      assert timing["compile_ms"] > 0 and len(timing["times_ms"]) == 1
+      assert timing["trial_steps_per_hour"] == pytest.approx(
+          result["trials"] * 3.6e6 / timing["median_ms"])
+
+
+def test_vmap_trials_defaults_come_from_the_models_dataset():
+  from benchmarks import vmap_trials
+  digits = vmap_trials.parse_args([])
+  assert (digits.domains, digits.batch, digits.image_size) == (5, 63, 8)
+  photos = vmap_trials.parse_args(["--model", "resnet18"])
+  assert (photos.domains, photos.batch, photos.image_size) == (3, 33, 32)
 
 
 def test_vmap_trials_check_catches_another_trials_step():
@@ -71,6 +83,6 @@ def test_vmap_trials_check_catches_another_trials_step():
   other_loss = (step[0], None, None, {"loss": np.float32(2.2)})
   with pytest.raises(AssertionError, match="loss"):
     vmap_trials.check_same_step(params, step, other_loss)
-  for flags in (["--trials", "0"], ["--width", "12"]):
+  for flags in (["--trials", "0"], ["--trials", "3", "0"], ["--width", "12"]):
     with pytest.raises(SystemExit):
       vmap_trials.parse_args(flags)

@@ -23,7 +23,7 @@ from experiments import errors
 from experiments.data import datasets
 from experiments import hparams_registry
 from experiments.rundir import records
-from experiments.runs import sweep
+from experiments.runs import run as run_lib
 from experiments import train
 from experiments.rundir import claim
 from experiments.training import loop
@@ -347,7 +347,7 @@ def test_default_output_dir_is_one_per_configuration():
   config = config_lib.parse_args([])
   assert config.output_dir.endswith(
       "RotatedDigits-PGrad-B-test0-"
-      + sweep.Run.create(config.identity(), "s").output_dir.name[:8])
+      + run_lib.Run.create(config.identity(), "s").output_dir.name[:8])
 
 
 def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(

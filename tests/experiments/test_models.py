@@ -707,3 +707,22 @@ def test_batch_norm_statistics_take_the_models_dtype(bn_mode, dtype,
 def test_context_net_follows_pytorchs_running_variance():
   context_net = models.ContextNet(1, rngs=nnx.Rngs(0))
   assert [m.unbiased_running_var for m in context_net.norms] == [True, True]
+
+
+def test_mtl_head_takes_the_features_and_a_domain_embedding():
+  model = models.build_model("mnist_cnn", num_classes=5,
+                             input_shape=(8, 8, 1), rngs=nnx.Rngs(0),
+                             widths=(8, 8, 8, 8), domain_embedding=True)
+  assert isinstance(model, models.EmbeddingClassifier)
+  assert model.head.in_features == 2 * model.featurizer.num_features
+  x = jax.random.normal(jax.random.key(0), (4, 8, 8, 1))
+  features = model.features(x)
+  # By default the embedding is the batch's mean features.
+  np.testing.assert_allclose(
+      model(x), model(x, embedding=jnp.broadcast_to(features.mean(0),
+                                                    features.shape)),
+      rtol=1e-6)
+  embedding = jnp.ones_like(features)
+  np.testing.assert_allclose(
+      model(x, embedding=embedding),
+      model.head(jnp.concatenate([features, embedding], axis=1)), rtol=1e-6)

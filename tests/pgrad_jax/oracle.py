@@ -549,3 +549,225 @@ def sagnet(theta, style, batch_list, draws_list, lr, wd, w_adv):
         theta[2:])
     history.append(tuple(losses))
   return theta, style, history
+
+
+# ----------------------------------------------------------------------------
+# DomainBed's ANDMask, SANDMask, IGA, RSC, SelfReg and MTL (algorithms.py at
+# b93c22a1), float64, on a linear featurizer and a linear head:
+# ``theta = [W_f (P, F), b_f (F,), W_h (F or 2F, C), b_h (C,)]``.
+
+
+def linear_net(theta, images, labels, num_classes, mask=None,
+               embedding=None):
+  """Mean cross-entropy of ``head([features * mask, embedding])`` and its
+  gradient w.r.t. ``theta``, by hand; ``features = x W_f + b_f``.
+
+  ``mask`` (``(N, F)``, held constant) mutes features, as RSC's;
+  ``embedding`` (``(N, E)``, no gradient) is appended to the head's input,
+  as MTL's.
+
+  Returns:
+    ``(loss, [d W_f, d b_f, d W_h, d b_h], features)``.
+  """
+  w_f, b_f, w_h, b_h = theta
+  labels = np.asarray(labels)
+  x = np.asarray(images, np.float64).reshape(len(labels), -1)
+  features = x @ w_f + b_f
+  kept = features if mask is None else features * mask
+  inputs = kept if embedding is None else np.concatenate(
+      [kept, embedding], axis=1)
+  logits = inputs @ w_h + b_h
+  residual = (softmax(logits) - np.eye(num_classes)[labels]) / len(labels)
+  d_kept = (residual @ w_h.T)[:, :features.shape[1]]
+  d_features = d_kept if mask is None else d_kept * mask
+  return (cross_entropy(logits, labels),
+          [x.T @ d_features, d_features.sum(0), inputs.T @ residual,
+           residual.sum(0)], features)
+
+
+def and_mask_direction(grads, tau):
+  """``ANDMask.mask_grads`` of one tensor's ``(n, ...)`` domain gradients."""
+  mask = (np.abs(np.mean(np.sign(grads), axis=0)) >= tau).astype(np.float64)
+  return mask * grads.mean(0) * (1.0 / (1e-10 + mask.sum() / mask.size))
+
+
+def sand_mask_direction(grads, tau, k):
+  """``SANDMask.mask_grads`` of one tensor's ``(n, ...)`` domain gradients."""
+  with np.errstate(divide="ignore", invalid="ignore"):
+    var = grads.var(axis=0, ddof=1)
+    var[np.isnan(var)] = 1e-17
+    lam = var**-1.0
+    mask = np.tanh(k * lam * (np.abs(np.sign(grads).mean(axis=0)) - tau))
+    mask = np.maximum(mask, 0)
+  mask[np.isnan(mask)] = 1e-17
+  return mask * grads.mean(0) * (1.0 / (1e-10 + mask.sum() / mask.size))
+
+
+def masked_gradients(theta, batch_list, lr, wd, direction, num_classes):
+  """``ANDMask.update`` or ``SANDMask.update`` over several steps, with
+  ``direction`` the mask of one tensor's domain gradients.
+
+  Returns ``(theta, mean losses)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  losses = []
+  for batches in batch_list:
+    terms = [linear_net(theta, x, y, num_classes)
+             for x, y in zip(batches["image"], batches["label"])]
+    grads = [direction(np.stack([grads[k] for _, grads, _ in terms]))
+             for k in range(len(theta))]
+    theta = adam.step(theta, grads)
+    losses.append(np.mean([loss for loss, _, _ in terms]))
+  return theta, losses
+
+
+def iga_objective(theta, batches, penalty, num_classes):
+  """IGA's objective and penalty: the mean loss plus ``penalty`` times the
+  summed squared deviations of the domains' gradients from their mean."""
+  terms = [linear_net(theta, x, y, num_classes)
+           for x, y in zip(batches["image"], batches["label"])]
+  grads = [np.stack([grads[k] for _, grads, _ in terms])
+           for k in range(len(theta))]
+  deviation = sum(((g - g.mean(0))**2).sum() for g in grads)
+  mean_loss = np.mean([loss for loss, _, _ in terms])
+  return mean_loss + penalty * deviation, mean_loss, deviation
+
+
+def iga(theta, batch_list, lr, wd, penalty, num_classes):
+  """``IGA.update`` over several steps: the objective's gradient by central
+  differences of the hand-written domain gradients.
+
+  DomainBed holds the mean gradient constant (no ``create_graph``); the
+  deviations from it sum to zero, so differentiating it too changes
+  nothing.
+
+  Returns ``(theta, mean losses, penalties)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  losses, penalties = [], []
+  for batches in batch_list:
+    _, mean_loss, deviation = iga_objective(theta, batches, penalty,
+                                            num_classes)
+    grads = numerical_grad(
+        lambda t: iga_objective(t, batches, penalty, num_classes)[0], theta)
+    theta = adam.step(theta, grads)
+    losses.append(mean_loss)
+    penalties.append(deviation)
+  return theta, losses, penalties
+
+
+def rsc(theta, batch_list, lr, wd, f_drop_factor, b_drop_factor,
+        num_classes):
+  """``RSC.update`` over several steps, its percentiles NumPy's.
+
+  Returns ``(theta, losses)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  losses = []
+  for batches in batch_list:
+    n, b = np.shape(batches["label"])
+    x = np.asarray(batches["image"], np.float64).reshape(n * b, -1)
+    y = np.asarray(batches["label"]).reshape(-1)
+    w_f, b_f, w_h, b_h = theta
+    features = x @ w_f + b_f
+    one_hot = np.eye(num_classes)[y]
+    # d (sum of true-class logits) / d features: the head's label column.
+    grads_f = w_h[:, y].T
+    percentiles = np.percentile(grads_f, (1 - f_drop_factor) * 100, axis=1)
+    mask_f = grads_f < percentiles[:, None]
+    true = lambda logits: (softmax(logits) * one_hot).sum(1)
+    changes = (true(features @ w_h + b_h)
+               - true((features * mask_f) @ w_h + b_h))
+    mask_b = changes < np.percentile(changes, (1 - b_drop_factor) * 100)
+    mask = (mask_f | mask_b[:, None]).astype(np.float64)
+    loss, grads, _ = linear_net(theta, x, y, num_classes, mask=mask)
+    theta = adam.step(theta, grads)
+    losses.append(loss)
+  return theta, losses
+
+
+def batch_norm_train(h):
+  """BatchNorm1d in train mode at its initial scale 1 and shift 0."""
+  return (h - h.mean(0)) / np.sqrt(h.var(0) + 1e-5)
+
+
+def selfreg_loss(theta, projection, x, y, draws, scale, num_classes):
+  """``SelfReg.update``'s loss on the class-sorted ``x``, ``y`` with its
+  draws ``(first, second, lam)`` and ``min(ce, 1)`` given as ``scale``.
+
+  Returns ``(loss, ce)``.
+  """
+  first, second, lam = draws
+  w_f, b_f, w_h, b_h = theta
+  features = x @ w_f + b_f
+  h = features
+  for i, (kernel, bias) in enumerate(projection):
+    h = batch_norm_train(h @ kernel + bias)
+    h = np.maximum(h, 0) if i < len(projection) - 1 else h
+  logits = features @ w_h + b_h
+  output_2, feat_2 = logits[first], h[first]
+  output_3 = lam * output_2 + (1 - lam) * logits[second]
+  feat_3 = lam * feat_2 + (1 - lam) * h[second]
+  mse = lambda a, b: np.mean((a - b)**2)
+  ce = cross_entropy(logits, y)
+  loss = ce + scale * (lam * (mse(logits, output_2)
+                              + 0.3 * mse(features, feat_2))
+                       + (1 - lam) * (mse(logits, output_3)
+                                      + 0.3 * mse(features, feat_3)))
+  return loss, ce
+
+
+def selfreg(theta, projection, batch_list, draws_list, lr, wd, num_classes):
+  """``SelfReg.update`` over several steps, given each step's draws
+  ``(order, first, second, lam)``: ``order`` sorts the pooled batch by
+  class, ``first`` and ``second`` shuffle within the classes. The
+  projection (``cdpl``) is not in the optimizer; ``min(ce, 1)`` is a
+  constant (``.item()``). Gradients by central differences.
+
+  Returns ``(theta, losses, scales)``, ``scales`` every step's ``min(ce,
+  1)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  losses, scales = [], []
+  for batches, (order, first, second, lam) in zip(batch_list, draws_list):
+    n, b = np.shape(batches["label"])
+    x = np.asarray(batches["image"], np.float64).reshape(n * b, -1)[order]
+    y = np.asarray(batches["label"]).reshape(-1)[order]
+    assert np.all(np.diff(y) >= 0)
+    assert np.all(y[first] == y) and np.all(y[second] == y)
+    draws = (first, second, lam)
+    _, ce = selfreg_loss(theta, projection, x, y, draws, 1.0, num_classes)
+    scale = min(ce, 1.0)
+    loss, _ = selfreg_loss(theta, projection, x, y, draws, scale,
+                           num_classes)
+    grads = numerical_grad(
+        lambda t: selfreg_loss(t, projection, x, y, draws, scale,
+                               num_classes)[0], theta)
+    theta = adam.step(theta, grads)
+    losses.append(loss)
+    scales.append(scale)
+  return theta, losses, scales
+
+
+def mtl(theta, batch_list, noise_list, lr, wd, ema, num_classes):
+  """``MTL.update`` over several steps, given each step's standard normal
+  ``(n, b, F)`` draws, which replace the embeddings (``.normal_()``).
+
+  Returns ``(theta, embeddings, losses)``.
+  """
+  adam = TorchAdam(lr, wd, theta)
+  embeddings, losses = None, []
+  for batches, noise in zip(batch_list, noise_list):
+    total, grads, means = 0.0, [np.zeros_like(t) for t in theta], []
+    for x, y, z in zip(batches["image"], batches["label"], noise):
+      loss, domain_grads, features = linear_net(theta, x, y, num_classes,
+                                                embedding=z)
+      total += loss
+      grads = [g + d for g, d in zip(grads, domain_grads)]
+      means.append(features.mean(0))
+    if embeddings is None:
+      embeddings = np.zeros((len(means), len(means[0])))
+    embeddings = ema * np.stack(means) + (1 - ema) * embeddings
+    theta = adam.step(theta, grads)
+    losses.append(total)
+  return theta, embeddings, losses

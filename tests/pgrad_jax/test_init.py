@@ -1,5 +1,6 @@
-"""The public API, ``pgrad_jax/__init__.py``: what importing it needs, and
-that docs/api.md documents every name it exports."""
+"""The public API, ``pgrad_jax/__init__.py``: what importing it needs, its
+version, and that docs/api.md and the site's API reference document every
+name it exports."""
 
 import dataclasses
 import importlib.metadata
@@ -14,6 +15,7 @@ import pgrad_jax
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API = ROOT / "docs" / "api.md"
+API_REFERENCE = ROOT / "docs" / "api_reference.md"
 
 
 def normalized(distribution: str) -> str:
@@ -104,3 +106,24 @@ def test_an_undocumented_export_is_reported():
   text = " ".join(f"`{word}`" for word in kept) + " Rollout `RolloutOptions`"
   assert undocumented(text) == ["PGradState.eigenvalues",
                                 "PrincipalGradient.eigenvalues", "Rollout"]
+
+
+def test_version_is_the_installed_distributions():
+  assert pgrad_jax.__version__ == importlib.metadata.version("pgrad_jax")
+
+
+def autodoc_names(markdown: str) -> list[str]:
+  """The names that the autodoc directives of a page document."""
+  return re.findall(r"^\.\. auto\w+:: pgrad_jax\.(\w+)$", markdown, re.M)
+
+
+def test_api_reference_documents_every_export_once():
+  names = autodoc_names(API_REFERENCE.read_text())
+  assert sorted(names) == sorted(pgrad_jax.__all__)
+
+
+def test_an_export_missing_from_the_reference_is_seen():
+  assert autodoc_names(".. autofunction:: pgrad_jax.pgrad\n"
+                       "   .. autoclass:: pgrad_jax.Rollout\n"
+                       ".. autoclass:: pgrad_jax.PGradState\n") == [
+                           "pgrad", "PGradState"]

@@ -294,6 +294,16 @@ def test_missing_extras():
     tx.update(None, tx.init(params), params, loss_fn=loss_fn)
 
 
+@pytest.mark.parametrize("make", [pgrad_jax.pgrad, pgrad_jax.fish])
+def test_another_transforms_state_is_refused(make):
+  params, batches = problem()
+  tx = make(optax.sgd(0.1))
+  with pytest.raises(TypeError, match=r"needs the state that .*init returned; "
+                     "got ScaleByAdamState"):
+    tx.update(None, optax.scale_by_adam().init(params), params,
+              loss_fn=loss_fn, batches=batches)
+
+
 def test_non_scalar_loss():
   params, batches = problem()
   per_example = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2
@@ -591,3 +601,77 @@ def test_inner_schedule_counts_inner_steps():
   # 12 inner steps in, the 10-step schedule has reached 0: the third rollout
   # does not move.
   assert ref_norms[2] < 1e-6 * ref_norms[0]
+
+
+
+def mean_tracking_loss(params, batch, model_state):
+  """``loss_fn`` with a model state: a running mean of the inputs."""
+  mean = 0.9 * model_state["mean"] + 0.1 * batch["x"].mean((0, 1))
+  return loss_fn(params, batch), {"mean": mean}
+
+
+def paths(tree, keep=lambda leaf: True):
+  return sorted(jax.tree_util.keystr(path)
+                for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                if keep(leaf))
+
+
+# Each chain, the extras of its update, and the paths of its state's
+# params-shaped leaves: the inner optimizer's moments, and the outer one's.
+MAP_PARAMS_CHAINS = {
+    "pgrad": (
+        lambda: optax.chain(
+            pgrad_jax.pgrad(optax.adam(0.1), B=2, num_domains=2),
+            optax.sgd(0.1)),
+        {},
+        [f"[0].inner_state[0].{moment}['{name}']"
+         for moment in ("mu", "nu") for name in ("b", "w")]),
+    "fish, model state, momentum": (
+        lambda: pgrad_jax.with_model_state(
+            optax.chain(pgrad_jax.fish(optax.sgd(0.1, momentum=0.9)),
+                        optax.sgd(0.1, momentum=0.5)),
+            {"mean": jnp.zeros(3)}),
+        {"loss_fn": mean_tracking_loss, "model_state": {"mean": jnp.ones(3)}},
+        [f"{prefix}.trace['{name}']"
+         for prefix in ("[0].inner_state[0]", "[1][0]") for name in ("b", "w")]),
+}
+
+
+@pytest.mark.parametrize("make, extras, params_paths",
+                         MAP_PARAMS_CHAINS.values(),
+                         ids=MAP_PARAMS_CHAINS.keys())
+def test_map_params_maps_the_params_shaped_leaves(make, extras, params_paths):
+  # optax.tree.map_params calls init on a placeholder for the params to find
+  # which leaves of a state are params-shaped; each of optax's contributed
+  # optimizers is held to a no-op map_params of its state
+  # (optax/contrib/_common_test.py, "Test that tree_map_params works").
+  params, batches = problem()
+  tx = make()
+  _, state = update(tx, params, batches, **extras)
+
+  same = optax.tree.map_params(tx, lambda v: v, state)
+  assert jax.tree.structure(same) == jax.tree.structure(state)
+  assert all(a is b for a, b in zip(jax.tree.leaves(same),
+                                    jax.tree.leaves(state)))
+
+  # Exactly the params-shaped leaves are mapped; the rest (step counts, the
+  # key, the diagnostics, the model state) are kept.
+  marked = optax.tree.map_params(tx, lambda v: "params", state,
+                                 transform_non_params=lambda v: "other")
+  assert paths(marked, lambda leaf: leaf == "params") == sorted(params_paths)
+  assert paths(marked, lambda leaf: leaf == "other") == sorted(
+      set(paths(state)) - set(params_paths))
+
+  # A mapped state still updates: zeroed moments restart the momentum.
+  zeroed = optax.tree.map_params(tx, jnp.zeros_like, state)
+  updates, _ = update(tx, params, batches, state=zeroed, **extras)
+  assert np.all(np.isfinite(flat(updates))) and np.any(flat(updates) != 0)
+
+
+@pytest.mark.parametrize("make", [pgrad_jax.pgrad, pgrad_jax.fish])
+def test_init_without_arrays_is_refused(make):
+  # optax's placeholder for the params has no leaves, like these, which init
+  # still refuses.
+  for empty in ({"w": {}}, [(), []]):
+    with pytest.raises(ValueError, match="init needs the params"):
+      make(optax.adam(0.1)).init(empty)

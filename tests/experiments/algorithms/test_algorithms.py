@@ -83,6 +83,9 @@ def algorithm_hparams(name):
     hparams["ib_penalty_anneal_iters"] = 0
   if name == "MLDG":
     hparams["n_meta_test"] = 1  # One of the NUM_DOMAINS = 2 domains.
+  if name == "SANDMask":
+    # At DomainBed's default tau = 1 the mask is 0 everywhere: no step.
+    hparams["tau"] = 0.5
   return hparams
 
 
@@ -100,15 +103,18 @@ def takes_context(name):
 
 def build_model(name, featurizer, *, in_channels=1, seed=1,
                 dtype=jnp.float32):
-  """``name``'s model on ``featurizer``: with ARM's context network
-  (the featurizer then takes ``in_channels + 1``) or SagNet's style head if
-  the catalog says so."""
+  """``name``'s model on ``featurizer``: with ARM's context network (the
+  featurizer then takes ``in_channels + 1``), SagNet's style head or MTL's
+  domain embedding if the catalog says so."""
   kwargs = dict(rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
+  options = catalog.ALGORITHMS[name].model_options
   if takes_context(name):
     return models.ContextClassifier(featurizer, NUM_CLASSES, in_channels,
                                     **kwargs)
-  if catalog.ALGORITHMS[name].model_options.get("style_head"):
+  if options.get("style_head"):
     return models.StyleClassifier(featurizer, NUM_CLASSES, **kwargs)
+  if options.get("domain_embedding"):
+    return models.EmbeddingClassifier(featurizer, NUM_CLASSES, **kwargs)
   return models.Classifier(featurizer, NUM_CLASSES, **kwargs)
 
 
@@ -123,14 +129,6 @@ def linear_featurizer_model(seed=0, dtype=jnp.float32, style_head=False):
   return algorithms.Network.split(model)
 
 
-def generator_arrays(params):
-  """A `linear_featurizer_model`'s params as NumPy ``[W_f, b_f, W_h,
-  b_h]``."""
-  linear, head = params["featurizer"]["linear"], params["head"]
-  return [np.asarray(layer[name][...], np.float64)
-          for layer in (linear, head) for name in ("kernel", "bias")]
-
-
 def float64_batches(steps, image_shape=(2, 2, 1)):
   """`make_batches` of every step in float64; step 1's labels lack the last
   class (which CDANN's class balance counts as DomainBed's does)."""
@@ -140,6 +138,49 @@ def float64_batches(steps, image_shape=(2, 2, 1)):
                 for step in range(steps)]
   batch_list[1]["label"] = batch_list[1]["label"] % (NUM_CLASSES - 1)
   return batch_list
+
+
+def linear_net_theta(params):
+  """A `LinearFeaturizer` model's params as ``oracle.linear_net`` takes
+  them: ``[W_f, b_f, W_h, b_h]`` in float64."""
+  return [np.asarray(leaf[...], np.float64) for leaf in (
+      params["featurizer"]["linear"]["kernel"],
+      params["featurizer"]["linear"]["bias"], params["head"]["kernel"],
+      params["head"]["bias"])]
+
+
+def linear_net_model(name, num_features=4):
+  """``name``'s model (`build_model`) on a `LinearFeaturizer` of 4x4 images."""
+  return build_model(name, LinearFeaturizer(16, num_features,
+                                            rngs=nnx.Rngs(0)))
+
+
+def train_linear_net(name, hparams, num_steps=5, num_domains=3,
+                     num_features=4, batch_list=None):
+  """``num_steps`` updates of ``name`` on `linear_net_model`, step ``i`` on
+  ``make_batches(i)`` (or ``batch_list[i]``) with key ``PRNGKey(i)``.
+
+  Returns:
+    ``(theta before, batches, params after, state after, metrics of every
+    step)``, the thetas as `linear_net_theta`.
+  """
+  network, params, stats = algorithms.Network.split(
+      linear_net_model(name, num_features))
+  algorithm = algorithms.build_algorithm(
+      name, network, {**algorithm_hparams(name), **hparams},
+      num_domains=num_domains)
+  update = jax.jit(algorithm.update)
+  theta = linear_net_theta(params)
+  state = algorithm.init(params)
+  if batch_list is None:
+    batch_list = [make_batches(step, num_domains=num_domains)
+                  for step in range(num_steps)]
+  metrics = []
+  for step, batches in enumerate(batch_list):
+    params, stats, state, step_metrics = update(params, stats, state, batches,
+                                                jax.random.PRNGKey(step))
+    metrics.append(step_metrics)
+  return theta, batch_list, linear_net_theta(params), state, metrics
 
 
 @pytest.mark.parametrize("name", list(catalog.ALGORITHMS))
@@ -315,7 +356,8 @@ def test_trained_batchnorm_follows_every_forward_pass(name, hparams, chunks):
 
 def test_registry():
   assert {"ERM", "PGrad", "PGrad-F", "PGrad-B", "PGrad-BMix", "PGradParallel",
-          "Fish", "Fishr", "MixUp", "IRM", "CORAL"} <= set(catalog.ALGORITHMS)
+          "Fish", "Fishr", "MixUp", "IRM", "CORAL", "ANDMask", "SANDMask",
+          "IGA", "RSC", "SelfReg", "MTL"} <= set(catalog.ALGORITHMS)
   with pytest.raises(ValueError, match="already registered"):
     catalog.ALGORITHMS.register("ERM", algorithms.erm)
   with pytest.raises(ValueError, match="Unknown algorithm"):
@@ -426,6 +468,12 @@ DOMAINBED_HPARAMS = {
              "mlp_dropout": (0.0, 0.0, (0.0, 0.5)),
              "lr_g": (1e-3, 5e-5, None), "lr_d": (1e-3, 5e-5, None),
              "weight_decay_g": (0.0, 0.0, None)},
+    "ANDMask": {"tau": (1.0, 1.0, (0.5, 1.0))},
+    "SANDMask": {"tau": (1.0, 1.0, (0.0, 1.0)), "k": (10.0, 10.0, (1e-3, 1e5))},
+    "IGA": {"penalty": (1000.0, 1000.0, (10.0, 1e5))},
+    "RSC": {"rsc_f_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5)),
+            "rsc_b_drop_factor": (1 / 3, 1 / 3, (0.0, 0.5))},
+    "MTL": {"mtl_ema": (0.99, 0.99, (0.5, 1.0))},
 }
 # DomainBed's DANN block is CDANN's too.
 DOMAINBED_HPARAMS["CDANN"] = DOMAINBED_HPARAMS["DANN"]

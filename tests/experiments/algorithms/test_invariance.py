@@ -12,7 +12,7 @@ from experiments import models
 import oracle
 from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS
 from test_algorithms import NormalizedPixels
-from test_algorithms import algorithm_hparams, generator_arrays
+from test_algorithms import algorithm_hparams, linear_net_theta
 from test_algorithms import float64_batches, linear_featurizer_model
 from test_algorithms import linear_model, make_batches
 
@@ -201,7 +201,7 @@ def test_mmd_update_matches_a_numpy_model_of_domainbed():
   algorithm = algorithms.build_algorithm("MMD", network, hparams,
                                          num_domains=NUM_DOMAINS)
   update = jax.jit(algorithm.update)
-  theta = generator_arrays(params)
+  theta = linear_net_theta(params)
   state = algorithm.init(params)
   adam = oracle.TorchAdam(0.01, 0.01, theta)
   for step in range(3):
@@ -223,7 +223,7 @@ def test_mmd_update_matches_a_numpy_model_of_domainbed():
     theta = adam.step(theta, oracle.numerical_grad(objective, theta))
   # Three Adam steps of 0.01 from float32 gradients: measured 2e-7 apart;
   # 10x margin.
-  for got, want in zip(generator_arrays(params), theta):
+  for got, want in zip(linear_net_theta(params), theta):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
@@ -271,7 +271,7 @@ def test_dann_matches_a_numpy_model_of_domainbed(name, d_steps):
     assert {x.dtype for x in jax.tree.leaves((state.disc_params,
                                               state.disc_opt_state))
             if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float64")}
-    generator = generator_arrays(params)
+    generator = linear_net_theta(params)
     discriminator = _mlp_arrays(state.disc_params)
     assert [w.shape for w in discriminator[:6:2]] == [(3, 5), (5, 5), (5, 2)]
     # CDANN's embeddings, one per class, start at N(0, 1) as PyTorch's.
@@ -283,7 +283,7 @@ def test_dann_matches_a_numpy_model_of_domainbed(name, d_steps):
       # The losses of the networks the step starts from (the generator's
       # loss and the discriminator's with its gradient penalty).
       want_losses = oracle.dann_losses(
-          generator_arrays(params), _mlp_arrays(state.disc_params),
+          linear_net_theta(params), _mlp_arrays(state.disc_params),
           batches["image"], np.asarray(batches["label"]), 0.5, conditional)
       params, stats, state, metrics = update(params, stats, state, batches,
                                              jax.random.PRNGKey(step))
@@ -301,7 +301,7 @@ def test_dann_matches_a_numpy_model_of_domainbed(name, d_steps):
   # 1.6e-9 apart (1e-11 at step 1e-4), against 2e-4 with the discriminator
   # in float32. Both networks moved, CDANN's embeddings too.
   for got, want, start in zip(
-      generator_arrays(params) + _mlp_arrays(state.disc_params),
+      linear_net_theta(params) + _mlp_arrays(state.disc_params),
       want_generator + want_discriminator, generator + discriminator):
     np.testing.assert_allclose(got, want, rtol=0, atol=5e-9)
     assert np.abs(want - start).max() > 1e-3
@@ -353,11 +353,11 @@ def test_annealed_penalties_match_numpy_models_of_domainbed(name, anneal):
                                            num_domains=NUM_DOMAINS)
     update = jax.jit(algorithm.update)
     state = algorithm.init(params)
-    theta = generator_arrays(params)
+    theta = linear_net_theta(params)
     batch_list = float64_batches(5)
     adam_counts = []
     for step, batches in enumerate(batch_list):
-      risk, penalty, *last_nll = terms(generator_arrays(params), batches)
+      risk, penalty, *last_nll = terms(linear_net_theta(params), batches)
       params, stats, state, metrics = update(params, stats, state, batches,
                                              jax.random.PRNGKey(step))
       adam_counts.append(int(state.opt_state[1][0].count))
@@ -376,7 +376,7 @@ def test_annealed_penalties_match_numpy_models_of_domainbed(name, anneal):
       theta, batch_list, terms, 0.01, 0.01, 3.0, warmup_weight, anneal)
   # Five Adam steps of 0.01 from central differences, whose rounding is the
   # noise: measured 3e-11 apart; 15x margin.
-  for got, expected, start in zip(generator_arrays(params), want, theta):
+  for got, expected, start in zip(linear_net_theta(params), want, theta):
     np.testing.assert_allclose(got, expected, rtol=0, atol=5e-10)
     assert np.abs(expected - start).max() > 1e-2
 
@@ -396,7 +396,7 @@ def test_sagnet_matches_a_numpy_model_of_domainbed():
                                            num_domains=NUM_DOMAINS)
     update = jax.jit(algorithm.update)
     state = algorithm.init(params)
-    theta, style = generator_arrays(params), _style(params)
+    theta, style = linear_net_theta(params), _style(params)
     batch_list = float64_batches(5)
     draws_list, history = [], []
     for step, batches in enumerate(batch_list):
@@ -418,7 +418,7 @@ def test_sagnet_matches_a_numpy_model_of_domainbed():
   np.testing.assert_allclose(history, want_history, rtol=5e-10)
   # Fifteen Adam steps of 0.01 from central differences: measured 6e-11
   # apart; 15x margin. All three networks moved.
-  for got, expected, start in zip(generator_arrays(params) + _style(params),
+  for got, expected, start in zip(linear_net_theta(params) + _style(params),
                                   want_theta + want_style, theta + style):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9)
     assert np.abs(expected - start).max() > 1e-2

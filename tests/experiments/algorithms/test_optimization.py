@@ -13,7 +13,7 @@ from experiments import algorithms
 import oracle
 from test_algorithms import NUM_CLASSES, NUM_DOMAINS
 from test_algorithms import algorithm_hparams, float64_batches
-from test_algorithms import generator_arrays, linear_featurizer_model
+from test_algorithms import linear_net_theta, linear_featurizer_model
 from test_algorithms import linear_model, make_batches
 
 
@@ -138,7 +138,7 @@ def test_sd_matches_a_numpy_model_of_domainbed():
                                            num_domains=NUM_DOMAINS)
     update = jax.jit(algorithm.update)
     state = algorithm.init(params)
-    theta = generator_arrays(params)
+    theta = linear_net_theta(params)
     batch_list = float64_batches(5)
     objectives = []
     for step, batches in enumerate(batch_list):
@@ -151,6 +151,6 @@ def test_sd_matches_a_numpy_model_of_domainbed():
   np.testing.assert_allclose(objectives, want_objectives, rtol=1e-10)
   # Five Adam steps of 0.01 from central differences: measured 5e-11
   # apart; 10x margin.
-  for got, expected, start in zip(generator_arrays(params), want, theta):
+  for got, expected, start in zip(linear_net_theta(params), want, theta):
     np.testing.assert_allclose(got, expected, rtol=0, atol=5e-10)
     assert np.abs(expected - start).max() > 1e-2

@@ -24,6 +24,7 @@ from experiments.rundir import pack
 from experiments.rundir import records as records_lib
 from experiments.analysis import report
 from experiments.runs import study
+from experiments.runs import grid as grid_lib
 from experiments.runs import sweep
 from test_claims import fixture_one_openmp_thread  # pylint: disable=unused-import
 from test_convergence import _run as converging_run
@@ -211,6 +212,83 @@ def test_training_table_gives_the_steps_the_runs_trained():
   header = [cell.strip() for cell in table.splitlines()[0].split("|")[1:-1]]
   row = [cell.strip() for cell in table.splitlines()[2].split("|")[1:-1]]
   assert row[header.index("steps (median; most)")] == "30; 50"
+
+
+def _domainbed_record(algorithm, trial, step):
+  """A ColoredDigits record as DomainBed's own train.py writes it: every
+  domain's accuracies, but no loss of any domain."""
+  return make_record("ColoredDigits", algorithm, 0, 0, trial, step,
+                     in_accs=[0.5] * 3, out_accs=[0.4 + 0.01 * step] * 3,
+                     epoch=step / 100, loss=0.3, step_time=0.1, mem_gb=0.0)
+
+
+@pytest.mark.parametrize("without_losses", [
+    ("ERM",), ("ERM", "PGrad", "PGrad-Bottom")])
+def test_runs_without_training_losses_are_reported_without_them(
+    tmp_path, capsys, undrawn, without_losses):
+  # The case seen: the report of such a sweep failed, KeyError:
+  # 'env1_in_loss'. This project's runs record every domain's loss; a
+  # sweep of DomainBed's own runs (alone, or beside this project's) does not.
+  steps, trials = (5, 10, 15), (0, 1)
+  records = []
+  for algorithm in ("ERM", "PGrad", "PGrad-Bottom"):
+    for trial in trials:
+      for step in steps:
+        record = _domainbed_record(algorithm, trial, step)
+        if algorithm not in without_losses:
+          record.update(env1_in_loss=1 / step + trial,
+                        env2_in_loss=2 / step + trial,
+                        eigenvalues=[0.9, 0.1])
+        records.append(record)
+  write_runs(tmp_path / "sweep", records)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  err = capsys.readouterr().err
+  assert "nan" not in text.lower()
+
+  training = text.split("## Training\n")[1].split("\n## ")[0]
+  header, _, *rows = [[cell.strip() for cell in line.split("|")[1:-1]]
+                      for line in training.splitlines()
+                      if line.startswith("|")]
+  losses = {row[0]: row[header.index("final training loss")] for row in rows}
+  assert list(losses) == ["ERM", "PGrad", "PGrad-Bottom"]
+  # The runs' final loss, the mean over domains 1 and 2, over the trials.
+  final = np.array([np.mean([1 / steps[-1] + t, 2 / steps[-1] + t])
+                    for t in trials], np.float64)
+  measured = (f"{final.mean():.4f} ± "
+              f"{final.std(ddof=1) / np.sqrt(len(final)):.4f}")
+  assert losses == {algorithm: "n/a" if algorithm in without_losses
+                    else measured for algorithm in losses}
+  # Its other columns read accuracies alone.
+  for row in rows:
+    assert row[header.index("training acc. (%)")] == "50.0 ± 0.0"
+  assert (f"{2 * len(without_losses)} of the 6 runs record no training-domain "
+          "losses (env{i}_in_loss, which DomainBed's own runs do not write): "
+          "their final training loss is n/a.") in training
+
+  # The loss-based claims read every run they compare, or are not measured.
+  claims = json.loads((tmp_path / "out" / "claims" /
+                       "claims.json").read_text())
+  lacking = {"smoothness": [a for a in ("ERM", "PGrad")
+                            if a in without_losses],
+             "bottom": [a for a in ("PGrad", "PGrad-Bottom")
+                        if a in without_losses]}
+  for claim, algorithms in lacking.items():
+    reason = (f"ColoredDigits: no {claim} numbers or figures: "
+              f"{2 * len(algorithms)} of its 4 runs ({', '.join(algorithms)}) "
+              "record no training-domain losses (env{i}_in_loss, which "
+              "DomainBed's own runs do not write).")
+    assert (reason in text) == bool(algorithms), claim
+    assert (reason in err) == bool(algorithms), claim
+    assert (claim in claims.get("ColoredDigits", {})) == (not algorithms)
+  plot_reason = ("ColoredDigits, held-out env0: no training loss per domain "
+                 "plot: no run records env{i}_in_loss." if len(
+                     without_losses) == 3 else
+                 f"ColoredDigits, held-out env0: no loss curves of "
+                 f"{', '.join(without_losses)}: their runs record no "
+                 "env{i}_in_loss.")
+  assert plot_reason in text
 
 
 def test_report_skips_damaged_runs_and_says_why(tmp_path, capsys, undrawn):
@@ -501,7 +579,7 @@ def fixture_tiny_sweep(tmp_path_factory):
       "--output_dir", str(output_dir)])
   # The sweep's runs, each trained by the command line the sweep would run,
   # but here: a subprocess would import JAX, Flax and Orbax again for every
-  # run (test_sweep.py tests the launchers).
+  # run (test_launchers.py tests the launchers).
   for run in sweep.runs_for(args):
     assert train.main(run.command(
         "--eval_examples 16 --eval_batch_size 16 --loss_examples 8")) == 0
@@ -813,11 +891,11 @@ def test_bars_all_zero_say_so_and_one_length_is_not_called_a_comparison(
 
 def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
     tmp_path, undrawn):
-  grid = {**sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
+  grid = {**grid_lib.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
           "algorithms": ["ERM"], "test_envs": [0], "n_hparams": 1,
           "n_trials": 2}
-  sweep.save_grid(tmp_path / "sweep", grid)
-  finished, _ = sweep.make_runs(output_dir=tmp_path / "sweep", **grid)
+  grid_lib.save_grid(tmp_path / "sweep", grid)
+  finished, _ = grid_lib.make_runs(output_dir=tmp_path / "sweep", **grid)
   finished.output_dir.mkdir()
   with open(finished.output_dir / records_lib.RESULTS_FILE, "w") as f:
     for step in STEPS:
@@ -829,7 +907,7 @@ def test_a_sweeps_report_counts_the_runs_of_its_saved_grid(
   assert report.main(["--input_dir", str(tmp_path / "sweep"),
                       "--output_dir", str(tmp_path / "out")]) == 0
   text = (tmp_path / "out" / "results.md").read_text()
-  assert (f"2 records. The sweep's grid ({sweep.GRID_FILE}) has 2 runs: 1 "
+  assert (f"2 records. The sweep's grid ({grid_lib.GRID_FILE}) has 2 runs: 1 "
           "done, 0 incomplete, 1 not started, 0 damaged. Cells:") in text
 
 

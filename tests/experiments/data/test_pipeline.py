@@ -15,7 +15,7 @@ import pytest
 from experiments.data import datasets
 from experiments.data import pipeline as input_pipeline
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SIZES = (50, 37, 21)
 
 

@@ -134,10 +134,12 @@ def test_differences_name_each_field_that_differs_from_any_entry():
 
 
 def test_importing_it_imports_no_jax():
-  # The commands that read runs import experiments.runs without JAX.
+  # The commands that read runs import experiments.runs, and the run
+  # directory's modules but its checkpoints, without JAX.
   found = subprocess.run(
       [sys.executable, "-c", "import sys\n"
-       "from experiments.runs import environment, records\n"
+       "from experiments.runs import environment\n"
+       "from experiments.rundir import claim, pack, records\n"
        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
        "('jax', 'jaxlib')))"],
       cwd=REPO, capture_output=True, text=True, check=True)

@@ -12,7 +12,6 @@ import pytest
 from experiments.rundir import pack
 from experiments.rundir import records
 from experiments.runs import study
-from experiments.runs import sweep
 from experiments.studies import digits
 
 

@@ -1,4 +1,5 @@
-"""The sweep's runs, launching and resuming, with a stand-in training script."""
+"""The sweep's command line: launching, resuming, deleting, costing and
+asking, with a stand-in training script."""
 
 import dataclasses
 import hashlib
@@ -6,23 +7,21 @@ import json
 import math
 import os
 import shlex
-import signal
 import socket
 import sys
 import textwrap
-import threading
 
-import numpy as np
 import pytest
 
 from experiments import catalog
-from experiments import train
-from experiments.rundir import records
-from experiments.runs import rerun
+from experiments.runs import grid
+from experiments.runs import run as run_lib
 from experiments.runs import sweep
+
 
 # The steps that a held run has trained (see FAKE_TRAIN).
 HOLD_STEP = 3
+
 
 # Stands in for experiments.train: records each launch (its flags, the GPUs
 # it sees, its process ids, and whether another run held its GPU), fails
@@ -132,82 +131,6 @@ def flag(argv, name):
   return argv[argv.index(name) + 1]
 
 
-def test_seed_hash_is_deterministic_and_distinct():
-  seed = sweep.seed_hash("RotatedDigits", "ERM", [0], 0, 0)
-  assert seed == sweep.seed_hash("RotatedDigits", "ERM", [0], 0, 0)
-  assert 0 <= seed < 2**31
-  assert seed != sweep.seed_hash("RotatedDigits", "ERM", [0], 0, 1)
-
-
-def test_make_runs_holds_out_every_domain_by_default(tmp_path):
-  kwargs = dict(output_dir=tmp_path, datasets=["ColoredDigits"],
-                algorithms=["ERM", "PGrad"], n_hparams=2, n_trials=3)
-  runs = sweep.make_runs(**kwargs)
-  # 3 domains x 2 algorithms x 2 hparam draws x 3 trials.
-  assert len(runs) == 36
-  assert {tuple(r.args["test_envs"]) for r in runs} == {(0,), (1,), (2,)}
-  assert len({r.output_dir for r in runs}) == 36
-  assert len({r.args["seed"] for r in runs}) == 36
-  assert all(r.output_dir.parent == tmp_path for r in runs)
-  # The directories depend on the arguments only.
-  assert [r.output_dir for r in sweep.make_runs(**kwargs)] == [
-      r.output_dir for r in runs]
-  longer = sweep.make_runs(**kwargs, steps=100)
-  assert not {r.output_dir for r in longer} & {r.output_dir for r in runs}
-  stopping = sweep.make_runs(**kwargs, steps=100, plateau_check_freq=50)
-  assert all(r.args["plateau_check_freq"] == 50 for r in stopping)
-  assert "plateau_check_freq" not in runs[0].args
-  command = stopping[0].command("train")
-  assert command[command.index("--plateau_check_freq") + 1] == "50"
-  assert not {r.output_dir for r in stopping} & {r.output_dir for r in longer}
-
-
-def test_command_passes_every_flag():
-  run = sweep.Run.create(
-      {"dataset": "ColoredDigits", "algorithm": "PGrad", "test_envs": [2],
-       "hparams_seed": 1, "trial_seed": 0, "seed": 5, "hparams": '{"lr": 1}',
-       "model": "resnet18"},
-      "sweep")
-  command = run.command("python -m experiments.train", data_dir="data",
-                        num_workers=3)
-  assert command[:3] == ["python", "-m", "experiments.train"]
-  flags = dict(zip(command[3::2], command[4::2]))
-  assert flags == {
-      "--algorithm": "PGrad", "--data_dir": "data",
-      "--dataset": "ColoredDigits",
-      "--hparams": '{"lr": 1}', "--hparams_seed": "1", "--model": "resnet18",
-      "--num_workers": "3",
-      "--output_dir": str(run.output_dir), "--seed": "5", "--test_envs": "2",
-      "--trial_seed": "0"}
-
-
-def test_model_names_runs_and_num_workers_does_not(tmp_path, train_command):
-  flags = sweep_flags(tmp_path, n_hparams=1) + [
-      "--train_command", train_command]
-  plain = sweep.runs_for(sweep.parse_args(flags))
-  resnet = sweep.runs_for(sweep.parse_args(flags + ["--model", "resnet18"]))
-  assert [r.args["model"] for r in resnet] == ["resnet18"] * 2
-  assert not {r.output_dir for r in plain} & {r.output_dir for r in resnet}
-  assert sweep.runs_for(sweep.parse_args(
-      flags + ["--num_workers", "5"]))[0].output_dir == plain[0].output_dir
-
-  assert sweep.main(flags + ["--model", "resnet18", "--num_workers", "5"]) == 0
-  argv = launches(resnet[0])[0]["argv"]
-  assert (flag(argv, "--model"), flag(argv, "--num_workers")) == (
-      "resnet18", "5")
-  # By default the runs at once split this host's cores; the plain runs are
-  # another sweep, in another directory.
-  flags = sweep_flags(tmp_path / "plain", n_hparams=1) + [
-      "--train_command", train_command]
-  plain = sweep.runs_for(sweep.parse_args(flags))
-  assert sweep.main(flags + ["--jobs", "2"]) == 0
-  cores = len(os.sched_getaffinity(0))
-  assert flag(launches(plain[0])[0]["argv"], "--num_workers") == str(
-      cores // 2)
-  with pytest.raises(SystemExit, match="2"):
-    sweep.parse_args(flags + ["--model", "nope"])
-
-
 def test_launch_skips_done_runs_and_resumes_the_others(tmp_path, train_command):
   flags = sweep_flags(tmp_path) + ["--train_command", train_command]
   runs = sweep.runs_for(sweep.parse_args(flags))
@@ -218,12 +141,13 @@ def test_launch_skips_done_runs_and_resumes_the_others(tmp_path, train_command):
   (done.output_dir / "done").write_text("")
   incomplete.output_dir.mkdir()
   assert [r.status for r in runs[:3]] == [
-      sweep.Status.DONE, sweep.Status.INCOMPLETE, sweep.Status.NOT_STARTED]
+      run_lib.Status.DONE, run_lib.Status.INCOMPLETE,
+      run_lib.Status.NOT_STARTED]
 
   assert sweep.main(flags + ["--jobs", "2"]) == 0
   assert launches(done) == []
   assert all(len(launches(r)) == 1 for r in runs[1:])
-  assert all(r.status is sweep.Status.DONE for r in runs)
+  assert all(r.status is run_lib.Status.DONE for r in runs)
   argv = launches(runs[2])[0]["argv"]
   assert flag(argv, "--steps") == "7"
   assert flag(argv, "--output_dir") == str(runs[2].output_dir)
@@ -263,7 +187,7 @@ def test_damaged_runs_are_neither_done_nor_launched_and_say_why(
   (damaged.output_dir / "results.jsonl").write_text(
       '{"step": 7}\n{"step": 5}\n')
   (damaged.output_dir / "done").write_text("")
-  assert damaged.status is sweep.Status.DAMAGED
+  assert damaged.status is run_lib.Status.DAMAGED
 
   assert sweep.main(flags) == 1
   out, err = capsys.readouterr()
@@ -282,254 +206,6 @@ def test_damaged_runs_are_neither_done_nor_launched_and_say_why(
   assert not damaged.output_dir.exists()
   assert sweep.main(flags) == 0
   assert len(launches(damaged)) == 1
-
-
-def test_fixed_hparams_reach_only_the_algorithms_that_have_them(tmp_path):
-  runs = sweep.make_runs(
-      output_dir=tmp_path, datasets=["ColoredDigits"],
-      algorithms=["ERM", "Fishr"], n_hparams=1, n_trials=1, test_envs=[0],
-      hparams='{"cnn_width": 8, "penalty_anneal_iters": 50}')
-  by_algorithm = {r.args["algorithm"]: json.loads(r.args["hparams"])
-                  for r in runs}
-  assert by_algorithm == {
-      "ERM": {"cnn_width": 8},
-      "Fishr": {"cnn_width": 8, "penalty_anneal_iters": 50}}
-  with pytest.raises(ValueError, match="No swept algorithm has.*'nope'"):
-    sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
-                    algorithms=["ERM"], n_hparams=1, n_trials=1,
-                    hparams='{"nope": 1}')
-
-
-@pytest.mark.parametrize("hparams, message", [
-    ('{"lr": 1', "--hparams is not valid JSON"),
-    ("[1]", "--hparams must be a JSON object"),
-    ('{"nope": 1}', "No swept algorithm has the hparams ['nope']"),
-])
-def test_bad_fixed_hparams_are_usage_errors(tmp_path, capsys, hparams, message):
-  assert sweep.main(sweep_flags(tmp_path) + ["--hparams", hparams]) == 2
-  assert message in capsys.readouterr().err
-  assert list(tmp_path.iterdir()) == []
-
-
-def test_sweep_saves_trajectories_of_default_runs_only(tmp_path):
-  runs = sweep.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
-                         algorithms=["ERM", "Fish"], n_hparams=2, n_trials=1,
-                         test_envs=[0], trajectory_freq=5)
-  saved = {(r.args["algorithm"], r.args["hparams_seed"])
-           for r in runs if "trajectory_freq" in r.args}
-  assert saved == {("ERM", 0)}
-
-
-def test_make_runs_counts_domains_in_the_catalog_without_data(tmp_path):
-  # Neither dataset's data is here; DomainBed's sweep holds out its 6 and 4
-  # ENVIRONMENTS in turn.
-  runs = sweep.make_runs(output_dir=tmp_path,
-                         datasets=["RotatedMNIST", "TerraIncognita"],
-                         algorithms=["ERM"], n_hparams=1, n_trials=1)
-  assert [(r.args["dataset"], r.args["test_envs"]) for r in runs] == [
-      ("RotatedMNIST", [env]) for env in range(6)] + [
-          ("TerraIncognita", [env]) for env in range(4)]
-
-
-def check_one_run_per_gpu(runs, gpus):
-  """Each run saw one of ``gpus`` alone, every GPU trained, and no two runs
-  were on one GPU at once (none found its GPU's file held, FAKE_TRAIN)."""
-  used = set()
-  for run in runs:
-    (launch,) = launches(run)
-    assert launch["gpu"] in gpus
-    assert flag(launch["argv"], "--num_workers") == str(
-        len(os.sched_getaffinity(0)) // len(gpus))
-    assert not launch["gpu_shared"], launch
-    used.add(launch["gpu"])
-  assert used == set(gpus)
-
-
-def test_multi_gpu_runs_one_run_per_gpu_at_a_time(
-    tmp_path, train_command, monkeypatch, capsys):
-  flags = sweep_flags(tmp_path, n_hparams=2) + [
-      "--train_command", train_command, "--launcher", "multi_gpu"]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  assert len(runs) == 4
-  assert sweep.main(flags + ["--gpus", "0,1"]) == 0
-  check_one_run_per_gpu(runs, ["0", "1"])
-
-  capsys.readouterr()
-  assert sweep.main(["list"] + flags) == 0
-  listing = capsys.readouterr().out.splitlines()
-  for run in runs:
-    (line,) = [line for line in listing if str(run.output_dir) in line]
-    pid, gpu = launches(run)[0]["pid"], launches(run)[0]["gpu"]
-    assert line.startswith("done")
-    assert line.endswith(
-        f"[multi_gpu on {socket.gethostname()} GPU {gpu} pid {pid}]")
-
-
-def test_multi_gpu_takes_the_gpus_cuda_visible_devices_lists(
-    tmp_path, train_command, monkeypatch):
-  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5a,")  # A trailing comma.
-  flags = sweep_flags(tmp_path, n_hparams=2) + [
-      "--train_command", train_command, "--launcher", "multi_gpu"]
-  assert sweep.main(flags) == 0
-  check_one_run_per_gpu(sweep.runs_for(sweep.parse_args(flags)),
-                        ["3", "GPU-5a"])
-
-
-def test_multi_gpu_without_gpus_is_a_usage_error(
-    tmp_path, train_command, monkeypatch, capsys):
-  flags = sweep_flags(tmp_path) + ["--train_command", train_command,
-                                   "--launcher", "multi_gpu"]
-  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-  assert sweep.main(flags) == 2
-  assert "CUDA_VISIBLE_DEVICES is empty" in capsys.readouterr().err
-  monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-  monkeypatch.setenv("PATH", str(tmp_path))  # No nvidia-smi.
-  assert sweep.main(flags) == 2
-  assert "found no GPU" in capsys.readouterr().err
-  assert not any(launches(run) for run in sweep.runs_for(
-      sweep.parse_args(flags)))
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--gpus", "0"], "--gpus: only with --launcher multi_gpu"),
-    (["--slurm_time", "5"], "--slurm_time: only with --launcher slurm"),
-    (["--launcher", "multi_gpu", "--jobs", "2"], "--jobs: only with"),
-    (["--num_workers", "-1"], "--num_workers must be >= 0"),
-    (["--step_ms", "3"], "cost needs --step_ms"),
-])
-def test_launcher_flags_are_checked(tmp_path, capsys, flags, message):
-  with pytest.raises(SystemExit, match="2"):
-    sweep.main(sweep_flags(tmp_path) + flags)
-  assert message in capsys.readouterr().err
-
-
-def test_slurm_without_sbatch_is_a_usage_error(
-    tmp_path, train_command, monkeypatch, capsys):
-  monkeypatch.setenv("PATH", str(tmp_path))  # No sbatch.
-  flags = sweep_flags(tmp_path) + ["--train_command", train_command,
-                                   "--launcher", "slurm"]
-  assert sweep.main(flags) == 2
-  assert "--slurm_cluster local" in capsys.readouterr().err
-  assert not (tmp_path / sweep.SUBMITIT_DIR).exists()
-
-
-def slurm_flags(output_dir, train_command, n_hparams):
-  """A sweep of ``2 * n_hparams`` runs through submitit's local executor."""
-  return sweep_flags(output_dir, n_hparams=n_hparams) + [
-      "--train_command", train_command, "--launcher", "slurm",
-      "--slurm_cluster", "local", "--slurm_gpus_per_job", "0"]
-
-
-def test_slurm_sweep_finishes_and_lists_its_jobs(
-    tmp_path, train_command, capsys):
-  flags = slurm_flags(tmp_path, train_command, n_hparams=2)
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  assert sweep.main(flags) == 0
-  assert all(r.status is sweep.Status.DONE for r in runs)
-  assert all(len(launches(r)) == 1 for r in runs)
-
-  capsys.readouterr()
-  assert sweep.main(["list"] + flags) == 0
-  listing = capsys.readouterr().out.splitlines()
-  job_ids = set()
-  for run in runs:
-    record = run.launch_record
-    (line,) = [line for line in listing if str(run.output_dir) in line]
-    assert line.startswith("done")
-    assert line.endswith(
-        f"[slurm job {record['job_id']} on {socket.gethostname()} pid "
-        f"{launches(run)[0]['pid']} log {record['stdout']} "
-        f"{record['stderr']}]")
-    # The job's own log, submitit's, says it ran.
-    assert "Job completed successfully" in open(record["stdout"]).read()
-    job_ids.add(record["job_id"])
-  assert len(job_ids) == 4
-  # Nothing is submitted again.
-  assert sweep.main(flags) == 0
-  assert all(len(launches(r)) == 1 for r in runs)
-
-
-def run_in_thread(function, *args):
-  """Starts ``function(*args)``; returns the thread and what it returns."""
-  result = []
-  thread = threading.Thread(target=lambda: result.append(function(*args)))
-  thread.start()
-  return thread, result
-
-
-def start_held_slurm_sweep(tmp_path, train_command, monkeypatch, notices,
-                           steps):
-  """A 2-run slurm sweep of ``steps`` fake steps launched in a thread, once
-  its first run is held after `HOLD_STEP` steps; its flags, runs, thread and
-  result."""
-  flags = slurm_flags(tmp_path, train_command, n_hparams=1) + [
-      "--steps", str(steps)]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
-  thread, result = run_in_thread(sweep.main, flags)
-  assert wait_for_notice(notices) == b"held"
-  assert int((runs[0].output_dir / "progress").read_text()) == HOLD_STEP
-  return flags, runs, thread, result
-
-
-@pytest.mark.slow
-def test_slurm_preempted_job_is_requeued_and_resumes(
-    tmp_path, train_command, monkeypatch, held_run_notices):
-  _, runs, thread, result = start_held_slurm_sweep(
-      tmp_path, train_command, monkeypatch, held_run_notices, steps=30)
-  # SLURM's warning of preemption, to the job's process (the training's
-  # parent); SLURM then requeues the job, as the local executor does.
-  os.kill(launches(runs[0])[0]["ppid"], signal.SIGUSR2)
-  thread.join(timeout=120)
-  assert result == [0]
-  first, second = launches(runs[0])
-  # The signal came while it was held: it stopped after the next step.
-  stopped_at = int((runs[0].output_dir / "stopped").read_text())
-  assert stopped_at == HOLD_STEP + 1
-  assert second["start"] == stopped_at
-  assert first["ppid"] != second["ppid"]  # Another job process.
-  assert all(r.status is sweep.Status.DONE for r in runs)
-  assert len(launches(runs[1])) == 1
-
-
-@pytest.mark.slow
-def test_slurm_killed_job_resumes_when_submitted_again(
-    tmp_path, train_command, monkeypatch, held_run_notices, capsys):
-  flags, runs, thread, result = start_held_slurm_sweep(
-      tmp_path, train_command, monkeypatch, held_run_notices, steps=20)
-  os.kill(launches(runs[0])[0]["pid"], signal.SIGKILL)
-  thread.join(timeout=120)
-  assert result == [1]
-  assert f"Failed (see {runs[0].log_file})" in capsys.readouterr().out
-  assert runs[0].status is sweep.Status.INCOMPLETE
-  killed_at = int((runs[0].output_dir / "progress").read_text())
-
-  assert sweep.main(flags) == 0
-  first, second = launches(runs[0])
-  assert second["start"] == killed_at == HOLD_STEP
-  assert all(r.status is sweep.Status.DONE for r in runs)
-  assert len(launches(runs[1])) == 1
-
-
-def test_a_run_training_on_this_host_is_not_launched_again(
-    tmp_path, train_command, monkeypatch, held_run_notices, capsys):
-  flags = sweep_flags(tmp_path, n_hparams=1) + [
-      "--train_command", train_command, "--steps", "30"]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
-  process = runs[0].start(train_command)
-  runs[0].record_launch(launcher="local", host=socket.gethostname(),
-                        pid=process.pid)
-  try:
-    assert wait_for_notice(held_run_notices) == b"held"
-    assert sweep.main(flags + ["--steps", "30"]) == 0
-    assert (f"Skipped {runs[0].output_dir}: its training process "
-            f"{process.pid} runs on this host") in capsys.readouterr().err
-    assert len(launches(runs[0])) == 1
-  finally:
-    process.kill()
-    process.wait()
-  assert not runs[0].training_here()
 
 
 def test_cost_counts_every_runs_steps(tmp_path, capsys):
@@ -552,105 +228,6 @@ def test_cost_counts_every_runs_steps(tmp_path, capsys):
   assert math.isclose(three, total / 3, rel_tol=0.1)
   assert sweep.main(flags + ["--datasets", "FMoW"]) == 2
   assert "FMoW trains for epochs" in capsys.readouterr().err
-
-
-# Small evaluations, for the real training runs.
-TRAIN_FLAGS = "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
-
-
-# experiments.train, whose run in FAKE_HOLD sends a datagram to FAKE_NOTIFY
-# as it takes its NOTIFY_STEP-th step (`evaluate.MetricMeter.add` sums each
-# step's metrics), so that a test acts on it mid-training.
-TRAIN_NOTIFYING = textwrap.dedent("""\
-    import os, socket, sys
-    from experiments import train, training
-    NOTIFY_STEP = {notify_step}
-    add, steps = evaluate.MetricMeter.add, []
-    def add_and_notify(self, metrics):
-      add(self, metrics)
-      steps.append(1)
-      output_dir = sys.argv[sys.argv.index("--output_dir") + 1]
-      if len(steps) == NOTIFY_STEP and output_dir == os.environ["FAKE_HOLD"]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notice:
-          try:
-            notice.sendto(b"step", "\\0" + os.environ["FAKE_NOTIFY"])
-          except OSError:  # A resumed run's: the test listens no more.
-            pass
-    evaluate.MetricMeter.add = add_and_notify
-    sys.exit(train.main())
-""")
-
-
-@pytest.mark.slow
-def test_slurm_sweep_of_real_training_resumes_a_preempted_run_exactly(
-    tmp_path, monkeypatch, held_run_notices):
-  # Preempted after its checkpoint at step 20, as it takes step 25 (the
-  # steps after it are fast, their evaluations not).
-  script = tmp_path / "train_notifying.py"
-  script.write_text(TRAIN_NOTIFYING.format(notify_step=25))
-  # The sweep passes the rest of each run's flags.
-  train_command = (f"{shlex.quote(sys.executable)} "
-                   f"{shlex.quote(str(script))} {TRAIN_FLAGS}")
-  flags = slurm_flags(tmp_path / "sweep", train_command, n_hparams=1) + [
-      "--algorithms", "ERM", "--n_trials", "2", "--steps", "60",
-      "--checkpoint_freq", "20", "--hparams", '{"batch_size": 6}']
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  assert len(runs) == 2
-  monkeypatch.setenv("FAKE_HOLD", str(runs[0].output_dir))
-  thread, result = run_in_thread(sweep.main, flags)
-  assert wait_for_notice(held_run_notices, timeout_s=300) == b"step"
-  # The job's process is the training process's parent.
-  training = runs[0].launch_record["pid"]
-  job = int(open(f"/proc/{training}/stat").read().rsplit(")", 1)[1].split()[1])
-  os.kill(job, signal.SIGUSR2)
-  thread.join(timeout=600)
-  assert result == [0]
-  # Stopped by the job's checkpoint, requeued, and resumed.
-  assert "Requeued job" in open(runs[0].launch_record["stdout"]).read()
-  assert "Resuming from step" in runs[0].log_file.read_text()
-
-  # Trained straight through in this process, with the sweep's flags: a
-  # subprocess would import JAX, Flax and Orbax once more.
-  reference = tmp_path / "reference"
-  command = runs[0].command(TRAIN_FLAGS)
-  command[command.index("--output_dir") + 1] = str(reference)
-  assert train.main(command) == 0
-  straight, resumed = (reference, runs[0].output_dir)
-  assert rerun.first_difference(records.read_run(straight).records,
-                                records.read_run(resumed).records) is None
-  with np.load(straight / records.FINAL_PARAMS_FILE) as expected, np.load(
-      resumed / records.FINAL_PARAMS_FILE) as got:
-    assert expected.files == got.files
-    for key in expected.files:
-      np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
-
-
-def test_a_run_whose_slurm_job_is_queued_is_not_submitted_again(
-    tmp_path, train_command, monkeypatch, capsys):
-  # Stands in for SLURM's sacct (what submitit asks, with --parsable2): job
-  # 4242's array task 0 is pending, task 1 has failed.
-  bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
-  (bin_dir / "sacct").write_text(
-      "#!/bin/sh\necho 'JobID|State|NodeList'\n"
-      "echo '4242_0|PENDING|None assigned'\necho '4242_1|FAILED|node3'\n")
-  (bin_dir / "sacct").chmod(0o755)
-  monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-  flags = sweep_flags(tmp_path / "sweep", n_hparams=1) + [
-      "--train_command", train_command]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  for task, run in enumerate(runs):
-    run.record_launch(launcher="slurm", cluster="slurm",
-                      folder=str(tmp_path / "submitit" / "%j"),
-                      job_id=f"4242_{task}", stdout="out", stderr="err")
-  assert sweep.slurm_states(runs) == {"4242_0": "PENDING",
-                                      "4242_1": "FAILED"}
-
-  assert sweep.main(flags) == 0
-  assert (f"Skipped {runs[0].output_dir}: its SLURM job 4242_0 is PENDING"
-          in capsys.readouterr().err)
-  assert launches(runs[0]) == []
-  assert len(launches(runs[1])) == 1
 
 
 def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
@@ -689,78 +266,9 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   runs = sweep.runs_for(sweep.parse_args(["list", *flags]))
   assert [len(launches(run)) for run in runs] == [1, 1]
   # A digits sweep fetches nothing.
-  assert sweep.fetch_weights(sweep.make_runs(
+  assert sweep.fetch_weights(grid.make_runs(
       output_dir=tmp_path / "digits", datasets=["ColoredDigits"],
       algorithms=["ERM"], n_hparams=1, n_trials=1)) == []
-
-
-def test_launch_saves_its_grid_and_the_directory_alone_names_the_sweep(
-    tmp_path, train_command, capsys):
-  flags = sweep_flags(tmp_path) + ["--train_command", train_command]
-  assert sweep.main(flags) == 0
-  assert json.loads((tmp_path / sweep.GRID_FILE).read_text()) == {
-      **sweep.GRID_DEFAULTS, "datasets": ["ColoredDigits"],
-      "algorithms": ["ERM", "PGrad"], "test_envs": [1], "n_hparams": 3,
-      "n_trials": 1, "steps": 7}
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  capsys.readouterr()
-  alone = ["--output_dir", str(tmp_path)]
-  assert sweep.main(["list", *alone]) == 0
-  out = capsys.readouterr().out
-  assert "6 runs: 6 done, 0 incomplete, 0 not started" in out
-  assert all(str(run.output_dir) in out for run in runs)
-  # Launched again from the directory alone, it has nothing to do.
-  assert sweep.main(["launch", *alone, "--train_command", train_command]) == 0
-  assert all(len(launches(run)) == 1 for run in runs)
-  # The algorithms in another order are the same grid.
-  assert sweep.main(["list", *alone, "--algorithms", "PGrad", "ERM"]) == 0
-
-
-def test_a_directory_without_a_grid_is_not_listed_as_the_default_sweep(
-    tmp_path, capsys):
-  assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 2
-  error = capsys.readouterr().err
-  assert sweep.GRID_FILE in error and "--datasets" in error
-  assert "10800" not in error
-
-
-@pytest.mark.parametrize("command", ["list", "launch", "delete_incomplete"])
-def test_flags_that_contradict_the_saved_grid_exit_2_naming_them(
-    tmp_path, train_command, capsys, command):
-  sweep_dir = tmp_path / "sweep"
-  flags = sweep_flags(sweep_dir) + ["--train_command", train_command]
-  assert sweep.main(flags) == 0
-  capsys.readouterr()
-  assert sweep.main([command, "--output_dir", str(sweep_dir), "--n_trials",
-                     "2", "--steps", "8", "--train_command", train_command,
-                     "--yes"]) == 2
-  error = capsys.readouterr().err
-  assert "--n_trials 2 (the grid has --n_trials 1)" in error
-  assert "--steps 8 (the grid has --steps 7)" in error
-  assert "--extend_grid" in error
-  assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == sorted(
-      r.output_dir.name for r in sweep.runs_for(sweep.parse_args(flags)))
-
-
-def test_extend_grid_adds_runs_and_saves_the_larger_grid(
-    tmp_path, train_command, capsys):
-  flags = sweep_flags(tmp_path, n_hparams=1) + [
-      "--train_command", train_command]
-  assert sweep.main(flags) == 0
-  alone = ["--output_dir", str(tmp_path), "--train_command", train_command]
-  assert sweep.main(["launch", *alone, "--n_hparams", "3",
-                     "--extend_grid"]) == 0
-  assert json.loads((tmp_path / sweep.GRID_FILE).read_text())[
-      "n_hparams"] == 3
-  capsys.readouterr()
-  assert sweep.main(["list", *alone]) == 0
-  assert "6 runs: 6 done" in capsys.readouterr().out
-  # Fewer draws, or other steps, would leave runs of the grid out.
-  for shrink in (["--n_hparams", "2"], ["--steps", "8"]):
-    assert sweep.main(["launch", *alone, *shrink, "--extend_grid"]) == 2
-    assert "would leave out" in capsys.readouterr().err
-  assert json.loads((tmp_path / sweep.GRID_FILE).read_text())[
-      "n_hparams"] == 3
 
 
 @pytest.fixture(name="terminal_input")
@@ -784,7 +292,7 @@ def test_launch_on_a_terminal_asks_first(
   runs = sweep.runs_for(sweep.parse_args(flags))
   assert all(bool(launches(run)) == launched for run in runs)
   # Nothing declined is saved either.
-  assert (tmp_path / sweep.GRID_FILE).exists() == launched
+  assert (tmp_path / grid.GRID_FILE).exists() == launched
 
 
 def test_skip_confirmation_launches_on_a_terminal_without_asking(
@@ -800,24 +308,3 @@ def test_usage_names_the_command_to_run(capsys):
     sweep.parse_args(["list", "--output_dir", "x", "--n_trials", "many"])
   assert capsys.readouterr().err.startswith(
       "usage: python -m experiments.runs.sweep ")
-
-
-def test_slurm_local_on_a_host_without_gpus_names_none(
-    tmp_path, train_command, capsys):
-  # --slurm_gpus_per_job left at its default, 1.
-  flags = sweep_flags(tmp_path, n_hparams=1) + [
-      "--train_command", train_command, "--launcher", "slurm",
-      "--slurm_cluster", "local"]
-  assert sweep.main(flags) == 0
-  submitted = [line for line in capsys.readouterr().out.splitlines()
-               if line.startswith("Submitted")]
-  runs = sweep.runs_for(sweep.parse_args(flags))
-  assert sorted(submitted) == sorted(
-      f"Submitted SLURM job {run.launch_record['job_id']}: {run.output_dir}  "
-      f"{run.label}" for run in runs)
-  assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 0
-  listing = capsys.readouterr().out
-  gpus = sweep.nvidia_gpu_count()
-  assert ("GPU 0" in listing) == (gpus > 0)
-  assert all(launches(run)[0]["gpu"] == ("0" if gpus else "")
-             for run in runs)

@@ -12,7 +12,7 @@ from experiments.rundir import claim
 from experiments.rundir import pack
 from experiments.rundir import records
 from experiments.runs import rerun
-from experiments.runs import sweep
+from experiments.runs import run as run_lib
 from experiments.studies import digits
 
 
@@ -97,7 +97,7 @@ def test_every_committed_run_is_found_under_its_name(results_dir):
 def test_the_committed_study_is_every_run_done_and_no_params():
   # A fresh clone holds every run of the study, finished, and no params.
   runs = digits.runs(str(RESULTS / "study"))
-  assert all(run.status is sweep.Status.DONE for run in runs)
+  assert all(run.status is run_lib.Status.DONE for run in runs)
   assert {run.output_dir.name for run in runs} == set(
       pack.read_pack(RESULTS / "study"))
   tracked = subprocess.run(["git", "ls-files", "results"], cwd=RESULTS.parent,
