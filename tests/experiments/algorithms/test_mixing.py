@@ -361,15 +361,15 @@ def test_mtl_embeddings_resume_bit_for_bit(tmp_path):
            '{"image_size": 8, "cnn_width": 8, "batch_size": 8}']
   whole, resumed = tmp_path / "whole", tmp_path / "resumed"
   for output_dir in (whole, resumed):
-    training.train(train.resolve_run([*flags, "--output_dir",
-                                      str(output_dir)]))
+    loop.train(train.resolve_run([*flags, "--output_dir",
+                                  str(output_dir)]))
   # What a run killed after its step-2 checkpoint leaves: the rest goes.
   ocp.CheckpointManager(resumed / "checkpoints").delete(4)
   (resumed / "done").unlink()
   (resumed / "final_params.npz").unlink()
   lines = (resumed / "results.jsonl").read_text().splitlines(keepends=True)
   (resumed / "results.jsonl").write_text(lines[0])
-  training.train(train.resolve_run([*flags, "--output_dir", str(resumed)]))
+  loop.train(train.resolve_run([*flags, "--output_dir", str(resumed)]))
   want, got = (_checkpointed_state(d, 4)["algorithm_state"]
                for d in (whole, resumed))
   assert np.abs(want["embeddings"]).max() > 0.01

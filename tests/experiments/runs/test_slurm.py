@@ -139,13 +139,14 @@ TRAIN_FLAGS = "--eval_examples 16 --eval_batch_size 16 --loss_examples 8"
 
 
 # experiments.train, whose run in FAKE_HOLD sends a datagram to FAKE_NOTIFY
-# as it takes its NOTIFY_STEP-th step (`training.MetricMeter.add` sums each
+# as it takes its NOTIFY_STEP-th step (`evaluate.MetricMeter.add` sums each
 # step's metrics), so that a test acts on it mid-training.
 TRAIN_NOTIFYING = textwrap.dedent("""\
     import os, socket, sys
-    from experiments import train, training
+    from experiments import train
+    from experiments.training import evaluate
     NOTIFY_STEP = {notify_step}
-    add, steps = training.MetricMeter.add, []
+    add, steps = evaluate.MetricMeter.add, []
     def add_and_notify(self, metrics):
       add(self, metrics)
       steps.append(1)
@@ -156,7 +157,7 @@ TRAIN_NOTIFYING = textwrap.dedent("""\
             notice.sendto(b"step", "\\0" + os.environ["FAKE_NOTIFY"])
           except OSError:  # A resumed run's: the test listens no more.
             pass
-    training.MetricMeter.add = add_and_notify
+    evaluate.MetricMeter.add = add_and_notify
     sys.exit(train.main())
 """)
 
