@@ -171,13 +171,15 @@ def test_sd_matches_a_numpy_model_of_domainbed():
 # BatchNorm takes the bias's place), so that its statistics are averaged and
 # moved by the averaged network's own pass, as DomainBed's.
 class NormalizedLinear(nnx.Module):
-  """``x @ W`` then BatchNorm with PyTorch's running statistics."""
+  """``x @ W`` then BatchNorm with PyTorch's running statistics, trained or
+  frozen."""
 
-  def __init__(self, *, rngs: nnx.Rngs, dtype=jnp.float64):
+  def __init__(self, *, rngs: nnx.Rngs, dtype=jnp.float64, frozen=False):
     self.linear = nnx.Linear(4, 3, use_bias=False, dtype=dtype,
                              param_dtype=dtype, rngs=rngs)
-    self.norm = models.BatchNorm(3, unbiased_running_var=True, momentum=0.9,
-                                 dtype=dtype, param_dtype=dtype, rngs=rngs)
+    norm = models.FrozenBatchNorm if frozen else models.BatchNorm
+    self.norm = norm(3, unbiased_running_var=True, momentum=0.9, dtype=dtype,
+                     param_dtype=dtype, rngs=rngs)
     self.num_features = 3
 
   def __call__(self, x, *, rngs=None):
@@ -185,10 +187,11 @@ class NormalizedLinear(nnx.Module):
     return self.norm(self.linear(x.reshape(x.shape[0], -1)))
 
 
-def _erm_plus_plus_model(seed=0, dtype=jnp.float64):
-  model = models.Classifier(NormalizedLinear(rngs=nnx.Rngs(seed), dtype=dtype),
-                            NUM_CLASSES, rngs=nnx.Rngs(seed + 1), dtype=dtype,
-                            param_dtype=dtype)
+def _erm_plus_plus_model(seed=0, dtype=jnp.float64, frozen=False):
+  featurizer = NormalizedLinear(rngs=nnx.Rngs(seed), dtype=dtype,
+                                frozen=frozen)
+  model = models.Classifier(featurizer, NUM_CLASSES, rngs=nnx.Rngs(seed + 1),
+                            dtype=dtype, param_dtype=dtype)
   # A BatchNorm that does not start at the identity.
   model.featurizer.norm.scale[...] = jnp.asarray([0.5, 1.5, 1.0], dtype)
   model.featurizer.norm.bias[...] = jnp.asarray([0.1, -0.2, 0.3], dtype)
@@ -427,3 +430,37 @@ def test_the_training_loop_evaluates_erm_plus_plus_average(tmp_path, capsys,
   for got, want in zip(averaged, latest):
     assert got["loss"] == want["loss"]
   assert averaged[-1]["env0_in_loss"] != latest[-1]["env0_in_loss"]
+
+
+@pytest.mark.parametrize("lars", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_erm_plus_plus_in_bfloat16_with_trained_or_frozen_batchnorm(
+    frozen, lars):
+  hparams = {**algorithm_hparams("ERMPlusPlus"), "linear_steps": 0,
+             "lars": lars}
+  network, params, stats = _erm_plus_plus_model(dtype=jnp.bfloat16,
+                                                frozen=frozen)
+  algorithm = _erm_plus_plus(network, hparams, 2)
+  update = jax.jit(algorithm.update)
+  state = algorithm.init(params)
+  for step in range(3):
+    params, stats, state, metrics = update(
+        params, stats, state,
+        jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                     if x.dtype == jnp.float32 else x,
+                     make_batches(step, (2, 2, 1))),
+        jax.random.PRNGKey(step))
+    assert np.isfinite(float(metrics["loss"]))
+  sma_params, sma_stats = algorithm.evaluated(params, stats, state)
+  # The params and their average keep the model's dtype, the statistics
+  # theirs (float32: models.statistics_dtype).
+  for tree, dtype in ((params, jnp.bfloat16), (sma_params, jnp.bfloat16),
+                      (sma_stats, jnp.float32)):
+    for leaf in jax.tree.leaves(tree):
+      assert leaf.dtype == dtype and np.all(np.isfinite(
+          np.asarray(leaf, np.float32)))
+  initial = _erm_plus_plus_model(dtype=jnp.bfloat16, frozen=frozen)[2]
+  for got, want in zip(jax.tree.leaves(sma_stats), jax.tree.leaves(initial)):
+    # Frozen statistics are averaged to themselves, exactly (DomainBed's
+    # frozen buffers never change); trained ones move.
+    assert np.array_equal(got, want) == frozen
