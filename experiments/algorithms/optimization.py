@@ -161,7 +161,8 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
   objective = _pooled_objective(network)
 
   def init(params):
-    # The statistics' copy is taken at the first update, which sees them.
+    # init sees no statistics: zeros hold their place until the first
+    # update copies the network.
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                          network.stats_shapes)
     return ErmPlusPlusState(linear_tx.init(params), tx.init(params),
@@ -206,10 +207,10 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
             ErmPlusPlusState(linear_opt_state, opt_state, average), metrics)
 
   def evaluated(params, stats, state):
-    network_now = {"params": params, "stats": stats}
     chosen = jax.tree.map(
-        lambda live, kept: jnp.where(state.average.updates == 0, live, kept),
-        network_now, state.average.average)
+        lambda trained, kept: jnp.where(state.average.updates == 0, trained,
+                                        kept),
+        {"params": params, "stats": stats}, state.average.average)
     return chosen["params"], chosen["stats"]
 
   return base.Algorithm(init, update, evaluated=evaluated)
