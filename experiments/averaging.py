@@ -9,8 +9,9 @@ run continues bit for bit. It imports only JAX, NumPy and the standard
 library; any pytree of floating arrays (Flax params, with BatchNorm
 statistics where they should be averaged too) can be averaged.
 
-Not yet wired into training: ``experiments.train`` has no ``--averaging``
-flag; a training loop calls these functions itself (below).
+ERM++ (``experiments.algorithms.erm_plus_plus``) keeps its `sma` in its
+state; ``experiments.train`` has no ``--averaging`` flag for the other
+algorithms yet: a training loop calls these functions itself (below).
 
 **EMA** (`ema`): ``average = decay * average + (1 - decay) * params`` after
 every step, starting from the initial params, with no bias correction: the

@@ -634,3 +634,19 @@ ALGORITHMS.register("MTL", f"{_MIXING}:mtl",
 # The algorithms whose params paths the claims compare (the paper's appendix
 # A.4): a sweep saves their snapshots (``--trajectory_freq``) by default.
 TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")
+
+
+# ERM++ (DomainBed's ERMPlusPlus, lines 127-233 of domainbed/algorithms.py):
+# ERM with a linear probe first, a moving average of the network, which it
+# evaluates, and LARS as an option. DomainBed declares ``lars`` and
+# ``linear_steps`` for every algorithm (hparams_registry.py lines 37-38),
+# though only ERMPlusPlus reads them; here they are its own, beside its
+# ``linear_lr`` (line 173). Its batch is pooled, as ERM's.
+def _erm_plus_plus(space: hp.SearchSpace) -> None:
+  space.add("lars", False, hp.Allowed(bool))
+  space.add("linear_steps", 500, hp.NON_NEGATIVE_INT)
+  space.add("linear_lr", 5e-5, hp.POSITIVE, hp.log_uniform(-5, -3.5))
+
+
+ALGORITHMS.register("ERMPlusPlus", f"{_OPTIMIZATION}:erm_plus_plus",
+                    hparams=_erm_plus_plus)

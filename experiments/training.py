@@ -168,6 +168,23 @@ def make_eval_step(
   return eval_step
 
 
+def make_evaluated(
+    algorithm: algorithms.Algorithm
+) -> Callable[[TrainState], TrainState]:
+  """The state whose network an evaluation runs: the trained one, or the
+  network the algorithm evaluates (``algorithms.Algorithm.evaluated``: ERM++'s
+  moving average), jitted."""
+  if algorithm.evaluated is None:
+    return lambda state: state
+  network = jax.jit(algorithm.evaluated)
+
+  def evaluated(state):
+    params, stats = network(state.params, state.stats, state.algorithm_state)
+    return state._replace(params=params, stats=stats)
+
+  return evaluated
+
+
 def eval_sets(
     splits: Sequence[input_pipeline.Split], config: config_lib.Config
 ) -> list[dict[str, np.ndarray]]:
@@ -868,6 +885,7 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
       algorithm, jax.random.fold_in(jax.random.PRNGKey(config.seed), 1))
   train_step = sharder.on_mesh(step_program)
   eval_step = sharder.on_mesh(make_eval_step(network, algorithm.predict))
+  evaluated = sharder.on_mesh(make_evaluated(algorithm))
   sets = eval_sets(splits, config)
   sizes = [len(splits[d][0]) for d in train_domains]
   # DomainBed's epoch is a pass over the smallest training domain, WILDS's
@@ -980,8 +998,8 @@ def _train(spec: config_lib.RunSpec, stop: _StopRequests,
           "init_time": init_time, "compile_time": compile_time,
           "first_batch_time": first_batch_time,
           "time_to_first_step": time_to_first_step,
-          **evaluate(eval_step, state, dataset, sets, config, sharder,
-                     augment)}
+          **evaluate(eval_step, evaluated(state), dataset, sets, config,
+                     sharder, augment)}
       if not scheduled:
         # An interrupt's record, between the --checkpoint_freq steps: the
         # run that resumes from it carries its meter on and drops it.

@@ -10,7 +10,10 @@ pure functions:
   metrics)``: one training step on ``batches``, one batch per training domain
   stacked on a leading axis: ``{"image": (n, b, H, W, C), "label": (n, b)}``;
 * optionally ``predict(params, stats, images, count) -> outputs``: the
-  algorithm's own prediction rule at evaluation (ARM adapts to the batch).
+  algorithm's own prediction rule at evaluation (ARM adapts to the batch);
+* optionally ``evaluated(params, stats, state) -> (params, stats)``: the
+  network that evaluation runs, where it is not the one trained (ERM++
+  evaluates its moving average).
 
 ``params`` are the model's ``nnx.Param`` and ``stats`` its ``nnx.BatchStat``
 (BatchNorm's running statistics, which only train-mode BatchNorm updates: a
@@ -22,11 +25,11 @@ the running totals named in `COUNTERS`, whose latest value it reports.
 
 The algorithms are grouped as the paper's related work groups them, one
 module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN,
-SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM,
-SelfReg, MTL), `gradient_manipulation` (Fish, Fishr, ANDMask, SANDMask,
-IGA, RSC) and `principal_gradients` (PGrad and its variants), on the shared
-pieces of `base`. Adding one is a builder in its module and a block in
-``experiments/catalog.py``: its entry and its hparams
+SagNet), `optimization` (ERM, ERM++, SD, GroupDRO, MLDG), `mixing` (MixUp,
+ARM, SelfReg, MTL), `gradient_manipulation` (Fish, Fishr, ANDMask,
+SANDMask, IGA, RSC) and `principal_gradients` (PGrad and its variants), on
+the shared pieces of `base`. Adding one is a builder in its module and a
+block in ``experiments/catalog.py``: its entry and its hparams
 (``experiments/README.md`` lists every file).
 
 Each follows DomainBed's class of the same name; line numbers are of
@@ -146,9 +149,12 @@ from experiments.algorithms.invariance import sagnet
 from experiments.algorithms.invariance import sagnet_draws
 from experiments.algorithms.invariance import sagnet_randomize
 from experiments.algorithms.invariance import vrex
+from experiments.algorithms.optimization import ERM_PLUS_PLUS_SMA_START
+from experiments.algorithms.optimization import ErmPlusPlusState
 from experiments.algorithms.optimization import GroupDROState
 from experiments.algorithms.optimization import MLDG_PAIRS
 from experiments.algorithms.optimization import erm
+from experiments.algorithms.optimization import erm_plus_plus
 from experiments.algorithms.optimization import group_dro
 from experiments.algorithms.optimization import meta_pairs
 from experiments.algorithms.optimization import mldg
