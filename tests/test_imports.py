@@ -20,11 +20,6 @@ ROOT = pathlib.Path(__file__).parent.parent
 # part of issue 47 named beside it removes it. The test fails on any other
 # cycle, and on one of these that is gone, so that the list only shrinks.
 ALLOWED_CYCLES = {
-    # Issue 47, "search_space.py" of its target: the hparams' declarations
-    # (which the catalog's blocks use) leave hparams_registry, which keeps
-    # the queries (which read the catalog's entries).
-    "catalog <-> hparams_registry": (
-        "experiments.catalog", "experiments.hparams_registry"),
     # Issue 47, "runs/ run (Run, Status)" of its target: `Run` leaves the
     # sweep's command line, which rerun imports it from.
     "runs.sweep <-> runs.rerun": (
