@@ -1,7 +1,7 @@
 """Every dataset, model and algorithm by name, with its facts.
 
 Adding one is a few lines here: a ``register`` call naming its builder (in
-``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models.py`` or
+``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models/`` or
 ``algorithms/``) and its facts. An algorithm's block here also declares its
 hparams, with their defaults, random searches and WILDS values
 (``AlgorithmEntry.hparams``), unless it takes those of a ``family``. A folder
