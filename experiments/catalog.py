@@ -328,6 +328,7 @@ _PRINCIPAL_GRADIENTS = "experiments.algorithms.principal_gradients:pgrad"
 _GRADIENTS = "experiments.algorithms.gradient_manipulation"
 _MIXING = "experiments.algorithms.mixing"
 _INVARIANCE = "experiments.algorithms.invariance"
+_ADVERSARIAL = "experiments.algorithms.adversarial"
 
 ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
 
@@ -541,9 +542,9 @@ def _dann(space: hp.SearchSpace) -> None:
             space["weight_decay"].search)
 
 
-ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
+ALGORITHMS.register("DANN", f"{_ADVERSARIAL}:dann", hparams=_dann)
 # DomainBed's DANN block is CDANN's too.
-ALGORITHMS.register("CDANN", f"{_INVARIANCE}:cdann", family="DANN")
+ALGORITHMS.register("CDANN", f"{_ADVERSARIAL}:cdann", family="DANN")
 
 
 def _sagnet(space: hp.SearchSpace) -> None:
@@ -552,7 +553,7 @@ def _sagnet(space: hp.SearchSpace) -> None:
 
 # SagNet's network has a style network beside its classifier
 # (models.StyleClassifier).
-ALGORITHMS.register("SagNet", f"{_INVARIANCE}:sagnet",
+ALGORITHMS.register("SagNet", f"{_ADVERSARIAL}:sagnet",
                     model_options={"style_head": True}, hparams=_sagnet)
 
 
