@@ -8,6 +8,7 @@ unless another file is named.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -45,6 +46,79 @@ def dann_step_kind(count: jax.Array, d_steps_per_g_step: int) -> jax.Array:
   return count % (1 + d_steps_per_g_step) < d_steps_per_g_step
 
 
+def _discriminator(hparams: base.HParams, head_kernel: jax.Array, *,
+                   num_domains: int, seed: int,
+                   conditional: bool) -> nnx.Module:
+  """DANN's discriminator of the features the head of ``head_kernel`` takes
+  (lines 491-498): DomainBed's MLP, and for CDANN the classes' embeddings.
+
+  In the model's dtype (its head's): parameters, Adam's moments and the
+  forward pass, which computes in the dtype its inputs (the features) and
+  parameters promote to.
+  """
+  num_features, num_classes = head_kernel.shape
+  rngs = nnx.Rngs(seed)
+  mlp = models.MLP(num_features, num_domains, width=hparams["mlp_width"],
+                   depth=hparams["mlp_depth"],
+                   dropout=hparams["mlp_dropout"], rngs=rngs, dtype=None,
+                   param_dtype=head_kernel.dtype)
+  if not conditional:
+    return mlp
+  # DomainBed's nn.Embedding, whose PyTorch init is N(0, 1) (line 498).
+  embeddings = nnx.Embed(
+      num_classes, num_features, param_dtype=head_kernel.dtype,
+      embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+  return nnx.Dict(mlp=mlp, class_embeddings=embeddings)
+
+
+def _discriminator_loss(
+    disc: nnx.Module, features: jax.Array, labels: jax.Array,
+    domains: jax.Array, key: jax.Array, *, conditional: bool,
+    num_classes: int, grad_penalty: float
+) -> tuple[jax.Array, jax.Array]:
+  """The discriminator's loss on ``features`` (lines 521-541), with its
+  gradient penalty, and the penalty.
+
+  Args:
+    disc: the discriminator (`_discriminator`).
+    features: the ``(N, F)`` features of the pooled batch.
+    labels: their ``(N,)`` classes.
+    domains: their ``(N,)`` domains, which it predicts.
+    key: its dropout's key.
+    conditional: CDANN's: the classes' embeddings join the features, and
+      the examples are class-balanced.
+    num_classes: the task's classes.
+    grad_penalty: the penalty's weight.
+  """
+  if conditional:
+    # The input is the features plus the class's embedding (line 523),
+    # so the gradient penalty is taken at that sum (lines 540-541).
+    inputs = features + disc["class_embeddings"](labels)
+    disc = disc["mlp"]
+  else:
+    inputs = features
+
+  def summed_loss(inputs):
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        disc(inputs, rngs=key), domains)
+    return losses.sum(), losses
+
+  (total, losses), input_grads = jax.value_and_grad(
+      summed_loss, has_aux=True)(inputs)
+  penalty = (input_grads**2).sum(axis=1).mean()
+  if conditional:
+    # DomainBed's class balance (lines 532-536): example weights of
+    # 1 / (its class's count * the classes), where F.one_hot without
+    # num_classes counts the classes up to the batch's largest label,
+    # fewer than the task's when the batch lacks the last ones.
+    counts = jnp.bincount(labels, length=num_classes)
+    weights = 1.0 / (counts[labels] * (labels.max() + 1))
+    loss = (weights.astype(losses.dtype) * losses).sum()
+  else:
+    loss = total / len(domains)
+  return loss + grad_penalty * penalty, penalty
+
+
 def _adversarial(network: base.Network, hparams: base.HParams, *,
                  num_domains: int, seed: int,
                  conditional: bool) -> base.Algorithm:
@@ -58,22 +132,8 @@ def _adversarial(network: base.Network, hparams: base.HParams, *,
                             hparams["beta1"], 0.9)
 
   def discriminator(head_kernel):
-    # In the model's dtype (its head's): parameters, Adam's moments and the
-    # forward pass, which computes in the dtype its inputs (the features)
-    # and parameters promote to.
-    num_features, num_classes = head_kernel.shape
-    rngs = nnx.Rngs(seed)
-    mlp = models.MLP(num_features, num_domains, width=hparams["mlp_width"],
-                     depth=hparams["mlp_depth"],
-                     dropout=hparams["mlp_dropout"], rngs=rngs, dtype=None,
-                     param_dtype=head_kernel.dtype)
-    if not conditional:
-      return mlp
-    # DomainBed's nn.Embedding, whose PyTorch init is N(0, 1) (line 498).
-    embeddings = nnx.Embed(
-        num_classes, num_features, param_dtype=head_kernel.dtype,
-        embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
-    return nnx.Dict(mlp=mlp, class_embeddings=embeddings)
+    return _discriminator(hparams, head_kernel, num_domains=num_domains,
+                          seed=seed, conditional=conditional)
 
   def head_kernel(params):
     return params["head"]["kernel"][...]
@@ -99,34 +159,11 @@ def _adversarial(network: base.Network, hparams: base.HParams, *,
         lambda: discriminator(head_kernel(params))))
 
     def disc_loss_fn(disc_params, features):
-      disc = nnx.merge(disc_def, disc_params)
-      if conditional:
-        # The input is the features plus the class's embedding (line 523),
-        # so the gradient penalty is taken at that sum (lines 540-541).
-        inputs = features + disc["class_embeddings"](labels)
-        disc = disc["mlp"]
-      else:
-        inputs = features
-
-      def summed_loss(inputs):
-        losses = optax.softmax_cross_entropy_with_integer_labels(
-            disc(inputs, rngs=disc_key), domains)
-        return losses.sum(), losses
-
-      (total, losses), input_grads = jax.value_and_grad(
-          summed_loss, has_aux=True)(inputs)
-      penalty = (input_grads**2).sum(axis=1).mean()
-      if conditional:
-        # DomainBed's class balance (lines 532-536): example weights of
-        # 1 / (its class's count * the classes), where F.one_hot without
-        # num_classes counts the classes up to the batch's largest label,
-        # fewer than the task's when the batch lacks the last ones.
-        counts = jnp.bincount(labels, length=num_classes(params))
-        weights = 1.0 / (counts[labels] * (labels.max() + 1))
-        loss = (weights.astype(losses.dtype) * losses).sum()
-      else:
-        loss = total / len(domains)
-      return loss + hparams["grad_penalty"] * penalty, penalty
+      return _discriminator_loss(
+          nnx.merge(disc_def, disc_params), features, labels, domains,
+          disc_key, conditional=conditional,
+          num_classes=num_classes(params),
+          grad_penalty=hparams["grad_penalty"])
 
     def featurize(params):
       model = network.bind(params, stats)
@@ -323,6 +360,45 @@ def sagnet_randomize(features: jax.Array, draws: SagNetDraws,
   return normalised * jnp.sqrt(var + SAGNET_EPS) + mean
 
 
+def _in_part(part: str, tree: base.Params) -> base.Params:
+  """Whether each leaf of the model's ``tree`` is in its ``part``
+  (``"featurizer"``, ``"head"`` or ``"style_head"``)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: path[0].key == part, tree)
+
+
+def _only(part: str, grads: base.Params) -> base.Params:
+  """The gradient of the part's params alone: a part's Adam passes the
+  others' (zero) gradients through, as its parameters' updates."""
+  return jax.tree.map(lambda mine, g: g if mine else jnp.zeros_like(g),
+                      _in_part(part, grads), grads)
+
+
+def _step(part_tx: optax.GradientTransformation, grads: base.Params,
+          opt_state: optax.OptState, params: base.Params
+          ) -> tuple[base.Params, optax.OptState]:
+  """One step of a part's Adam."""
+  updates, opt_state = part_tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
+def _randomized_logits(network: base.Network, images: jax.Array,
+                       params: base.Params, stats: base.Stats,
+                       draws: SagNetDraws, what: str, head: str,
+                       through_featurizer: bool = True
+                       ) -> tuple[jax.Array, base.Stats]:
+  """The logits of ``head`` on the features of ``images`` with their
+  ``what`` randomised (`sagnet_randomize`), and the statistics of the
+  featurizer's pass; ``through_featurizer=False`` holds the features
+  constant."""
+  model = network.bind(params, stats)
+  features = model.features(images, rngs=draws.dropout_key)
+  if not through_featurizer:
+    features = jax.lax.stop_gradient(features)
+  inputs = sagnet_randomize(features, draws, what)
+  return getattr(model, head)(inputs), nnx.state(model, nnx.BatchStat)
+
+
 def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
            seed: int) -> base.Algorithm:
   """Style-agnostic networks (Nam et al., CVPR 2021) as in DomainBed.
@@ -360,18 +436,8 @@ def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
   tx = base.adam(hparams)
   weight = hparams["sag_w_adv"]
 
-  def in_part(part, tree):
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: path[0].key == part, tree)
-
-  def only(part, grads):
-    # The gradient of the part's params alone: a part's Adam passes the
-    # others' (zero) gradients through, as its parameters' updates.
-    return jax.tree.map(lambda mine, g: g if mine else jnp.zeros_like(g),
-                        in_part(part, grads), grads)
-
   def part_adam(part):
-    return optax.masked(tx, lambda params: in_part(part, params))
+    return optax.masked(tx, lambda params: _in_part(part, params))
 
   featurizer_tx, content_tx, style_tx = (
       part_adam("featurizer"), part_adam("head"), part_adam("style_head"))
@@ -385,10 +451,6 @@ def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
     return SagNetState(featurizer_tx.init(params), content_tx.init(params),
                        style_tx.init(params))
 
-  def step(part_tx, grads, opt_state, params):
-    updates, opt_state = part_tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
   def update(params, stats, state, batches, key):
     batch = base.merge_domains(batches)
     images, labels = batch["image"], batch["label"]
@@ -398,14 +460,7 @@ def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
     content, style, adversary = sagnet_draws(key, len(labels),
                                              base.model_dtype(params))
 
-    def randomized_logits(params, stats, draws, what, head,
-                          through_featurizer=True):
-      model = network.bind(params, stats)
-      features = model.features(images, rngs=draws.dropout_key)
-      if not through_featurizer:
-        features = jax.lax.stop_gradient(features)
-      inputs = sagnet_randomize(features, draws, what)
-      return getattr(model, head)(inputs), nnx.state(model, nnx.BatchStat)
+    randomized_logits = functools.partial(_randomized_logits, network, images)
 
     def content_loss(params, stats):
       logits, stats = randomized_logits(params, stats, content, "style",
@@ -427,17 +482,17 @@ def sagnet(network: base.Network, hparams: base.HParams, *, num_domains: int,
 
     grad = lambda loss: jax.value_and_grad(loss, has_aux=True)
     (loss_c, stats), grads = grad(content_loss)(params, stats)
-    params, featurizer_opt_state = step(
-        featurizer_tx, only("featurizer", grads), state.featurizer_opt_state,
+    params, featurizer_opt_state = _step(
+        featurizer_tx, _only("featurizer", grads), state.featurizer_opt_state,
         params)
-    params, content_opt_state = step(content_tx, only("head", grads),
-                                     state.content_opt_state, params)
+    params, content_opt_state = _step(content_tx, _only("head", grads),
+                                      state.content_opt_state, params)
     (loss_s, stats), grads = grad(style_loss)(params, stats)
-    params, style_opt_state = step(style_tx, only("style_head", grads),
-                                   state.style_opt_state, params)
+    params, style_opt_state = _step(style_tx, _only("style_head", grads),
+                                    state.style_opt_state, params)
     (loss_adv, stats), grads = grad(adversary_loss)(params, stats)
-    params, featurizer_opt_state = step(
-        featurizer_tx, only("featurizer", grads), featurizer_opt_state,
+    params, featurizer_opt_state = _step(
+        featurizer_tx, _only("featurizer", grads), featurizer_opt_state,
         params)
     return params, stats, SagNetState(
         featurizer_opt_state, content_opt_state, style_opt_state), {
