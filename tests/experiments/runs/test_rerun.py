@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from experiments.runs import environment
 from experiments.runs import records
 from experiments.runs import rerun
 from experiments.runs import study
 from experiments.runs import sweep
-from experiments.runs import trial_noise
 from experiments.studies import digits
 
 LONGER = ["longer", "--dataset", "RotatedDigits", "--algorithm", "Fish",
@@ -109,7 +109,22 @@ OTHER_MACHINE = {"processor": "Intel(R) Xeon(R) Platinum 8481C",
                  "backend": "cpu", "jax": "0.10.2"}
 
 
-def run_records(held_out_acc, validation, loss, steps=(100, 200, 300),
+def test_t_distribution_matches_scipys():
+  for df in range(1, 13):
+    for t in (0.0, 0.3, 1.0, 2.5, 9.9, 40.0):
+      assert math.isclose(rerun.t_two_sided_cdf(t, df),
+                          1 - 2 * scipy.stats.t.sf(t, df),
+                          rel_tol=1e-12, abs_tol=1e-15), (df, t)
+    for alpha in (0.2, 0.05, 0.01 / 3):
+      assert math.isclose(rerun.t_critical(alpha, df),
+                          scipy.stats.t.isf(alpha / 2, df), rel_tol=1e-9)
+  # With 2 degrees of freedom, P(|T| > t) = 1 - t / sqrt(t^2 + 2).
+  alpha = 0.01 / 3
+  assert math.isclose(rerun.t_critical(alpha, 2), (1 - alpha) * math.sqrt(
+      2 / (1 - (1 - alpha) ** 2)), rel_tol=1e-9)
+
+
+def _run_records(held_out_acc, validation, loss, steps=(100, 200, 300),
                  **args):
   """One run's records on three domains, 0 held out: at each step the
   held-out accuracy, the two training domains' validation accuracies and
@@ -129,6 +144,60 @@ def run_records(held_out_acc, validation, loss, steps=(100, 200, 300),
         "env2_out_acc": val2, "env2_out_examples": 50, "env2_in_acc": 1.0,
         "env2_in_examples": 200, "env2_in_loss": loss2})
   return run
+
+
+def test_reported_numbers_are_the_selected_steps_and_the_final_loss():
+  run = _run_records([0.5, 0.7, 0.6], [(0.8, 0.7), (0.9, 0.7), (0.8, 0.6)],
+                     [(0.5, 0.3), (0.2, 0.1), (0.04, 0.01)])
+  numbers = rerun.reported_numbers(run)
+  # Step 200 has the best mean validation accuracy, 0.8; the final loss
+  # pools the training domains by their examples.
+  assert numbers["held_out_acc"] == (0.7, 240)
+  assert numbers["validation_acc"] == (np.mean([0.9, 0.7]), 110)
+  assert math.isclose(numbers["log_final_loss"][0],
+                      np.log((240 * 0.04 + 200 * 0.01) / 440), rel_tol=1e-12)
+  assert numbers["log_final_loss"][1] == 0
+
+
+def _numbers(held_out, validation, log_loss, examples=(240, 110)):
+  return {"held_out_acc": (held_out, examples[0]),
+          "validation_acc": (validation, examples[1]),
+          "log_final_loss": (log_loss, 0)}
+
+
+TRIALS = [_numbers(0.65, 0.70, -8.7), _numbers(0.62, 0.68, -8.8),
+          _numbers(0.66, 0.68, -8.6)]
+
+
+def test_judge_noise_holds_a_run_against_its_cells_trials():
+  within = rerun.judge_noise(_numbers(0.70, 0.69, -8.9), TRIALS[0], TRIALS)
+  factor = scipy.stats.t.isf(rerun.FALSE_ALARM_RATE / 3 / 2, 2) * np.sqrt(
+      1 + 1 / 3)
+  for name in rerun.NUMBERS:
+    values = np.array([trial[name][0] for trial in TRIALS], np.float64)
+    judged = within[name]
+    assert judged["trials"] == list(values)
+    assert judged["committed"] == TRIALS[0][name][0]
+    assert math.isclose(judged["mean"], values.mean(), rel_tol=1e-12)
+    assert math.isclose(judged["sd"], values.std(ddof=1), rel_tol=1e-12)
+    assert math.isclose(judged["allowed"], factor * values.std(ddof=1),
+                        rel_tol=1e-9)
+    assert judged["within"], (name, judged)
+  # A final loss e^1.5 times the trials' mean lies beyond: their log spread
+  # is 0.1.
+  beyond = rerun.judge_noise(_numbers(0.70, 0.69, -8.7 + 2.2), TRIALS[0],
+                             TRIALS)
+  assert not beyond["log_final_loss"]["within"]
+  assert beyond["held_out_acc"]["within"]
+  # Tied trials spread over one example at least, not none.
+  tied = [_numbers(0.65, 0.70, -8.7 + i / 10) for i in range(3)]
+  one_example = rerun.judge_noise(_numbers(0.65 + 2 / 240, 0.70, -8.7),
+                                  tied[0], tied)["held_out_acc"]
+  assert one_example["sd"] == 0
+  assert math.isclose(one_example["allowed"], factor / 240, rel_tol=1e-9)
+  assert one_example["within"]
+  # One trial has no spread to judge by.
+  assert rerun.judge_noise(TRIALS[0], TRIALS[0], TRIALS[:1]) is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +230,7 @@ def _trained_cell(directory, trained_on):
       [(0.65, 0.70, 1e-4), (0.62, 0.68, 1.2e-4), (0.66, 0.66, 1.1e-4)]):
     source = directory / f"trial{trial}"
     source.mkdir(parents=True)
-    for record in run_records([acc - 0.1, acc], [(val, val)] * 2,
+    for record in _run_records([acc - 0.1, acc], [(val, val)] * 2,
                                [(1.0, 1.0), (loss, loss)], trial_seed=trial):
       records.append_record(source, record)
     records.mark_done(source)
@@ -213,7 +282,7 @@ def test_reproduce_judges_by_noise_only_where_the_environment_differs(
   assert results["resumed"]["trained_on"] == [None, MACHINE]
   assert results["same"]["noise"] is None
   planted = results["unrecorded, planted"]["noise"]
-  assert [planted[name]["within"] for name in trial_noise.NUMBERS] == [
+  assert [planted[name]["within"] for name in rerun.NUMBERS] == [
       True, True, False]
   assert math.isclose(planted["log_final_loss"]["retrained"],
                       np.log(1e-3), rel_tol=1e-12)
