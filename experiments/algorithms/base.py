@@ -120,7 +120,7 @@ def build_algorithm(
   Args:
     name: a name of ``catalog.ALGORITHMS``.
     network: the model, from `Network.split`.
-    hparams: its hyperparameters (see ``experiments.hparams_registry``),
+    hparams: its hyperparameters (see ``experiments.search_space``),
       which its builder gets as its entry types them
       (``catalog.AlgorithmEntry.typed_hparams``).
     num_domains: the number of training domains.

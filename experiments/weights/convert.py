@@ -246,7 +246,7 @@ def convert_torchvision(state_dict: Mapping[str, np.ndarray]) -> tuple[
   """Converts a torchvision ResNet-18/50 or DenseNet-121 ``state_dict``.
 
   Returns:
-    The model's name in ``models.MODELS`` and the converted weights.
+    The model's name in ``catalog.MODELS`` and the converted weights.
   """
   if any(name.startswith("features.denseblock") for name in state_dict):
     return "densenet121", convert_torchvision_densenet121(state_dict)
