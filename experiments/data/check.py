@@ -121,8 +121,10 @@ class FolderCheck:
           f"{'it' if one else 'them'}, as in DomainBed:")
       lines += [f"  {path}" for path in self.clipped]
     problems = self.problems
-    lines.append(f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
-                 + (", which stop training:" if problems else "."))
+    one = len(problems) == 1
+    lines.append(f"{len(problems)} problem{'' if one else 's'}"
+                 + ((", which stops training:" if one
+                     else ", which stop training:") if problems else "."))
     lines += [f"  - {problem}" for problem in problems]
     lines.append(
         f"Listing, headers and digests (what training does first): "
