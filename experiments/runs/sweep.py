@@ -107,6 +107,9 @@ def cost(runs: Sequence[run_lib.Run], step_ms: float,
   return "\n".join(lines)
 
 
+PROG = "python -m experiments.runs.sweep"
+
+
 def delete_incomplete(runs: Sequence[run_lib.Run]) -> list[run_lib.Run]:
   """Deletes the directories of incomplete and damaged runs; returns those
   runs."""
@@ -120,7 +123,7 @@ def delete_incomplete(runs: Sequence[run_lib.Run]) -> list[run_lib.Run]:
 
 def make_parser() -> argparse.ArgumentParser:
   """The sweep's command line."""
-  parser = argparse.ArgumentParser(prog="python -m experiments.runs.sweep",
+  parser = argparse.ArgumentParser(prog=PROG,
                                    description=__doc__.splitlines()[0])
   parser.add_argument(
       "command", nargs="?", default="launch",
@@ -207,6 +210,10 @@ def check_arguments(parser: argparse.ArgumentParser,
   if args.command == "cost" and (
       args.step_ms <= 0 or min(args.gpu_counts) < 1):
     parser.error("--step_ms must be positive and --gpu_counts at least 1.")
+  for flag in ("n_hparams", "n_trials"):
+    # A grid of no runs would be saved, and the intended one then refused.
+    if getattr(args, flag, 1) < 1:
+      parser.error(f"--{flag} must be at least 1.")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -305,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid = grid_for(args)
     runs = grid_lib.make_runs(output_dir=args.output_dir, **grid)
   except ValueError as e:  # A usage error, as argparse's: status 2.
-    print(f"error: {e}", file=sys.stderr)
+    print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2
   if args.command in rerun.COMMANDS:
     return rerun.main(make_parser(), args, runs, args.output_dir)
@@ -313,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
       print(cost(runs, args.step_ms, args.gpu_counts))
     except errors.UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"{PROG}: error: {e}", file=sys.stderr)
       return 2
     return 0
   if args.command == "list":
@@ -329,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
       failed = _launch(args, grid, runs)
     except errors.UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"{PROG}: error: {e}", file=sys.stderr)
       return 2
     except KeyboardInterrupt:
       going = launchers.REGISTRY[args.launcher].interrupted
@@ -344,9 +351,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == "delete_incomplete":
     n = sum(run.status in (run_lib.Status.INCOMPLETE, run_lib.Status.DAMAGED)
             for run in runs)
-    if not args.skip_confirmation and input(
-        f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
-      return 1
+    if not n:
+      print("Nothing to delete.")
+      return 0
+    if not args.skip_confirmation:
+      if not sys.stdin.isatty():
+        # Deleting is not undone: without a terminal to ask on, only an
+        # explicit flag goes ahead.
+        print(f"{PROG}: error: delete_incomplete asks before deleting; pass "
+              "--skip_confirmation (--yes) to delete without a terminal.",
+              file=sys.stderr)
+        return 2
+      if input(f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
+        return 1
     print(f"Deleted {len(delete_incomplete(runs))} incomplete or damaged "
           "runs.")
   return 0
