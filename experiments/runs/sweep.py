@@ -60,6 +60,8 @@ from typing import Any
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import errors
+from experiments.data import datasets
+from experiments.data import photo_datasets
 from experiments.runs import grid as grid_lib
 from experiments.runs import launchers
 from experiments.runs import rerun
@@ -260,6 +262,26 @@ def confirm_launch(runs: Sequence[run_lib.Run],
   return answer.strip().lower() in ("y", "yes")
 
 
+def check_folders(runs: Sequence[run_lib.Run], data_dir: str | None) -> None:
+  """Refuses a sweep whose runs still to train read a folder dataset that
+  is not there, before the weights they would start from are fetched: the
+  missing data, not a download, is what to fix first, as a single run says.
+
+  Raises:
+    errors.UsageError: a dataset's folder is missing; the message says
+      where it was looked for and how to put it there.
+  """
+  for run in runs:
+    name = run.args["dataset"]
+    if run.status is run_lib.Status.DONE or name not in catalog.FOLDER_DATASETS:
+      continue
+    folder, domains = catalog.FOLDER_DATASETS[name]
+    try:
+      photo_datasets.folder_root(name, folder, domains, data_dir)
+    except datasets.DatasetNotFoundError as e:
+      raise errors.UsageError(str(e)) from None
+
+
 def fetch_weights(runs: Sequence[run_lib.Run]) -> list[str]:
   """Downloads, once and before any run starts, the ImageNet weights that
   the runs still to train start from (``--pretrained imagenet``, the photo
@@ -300,6 +322,7 @@ def _launch(args: argparse.Namespace, grid: Mapping[str, Any],
   name (`launchers.REGISTRY`), once the ImageNet weights they start from
   are cached (`fetch_weights`) and the grid is saved
   (`grid_lib.save_grid`); returns the failed runs."""
+  check_folders(runs, args.data_dir)
   fetch_weights(runs)
   if grid_lib.read_grid(args.output_dir) != grid:
     grid_lib.save_grid(args.output_dir, grid)

@@ -244,7 +244,14 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   flags = ["--datasets", "PACS", "--algorithms", "ERM", "--test_envs", "0",
            "--n_hparams", "1", "--n_trials", "2", "--steps", "1",
            "--output_dir", str(tmp_path / "sweep"),
-           "--train_command", train_command]
+           "--train_command", train_command,
+           "--data_dir", str(tmp_path / "data")]
+  # Missing data are said first: they, not a download, are what to fix.
+  assert sweep.main(["launch", *flags]) == 2
+  error = capsys.readouterr().err
+  assert f"PACS not found: {tmp_path / 'data' / 'PACS'}" in error
+  assert "resnet50" not in error
+  (tmp_path / "data" / "PACS").mkdir(parents=True)  # The stand-in reads none.
   assert sweep.main(["launch", *flags]) == 2
   error = capsys.readouterr().err
   assert "resnet50-0676ba61.pth" in error and "--pretrained none" in error
