@@ -30,7 +30,7 @@ from flax import nnx
 
 from experiments import models
 
-# WILDS's networks and batches (see experiments/hparams_registry.py): a
+# WILDS's networks and batches (see experiments/search_space.py): a
 # pooled batch of 8 domains of 8 examples.
 NETWORKS = {"PovertyMap resnet18": ("resnet18", 8),
             "FMoW densenet121": ("densenet121", 3)}

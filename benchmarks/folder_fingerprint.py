@@ -19,7 +19,7 @@ its index appended after the image's end, so that every file's bytes differ
 and each costs what that photo costs to read and hash. The files are read
 from the page cache (just written); from a cold disk each pass also waits
 for the disk. The passes run in the thread pool training uses
-(``photo_datasets._in_threads``), round-robin over ``--repeats`` rounds;
+(``photo_datasets.in_threads``), round-robin over ``--repeats`` rounds;
 the median round is reported, per file, and multiplied out to
 ``--extrapolate_to`` files (586,575: DomainNet's six domains), which assumes
 a cost linear in the number of files of this size.
@@ -72,7 +72,7 @@ def measure(root: Path, repeats: int) -> dict[str, list[float]]:
   assert not listing.problems, listing.problems
   paths = listing.paths()
   # The thread pool of read_files, for the pass before digests.
-  in_threads = photo_datasets._in_threads  # pylint: disable=protected-access
+  in_threads = photo_datasets.in_threads
   passes = {
       "listing": lambda: photo_datasets.list_folder(root / "PACS",
                                                     PACS_DOMAINS),

@@ -1,7 +1,7 @@
 """Every dataset, model and algorithm by name, with its facts.
 
 Adding one is a few lines here: a ``register`` call naming its builder (in
-``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models.py`` or
+``digit_datasets.py``, ``photo_datasets.py``, ``wilds.py``, ``models/`` or
 ``algorithms/``) and its facts. An algorithm's block here also declares its
 hparams, with their defaults, random searches and WILDS values
 (``AlgorithmEntry.hparams``), unless it takes those of a ``family``. A folder
@@ -18,8 +18,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from experiments import hparams_registry as hp
 from experiments import registry
+# As `hp`, the name the blocks below and experiments/README.md use.
+from experiments import search_space as hp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,7 @@ class DatasetEntry(registry.Entry):
     small_batches: memory limits its batches (DomainNet's 345-class head):
       DomainBed draws batch sizes up to 2^5 rather than 2^5.5, and the
       paper's PGrad trains on 24 rather than 32, its "-B" variants in 2
-      chunks rather than 3 (``hparams_registry.domainbed_training``, PGrad's
+      chunks rather than 3 (``search_space.domainbed_training``, PGrad's
       block below).
     from_scratch: WILDS trains its network from scratch (PovertyMap's 8
       bands fit no ImageNet weights), so its runs start from no weights by
@@ -108,7 +109,7 @@ class AlgorithmEntry(registry.Entry):
   ``algorithms.Algorithm``.
 
   Its hparams are declared by blocks, functions that add to a
-  ``hparams_registry.SearchSpace``: its `training_hparams` (or DomainBed's),
+  ``search_space.SearchSpace``: its `training_hparams` (or DomainBed's),
   the dataset's, then its own `hparams`, in that order. A family's member
   takes its head's blocks and adds its own.
 
@@ -130,7 +131,7 @@ class AlgorithmEntry(registry.Entry):
       ``"MMD"`` for CORAL; ``None`` for its own.
     training_hparams: its block of training hparams (learning rates, batch
       size, weight decay, any outer loop's), in place of DomainBed's
-      (``hparams_registry.domainbed_training``); ``None`` for DomainBed's.
+      (``search_space.domainbed_training``); ``None`` for DomainBed's.
     hparams: its block of its own terms' hparams; ``None`` for none.
     hparams_type: the type its builder takes its hparams as, made by
       ``hparams_type.from_hparams(hparams)`` and saying its
@@ -318,7 +319,7 @@ MODELS.register("densenet121", "experiments.models:DenseNet",
 # (domainbed/hparams_registry.py at b93c22a1, whose values these are unless
 # said), and its entry. Every algorithm also has DomainBed's training hparams
 # (unless its ``training_hparams`` replace them) and the dataset's
-# (`hparams_registry`). On WILDS every hparam is fixed, at WILDS's value
+# (`search_space`). On WILDS every hparam is fixed, at WILDS's value
 # (``wilds=``) or else its default: the paper searches nothing there.
 #
 # Grouped as experiments/algorithms/ is: by the paper's categories.
@@ -327,6 +328,7 @@ _PRINCIPAL_GRADIENTS = "experiments.algorithms.principal_gradients:pgrad"
 _GRADIENTS = "experiments.algorithms.gradient_manipulation"
 _MIXING = "experiments.algorithms.mixing"
 _INVARIANCE = "experiments.algorithms.invariance"
+_ADVERSARIAL = "experiments.algorithms.adversarial"
 
 ALGORITHMS.register("ERM", f"{_OPTIMIZATION}:erm")
 
@@ -540,9 +542,9 @@ def _dann(space: hp.SearchSpace) -> None:
             space["weight_decay"].search)
 
 
-ALGORITHMS.register("DANN", f"{_INVARIANCE}:dann", hparams=_dann)
+ALGORITHMS.register("DANN", f"{_ADVERSARIAL}:dann", hparams=_dann)
 # DomainBed's DANN block is CDANN's too.
-ALGORITHMS.register("CDANN", f"{_INVARIANCE}:cdann", family="DANN")
+ALGORITHMS.register("CDANN", f"{_ADVERSARIAL}:cdann", family="DANN")
 
 
 def _sagnet(space: hp.SearchSpace) -> None:
@@ -551,7 +553,7 @@ def _sagnet(space: hp.SearchSpace) -> None:
 
 # SagNet's network has a style network beside its classifier
 # (models.StyleClassifier).
-ALGORITHMS.register("SagNet", f"{_INVARIANCE}:sagnet",
+ALGORITHMS.register("SagNet", f"{_ADVERSARIAL}:sagnet",
                     model_options={"style_head": True}, hparams=_sagnet)
 
 
@@ -634,3 +636,19 @@ ALGORITHMS.register("MTL", f"{_MIXING}:mtl",
 # The algorithms whose params paths the claims compare (the paper's appendix
 # A.4): a sweep saves their snapshots (``--trajectory_freq``) by default.
 TRAJECTORY_ALGORITHMS = ("ERM", "PGrad")
+
+
+# ERM++ (DomainBed's ERMPlusPlus, lines 127-233 of domainbed/algorithms.py):
+# ERM with a linear probe first, a moving average of the network, which it
+# evaluates, and LARS as an option. DomainBed declares ``lars`` and
+# ``linear_steps`` for every algorithm (hparams_registry.py lines 37-38),
+# though only ERMPlusPlus reads them; here they are its own, beside its
+# ``linear_lr`` (line 173). Its batch is pooled, as ERM's.
+def _erm_plus_plus(space: hp.SearchSpace) -> None:
+  space.add("lars", False, hp.Allowed(bool))
+  space.add("linear_steps", 500, hp.NON_NEGATIVE_INT)
+  space.add("linear_lr", 5e-5, hp.POSITIVE, hp.log_uniform(-5, -3.5))
+
+
+ALGORITHMS.register("ERMPlusPlus", f"{_OPTIMIZATION}:erm_plus_plus",
+                    hparams=_erm_plus_plus)

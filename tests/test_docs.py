@@ -6,7 +6,9 @@ relative link must name a file or folder of the repository, and a `#anchor`
 must name a heading of its target, spelled as GitHub spells heading anchors.
 A ``python -m`` command of the repository's own modules, there, in the
 results' reports or in a module's docstring, must name a module file, or a
-package with a ``__main__.py``.
+package with a ``__main__.py``; a dotted name of them in a code span there
+(`experiments.runs.sweep`, `pgrad_jax.gram`) must name a module, a package or
+a name that its module defines or imports.
 """
 
 import pathlib
@@ -28,6 +30,7 @@ _HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", re.M)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:|^//")
 _MODULE_COMMAND = re.compile(
     r"python -m\s+((?:pgrad_jax|experiments|benchmarks)(?:\.\w+)*)")
+_DOTTED_NAME = re.compile(r"`((?:pgrad_jax|experiments|benchmarks)(?:\.\w+)+)`")
 
 
 def documentation():
@@ -165,3 +168,48 @@ def test_a_command_of_a_missing_module_is_reported(tmp_path):
                   "python -m experiments.weights fetch resnet50\n")
   assert commands_without_a_module(page, tmp_path) == [
       "experiments.sweep", "experiments.runs"]
+
+
+def dotted_names_not_there(path, root=ROOT):
+  """The dotted names of the repository's modules in a file's code spans
+  (`experiments.runs.sweep`, `pgrad_jax.gram`) that name neither a module or
+  package under ``root`` nor a name that one defines or imports."""
+  def there(name):
+    where = root / name.replace(".", "/")
+    if where.with_suffix(".py").is_file() or (where / "__init__.py").is_file():
+      return True
+    module, _, attribute = name.rpartition(".")
+    where = root / module.replace(".", "/")
+    source = (where.with_suffix(".py") if where.with_suffix(".py").is_file()
+              else where / "__init__.py")
+    if not source.is_file():
+      return False
+    defined = re.compile(
+        rf"^(?:(?:class|def) {attribute}\b|{attribute}\s*[:=]"
+        rf"|(?:from \S+ )?import .*\b{attribute}\b)", re.M)
+    return defined.search(source.read_text()) is not None
+  return [name for name in _DOTTED_NAME.findall(path.read_text())
+          if not there(name)]
+
+
+@pytest.mark.parametrize("path", documentation(),
+                         ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_dotted_name_is_there(path):
+  assert dotted_names_not_there(path) == []
+
+
+def test_a_dotted_name_not_there_is_reported(tmp_path):
+  (tmp_path / "experiments" / "runs").mkdir(parents=True)
+  (tmp_path / "experiments" / "__init__.py").write_text("")
+  (tmp_path / "experiments" / "runs" / "__init__.py").write_text("")
+  (tmp_path / "experiments" / "runs" / "sweep.py").write_text(
+      "from x import launch\n\nclass Grid:\n  pass\n\nDEFAULT = 1\n")
+  page = tmp_path / "page.md"
+  page.write_text("`experiments.runs` `experiments.runs.sweep` "
+                  "`experiments.runs.sweep.Grid` `experiments.runs.sweep.launch` "
+                  "`experiments.runs.sweep.DEFAULT` `experiments.sweep` "
+                  "`experiments.runs.sweep.grid` `experiments.runs.study.main` "
+                  "experiments.nowhere\n")
+  assert dotted_names_not_there(page, tmp_path) == [
+      "experiments.sweep", "experiments.runs.sweep.grid",
+      "experiments.runs.study.main"]

@@ -10,7 +10,10 @@ pure functions:
   metrics)``: one training step on ``batches``, one batch per training domain
   stacked on a leading axis: ``{"image": (n, b, H, W, C), "label": (n, b)}``;
 * optionally ``predict(params, stats, images, count) -> outputs``: the
-  algorithm's own prediction rule at evaluation (ARM adapts to the batch).
+  algorithm's own prediction rule at evaluation (ARM adapts to the batch);
+* optionally ``evaluated(params, stats, state) -> (params, stats)``: the
+  network that evaluation runs, where it is not the one trained (ERM++
+  evaluates its moving average).
 
 ``params`` are the model's ``nnx.Param`` and ``stats`` its ``nnx.BatchStat``
 (BatchNorm's running statistics, which only train-mode BatchNorm updates: a
@@ -20,12 +23,13 @@ comes from its ``key``, so a test can replay it. Its ``metrics`` are scalars
 or arrays; a loop averages them over the steps between evaluations, except
 the running totals named in `COUNTERS`, whose latest value it reports.
 
-The algorithms are grouped as the paper's related work groups them, one
-module each: `invariance` (IRM, VREx, IB_ERM, MMD, CORAL, DANN, CDANN,
-SagNet), `optimization` (ERM, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM,
-SelfReg, MTL), `gradient_manipulation` (Fish, Fishr, ANDMask, SANDMask,
-IGA, RSC) and `principal_gradients` (PGrad and its variants), on the shared
-pieces of `base`. Adding one is a builder in its module and a block in
+The algorithms are grouped as the paper's related work groups them, a
+module each, the invariant ones in two: `invariance` (IRM, VREx, IB_ERM,
+MMD, CORAL) and `adversarial` (DANN, CDANN, SagNet); then `optimization`
+(ERM, ERM++, SD, GroupDRO, MLDG), `mixing` (MixUp, ARM, SelfReg, MTL),
+`gradient_manipulation` (Fish, Fishr, ANDMask, SANDMask, IGA, RSC) and
+`principal_gradients` (PGrad and its variants), on the shared pieces of
+`base`. Adding one is a builder in its module and a block in
 ``experiments/catalog.py``: its entry and its hparams
 (``experiments/README.md`` lists every file).
 
@@ -97,6 +101,16 @@ from experiments.algorithms.mixing import project
 from experiments.algorithms.mixing import selfreg
 from experiments.algorithms.mixing import selfreg_draws
 from experiments.algorithms.mixing import support_context
+from experiments.algorithms.adversarial import DANNState
+from experiments.algorithms.adversarial import SAGNET_EPS
+from experiments.algorithms.adversarial import SagNetDraws
+from experiments.algorithms.adversarial import SagNetState
+from experiments.algorithms.adversarial import cdann
+from experiments.algorithms.adversarial import dann
+from experiments.algorithms.adversarial import dann_step_kind
+from experiments.algorithms.adversarial import sagnet
+from experiments.algorithms.adversarial import sagnet_draws
+from experiments.algorithms.adversarial import sagnet_randomize
 from experiments.algorithms.base import Algorithm
 from experiments.algorithms.base import AnnealState
 from experiments.algorithms.base import Batches
@@ -127,28 +141,21 @@ from experiments.algorithms.gradient_manipulation import numpy_percentile
 from experiments.algorithms.gradient_manipulation import rsc
 from experiments.algorithms.gradient_manipulation import sand_mask
 from experiments.algorithms.gradient_manipulation import sandmask
-from experiments.algorithms.invariance import DANNState
 from experiments.algorithms.invariance import MMD_GAMMAS
-from experiments.algorithms.invariance import SAGNET_EPS
-from experiments.algorithms.invariance import SagNetDraws
-from experiments.algorithms.invariance import SagNetState
-from experiments.algorithms.invariance import cdann
 from experiments.algorithms.invariance import coral
 from experiments.algorithms.invariance import coral_penalty
-from experiments.algorithms.invariance import dann
-from experiments.algorithms.invariance import dann_step_kind
 from experiments.algorithms.invariance import ib_erm
 from experiments.algorithms.invariance import irm
 from experiments.algorithms.invariance import irm_penalty
 from experiments.algorithms.invariance import mmd
 from experiments.algorithms.invariance import mmd_penalty
-from experiments.algorithms.invariance import sagnet
-from experiments.algorithms.invariance import sagnet_draws
-from experiments.algorithms.invariance import sagnet_randomize
 from experiments.algorithms.invariance import vrex
+from experiments.algorithms.optimization import ERM_PLUS_PLUS_SMA_START
+from experiments.algorithms.optimization import ErmPlusPlusState
 from experiments.algorithms.optimization import GroupDROState
 from experiments.algorithms.optimization import MLDG_PAIRS
 from experiments.algorithms.optimization import erm
+from experiments.algorithms.optimization import erm_plus_plus
 from experiments.algorithms.optimization import group_dro
 from experiments.algorithms.optimization import meta_pairs
 from experiments.algorithms.optimization import mldg

@@ -37,17 +37,22 @@ class Network:
     graphdef: the model's structure.
     constants: its state that is neither ``nnx.Param`` nor ``nnx.BatchStat``
       (e.g. the stored dropout stream, unused since keys are passed in).
+    stats_shapes: the shapes and dtypes (``jax.ShapeDtypeStruct``) of its
+      BatchNorm statistics, for an algorithm state that holds a copy of them
+      (ERM++'s averaged network), which ``init(params)`` cannot see.
   """
 
   graphdef: nnx.GraphDef
   constants: nnx.State
+  stats_shapes: Stats | None = dataclasses.field(default=None, compare=False)
 
   @classmethod
   def split(cls, model: nnx.Module) -> tuple[Network, Params, Stats]:
     """Returns the network, the model's params and its BatchNorm statistics."""
     graphdef, params, stats, constants = nnx.split(
         model, nnx.Param, nnx.BatchStat, ...)
-    return cls(graphdef, constants), params, stats
+    shapes = jax.eval_shape(lambda: stats)
+    return cls(graphdef, constants, shapes), params, stats
 
   def bind(
       self, params: Params, stats: Stats, *, train: bool = True
@@ -87,6 +92,10 @@ class Algorithm(NamedTuple):
       evaluation, for an algorithm that adapts to the batch it predicts (ARM);
       only the first ``count`` images are real, the rest padding. ``None``:
       the network's eval-mode outputs, image by image.
+    evaluated: ``evaluated(params, stats, state) -> (params, stats)``, the
+      network that evaluation runs (through ``predict``), for an algorithm
+      that evaluates another network than the one it trains (ERM++'s moving
+      average). ``None``: the trained network.
   """
 
   init: Callable[[Params], Any]
@@ -95,6 +104,7 @@ class Algorithm(NamedTuple):
       tuple[Params, Stats, Any, Metrics]]
   predict: Callable[[Params, Stats, jax.Array, jax.Array], jax.Array] | None = (
       None)
+  evaluated: Callable[[Params, Stats, Any], tuple[Params, Stats]] | None = None
 
 
 def build_algorithm(
@@ -110,7 +120,7 @@ def build_algorithm(
   Args:
     name: a name of ``catalog.ALGORITHMS``.
     network: the model, from `Network.split`.
-    hparams: its hyperparameters (see ``experiments.hparams_registry``),
+    hparams: its hyperparameters (see ``experiments.search_space``),
       which its builder gets as its entry types them
       (``catalog.AlgorithmEntry.typed_hparams``).
     num_domains: the number of training domains.

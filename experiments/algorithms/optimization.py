@@ -1,4 +1,4 @@
-"""Optimization: ERM, SD, GroupDRO and MLDG, as DomainBed's.
+"""Optimization: ERM, ERM++, SD, GroupDRO and MLDG, as DomainBed's.
 
 Line numbers are of DomainBed's ``domainbed/algorithms.py`` at b93c22a1
 unless another file is named.
@@ -11,7 +11,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
+from experiments import averaging
 from experiments.algorithms import base
 from experiments.data import tasks
 
@@ -28,6 +30,12 @@ def erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
   (lines 113-122).
   """
   del num_domains, seed
+  return base.gradient_algorithm(hparams, _pooled_objective(network))
+
+
+def _pooled_objective(network: base.Network):
+  """ERM's objective: the mean loss of one forward pass over all domains
+  pooled (lines 113-122), with the metric ``loss``."""
 
   def objective(params, stats, batches, key):
     del key
@@ -35,7 +43,177 @@ def erm(network: base.Network, hparams: base.HParams, *, num_domains: int,
                                            base.merge_domains(batches), stats)
     return loss, ({"loss": loss}, stats)
 
-  return base.gradient_algorithm(hparams, objective)
+  return objective
+
+
+# DomainBed's ERM++ starts its moving average at update 600, a constant
+# (``lib/misc.py`` line 56), not an hparam.
+ERM_PLUS_PLUS_SMA_START = 600
+
+
+class ErmPlusPlusState(NamedTuple):
+  """ERM++'s state.
+
+  Attributes:
+    linear_opt_state: the linear probe's optimizer state, over the head.
+    opt_state: the full optimizer's state, over every parameter; it stays
+      as initialised until the probe ends.
+    average: the moving average (`averaging.SmaState`) of the network,
+      ``{"params": ..., "stats": ...}``; its ``updates`` counts the updates
+      taken (DomainBed's ``global_iter``), which also picks the optimizer.
+  """
+
+  linear_opt_state: optax.OptState
+  opt_state: optax.OptState
+  average: averaging.SmaState
+
+
+def _erm_plus_plus_optimizer(hparams: base.HParams,
+                             lr: float) -> optax.GradientTransformation:
+  """ERM++'s optimizer at ``lr``: PyTorch's Adam, or with ``lars`` LARS.
+
+  DomainBed's ``LARS`` (``lib/misc.py`` lines 533-566) is optax's
+  ``lars`` with its defaults (momentum 0.9, trust coefficient 0.001, no
+  Nesterov) and its weight decay and trust ratio masked to the tensors of
+  more than one dimension (line 550: not biases, not BatchNorm's scale and
+  bias). optax scales by the learning rate before the momentum and DomainBed
+  after it, the same at a constant learning rate.
+  """
+  weight_decay = hparams["weight_decay"]
+  if not hparams["lars"]:
+    return base.torch_adam(lr, weight_decay)
+  matrices = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+  return optax.lars(lr, weight_decay=weight_decay,
+                    weight_decay_mask=matrices, trust_ratio_mask=matrices)
+
+
+def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
+                  num_domains: int, seed: int,
+                  sma_start_iter: int = ERM_PLUS_PLUS_SMA_START
+                  ) -> base.Algorithm:
+  """ERM++ (Teterwak et al., 2023) as DomainBed's ``ERMPlusPlus``.
+
+  DomainBed's ``ERMPlusPlus`` (lines 127-233) with its
+  ``ErmPlusPlusMovingAvg`` (``lib/misc.py`` lines 51-72):
+
+  * Two optimizers (lines 141-175), each PyTorch's Adam with
+    ``weight_decay``, or with the hparam ``lars`` DomainBed's LARS
+    (`optax.lars`, see `_erm_plus_plus_optimizer`): the full one over every
+    parameter at ``lr``, and the linear probe's over the head alone
+    (``network[1]``, line 158) at ``linear_lr``.
+  * The linear probe (lines 183-186): while the updates taken so far
+    (``global_iter``) are at most ``linear_steps``, the update steps the
+    linear probe's optimizer, so the first ``linear_steps + 1`` updates move
+    the head alone; every later one steps the full optimizer, whose state
+    starts fresh then (it has not stepped before). Nothing is reset: each
+    optimizer keeps its own state, the probe's unused after the switch.
+    The gradient is ERM's, of one forward pass over all domains pooled
+    (lines 190-196), so trained BatchNorm statistics follow that pass in
+    both phases.
+  * The moving average (line 197, ``update_sma``): `averaging.sma` of the
+    network's params *and* BatchNorm statistics (its ``state_dict``, less
+    ``num_batches_tracked``), the latest network until update
+    ``sma_start_iter``, then the equal-weight mean of the networks after
+    update ``sma_start_iter - 1`` and every later one. Where BatchNorm
+    trains (DomainBed's ``freeze_bn`` false), the averaged network then
+    runs once in train mode over the pooled batch (lines 198-200), which
+    moves its statistics by one momentum step on that batch's.
+  * Evaluation runs the averaged network in eval mode (``predict``, lines
+    204-206): the algorithm's ``evaluated``. Before the first update that is
+    the network itself (DomainBed's ``deepcopy``, ``lib/misc.py`` line 54).
+
+  The metrics are ``loss`` and ``linear_probe``, 1 where the update stepped
+  the linear probe's optimizer and 0 where the full one (a record's mean is
+  the share of its steps in the probe).
+
+  DomainBed's ``set_lr``, the validation-driven schedule of
+  ``scripts/train_autolr.py`` (lines 208-233), is not applied: the
+  learning rates stay constant, as in DomainBed's ``scripts/train.py``.
+  (At b93c22a1 DomainBed's ``lars`` fails to build: it passes
+  ``foreach=False``, which its ``LARS`` does not take, line 537.)
+
+  Args:
+    network: the model.
+    hparams: ``lr``, ``linear_lr``, ``weight_decay``, ``linear_steps`` and
+      ``lars``.
+    num_domains: unused: the domains are pooled.
+    seed: unused.
+    sma_start_iter: the update from which the moving average holds more than
+      the latest network, counting from 1; DomainBed's 600.
+
+  Returns:
+    The algorithm, whose state is an `ErmPlusPlusState`.
+  """
+  del num_domains, seed
+  if network.stats_shapes is None:
+    raise ValueError("ERM++ averages the network's BatchNorm statistics: "
+                     "build its network with Network.split(model).")
+  sma = averaging.sma(sma_start_iter)
+  linear_steps = hparams["linear_steps"]
+  tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
+  # The head's params step; the featurizer's are left as they are.
+  linear_tx = optax.multi_transform(
+      {"head": _erm_plus_plus_optimizer(hparams, hparams["linear_lr"]),
+       "featurizer": optax.set_to_zero()},
+      lambda params: jax.tree_util.tree_map_with_path(
+          lambda path, _: "head" if path[0].key == "head" else "featurizer",
+          params))
+  objective = _pooled_objective(network)
+
+  def init(params):
+    # init sees no statistics: zeros hold their place until the first
+    # update copies the network.
+    stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                         network.stats_shapes)
+    return ErmPlusPlusState(linear_tx.init(params), tx.init(params),
+                            sma.init({"params": params, "stats": stats}))
+
+  def update(params, stats, state, batches, key):
+    data_key, objective_key = jax.random.split(key)
+    batches = base.with_example_keys(batches, data_key)
+    # DomainBed copies the network when it builds ERM++: the network the
+    # first update is given.
+    first = state.average.updates == 0
+    average = jax.tree.map(lambda copy, kept: jnp.where(first, copy, kept),
+                           sma.init({"params": params, "stats": stats}),
+                           state.average)
+    grads, (metrics, stats) = jax.grad(objective, has_aux=True)(
+        params, stats, batches, objective_key)
+    linear = average.updates <= linear_steps
+
+    def linear_step():
+      updates, linear_opt_state = linear_tx.update(
+          grads, state.linear_opt_state, params)
+      return updates, linear_opt_state, state.opt_state
+
+    def full_step():
+      updates, opt_state = tx.update(grads, state.opt_state, params)
+      return updates, state.linear_opt_state, opt_state
+
+    updates, linear_opt_state, opt_state = jax.lax.cond(
+        linear, linear_step, full_step)
+    params = optax.apply_updates(params, updates)
+    average = sma.update({"params": params, "stats": stats}, average)
+    averaged = network.bind(average.average["params"],
+                            average.average["stats"])
+    if base.trains_batch_norm(averaged.featurizer):
+      pooled = base.merge_domains(batches)
+      averaged.features(pooled["image"], rngs=pooled["key"][0])
+      average = average._replace(average={
+          "params": average.average["params"],
+          "stats": nnx.state(averaged, nnx.BatchStat)})
+    metrics["linear_probe"] = linear.astype(base.model_dtype(params))
+    return (params, stats,
+            ErmPlusPlusState(linear_opt_state, opt_state, average), metrics)
+
+  def evaluated(params, stats, state):
+    chosen = jax.tree.map(
+        lambda trained, kept: jnp.where(state.average.updates == 0, trained,
+                                        kept),
+        {"params": params, "stats": stats}, state.average.average)
+    return chosen["params"], chosen["stats"]
+
+  return base.Algorithm(init, update, evaluated=evaluated)
 
 
 def sd(network: base.Network, hparams: base.HParams, *, num_domains: int,

@@ -145,6 +145,14 @@ def log_y_axis(axes: Axes) -> None:
   axes.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
 
 
+def step_x_axis(axes: Axes) -> None:
+  """Labels the x-axis "step" and ticks it at whole steps: around a single
+  evaluation matplotlib would tick steps that never happen (9.6, 9.8, ...)."""
+  axes.set_xlabel("step")
+  axes.xaxis.set_major_locator(
+      ticker.MaxNLocator(integer=True, min_n_ticks=1))
+
+
 def single_point_marker(steps: Sequence[Any]) -> str | None:
   """A marker for a curve of one point, which a line alone does not draw
   (a sweep of one evaluation per run); None draws lines alone."""
@@ -231,7 +239,7 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     axes.set_title(
         f"training domain {domain_name(env, records[0].get('domains'))}",
         fontsize="small")
-    axes.set_xlabel("step")
+    step_x_axis(axes)
     log_y_axis(axes)
   panels[0].set_ylabel("training loss")
   legend_beside(fig, "mean of trials;\nband: lowest\nto highest trial",
@@ -315,7 +323,7 @@ def plot_heldout_accuracy(
   for algorithm, runs in _by_algorithm(records).items():
     _plot_band(axes, runs, env_key(held_out, "in", "acc"), algorithm)
   axes.set_title(held_out_title(records[0]), fontsize="medium")
-  axes.set_xlabel("step")
+  step_x_axis(axes)
   axes.set_ylabel("held-out domain accuracy")
   legend_beside(fig, "mean of trials;\nband: ±1 s.d.")
   save(fig, path)
@@ -373,7 +381,7 @@ def plot_mean_training_loss(
     axes.plot(steps, loss, label=label, color=algorithm_colour(algorithm),
               marker=single_point_marker(steps))
   log_y_axis(axes)
-  axes.set_xlabel("step")
+  step_x_axis(axes)
   axes.set_ylabel("mean training-domain loss")
   legend_beside(fig, "a line per run")
   save(fig, path)

@@ -537,7 +537,8 @@ def claims_section(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m experiments.analysis.report",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument(
       "--input_dir", required=True,
       help=f"Searched recursively for runs' {records_lib.RESULTS_FILE} files "
@@ -574,7 +575,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     grid = grid_lib.read_grid(args.input_dir)
   except errors.UsageError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
   if grid is not None:
     scope += (f". The sweep's grid ({grid_lib.GRID_FILE}) has "
@@ -587,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.write_text(render(records, output_dir, scope)
                       + claims_section(runs, output_dir, found.trajectories))
   except claims_lib.ProjectedApartError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
   print(f"Wrote {report}")
   return 0

@@ -29,9 +29,9 @@ place is told apart: `FolderSource.fingerprint`) and parsing its header
 from them with Pillow's lazy ``Image.open``; it does not decode. Since
 truncated images load (below), a file whose header reads is one training
 reads. ``python -m experiments.data.check`` decodes every image as well
-(`check_images`), which also finds the truncated ones, and names the images
-of more than 8 bits a channel that ``convert("RGB")`` clips (16-bit
-grayscale PNGs); it prints how long each pass took.
+(``check.check_images``), which also finds the truncated ones, and names
+the images of more than 8 bits a channel that ``convert("RGB")`` clips
+(16-bit grayscale PNGs); it prints how long each pass took.
 
 Damaged images are read as DomainBed reads them: truncated images load, with
 what their file holds (Pillow's ``ImageFile.LOAD_TRUNCATED_IMAGES``, which
@@ -52,8 +52,6 @@ import dataclasses
 import hashlib
 import io
 import os
-import time
-import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -332,7 +330,7 @@ def _header_problem(path: Path, data: bytes) -> str | None:
     return f"unreadable: {path} ({err})"
 
 
-def _in_threads(function: Callable[[Path], Any], paths: Sequence[Path],
+def in_threads(function: Callable[[Path], Any], paths: Sequence[Path],
                 progress: str | None = None) -> list[Any]:
   """``[function(p) for p in paths]``, in a thread pool; with a progress
   bar labelled ``progress`` if given."""
@@ -346,7 +344,7 @@ def _in_threads(function: Callable[[Path], Any], paths: Sequence[Path],
     return results
 
 
-def _read_file(path: Path) -> tuple[str | None, str]:
+def read_file(path: Path) -> tuple[str | None, str]:
   """Why ``path``'s image header does not read (or None), and a digest of
   its bytes (the first 16 hex digits of their SHA-256): one read of the
   file for both."""
@@ -360,9 +358,9 @@ def _read_file(path: Path) -> tuple[str | None, str]:
 
 def read_files(paths: Sequence[Path]) -> tuple[list[str], list[str]]:
   """The files among ``paths`` whose header does not read, one sentence
-  each, in order, and every file's digest (`_read_file`); in threads, where
+  each, in order, and every file's digest (`read_file`); in threads, where
   reading and hashing release the GIL."""
-  found = _in_threads(_read_file, paths)
+  found = in_threads(read_file, paths)
   return ([problem for problem, _ in found if problem is not None],
           [content for _, content in found])
 
@@ -457,152 +455,6 @@ def image_folder_dataset(
       num_classes=len(listing.classes),
       input_shape=(datasets.PHOTO_SIZE, datasets.PHOTO_SIZE, 3),
   )
-
-
-def _decode(path: Path) -> tuple[str | None, str | None]:
-  """Why ``path`` does not decode to RGB as training decodes it (or None),
-  and its image mode if it opens."""
-  mode = None
-  try:
-    with Image.open(path) as image:
-      mode = image.mode
-      image.convert("RGB")
-      return None, mode
-  # A damaged file can make a decoder raise more than OSError.
-  except Exception as err:  # pylint: disable=broad-exception-caught
-    return f"{path} ({err})", mode
-
-
-def _display_width(text: str) -> int:
-  """The columns a terminal gives ``text``: East Asian wide characters take
-  2, combining ones none."""
-  return sum(0 if unicodedata.combining(c) else
-             2 if unicodedata.east_asian_width(c) in "WF" else 1
-             for c in text)
-
-
-def _pad(text: str, width: int, right: bool = False) -> str:
-  """``text`` padded with spaces to ``width`` display columns."""
-  spaces = " " * (width - _display_width(text))
-  return spaces + text if right else text + spaces
-
-
-@dataclasses.dataclass(frozen=True)
-class FolderCheck:
-  """What `check_images` found.
-
-  Attributes:
-    listing: the folder's listing; its ``problems`` are the folder's.
-    unreadable: the files that are not images or do not decode, one
-      sentence each.
-    truncated: the files that decode only as truncated images, which
-      training reads (`ImageFile.LOAD_TRUNCATED_IMAGES`), as DomainBed does.
-    clipped: the images of more than 8 bits a channel (`CLIPPED_MODES`),
-      to their modes, which training reads clipped to 255, as DomainBed
-      does.
-    seconds: how long each pass took: ``"listing and reading"`` (what
-      every training run does first: `read_files`) and ``"decoding"``.
-  """
-
-  listing: FolderListing
-  unreadable: list[str]
-  truncated: list[str]
-  clipped: dict[str, str]
-  seconds: dict[str, float]
-
-  @property
-  def problems(self) -> list[str]:
-    """What stops training on the folder: everything but truncation."""
-    return self.listing.problems + self.unreadable
-
-  def summary(self) -> str:
-    """Images per class and domain, the truncated files, the problems and
-    the passes' times, as lines of text."""
-    listing = self.listing
-    counts = [[len(listing.images[d].get(c, ())) for d in listing.domains]
-              for c in listing.classes]
-    total = sum(map(sum, counts))
-    lines = [f"{listing.root}: {len(listing.domains)} domains, "
-             f"{len(listing.classes)} classes, {total} image files."]
-    rows = [["class", *listing.domains]]
-    rows += [[c, *map(str, row)] for c, row in zip(listing.classes, counts)]
-    rows.append(["all", *map(str, np.sum(counts, 0, dtype=int).tolist()
-                              if counts else [0] * len(listing.domains))])
-    widths = [max(_display_width(row[k]) for row in rows)
-              for k in range(len(rows[0]))]
-    lines += ["  ".join([_pad(row[0], widths[0])] + [
-        _pad(cell, width, right=True)
-        for cell, width in zip(row[1:], widths[1:])]) for row in rows]
-    if self.truncated:
-      lines.append(f"{len(self.truncated)} truncated, which training reads "
-                   "as DomainBed does (LOAD_TRUNCATED_IMAGES):")
-      lines += [f"  {path}" for path in self.truncated]
-    if self.clipped:
-      one = len(self.clipped) == 1
-      modes = sorted(set(self.clipped.values()))
-      lines.append(
-          f"{len(self.clipped)} image{'' if one else 's'} of more than 8 bits "
-          f"(mode{'' if len(modes) == 1 else 's'} {', '.join(modes)}), whose "
-          'values above 255 convert("RGB") clips to 255 when training reads '
-          f"{'it' if one else 'them'}, as in DomainBed:")
-      lines += [f"  {path}" for path in self.clipped]
-    problems = self.problems
-    lines.append(f"{len(problems)} problem{'' if len(problems) == 1 else 's'}"
-                 + (", which stop training:" if problems else "."))
-    lines += [f"  - {problem}" for problem in problems]
-    lines.append(
-        f"Listing, headers and digests (what training does first): "
-        f"{self.seconds['listing and reading']:.2f} s; decoding: "
-        f"{self.seconds['decoding']:.2f} s; for {total} images.")
-    return "\n".join(lines)
-
-
-def check_images(root: Path, domains: Sequence[str],
-                 progress: bool = False) -> FolderCheck:
-  """`list_folder`, then reads every file as training does (`read_files`),
-  then decodes every image.
-
-  Each image is decoded twice at most: strictly, then, if that fails, as
-  training decodes it, with ``ImageFile.LOAD_TRUNCATED_IMAGES``; an image
-  that decodes only so is truncated. The setting is the process's, so this
-  must not run beside training in one process.
-
-  Args:
-    root: the dataset's folder; it exists.
-    domains: the domain folders it must have.
-    progress: show progress bars.
-
-  Returns:
-    What was found.
-  """
-  start = time.perf_counter()
-  listing = list_folder(root, domains)
-  paths = listing.paths()
-  headers = [problem for problem, _ in _in_threads(
-      _read_file, paths, "reading" if progress else None)]
-  listed = time.perf_counter()
-  unreadable = [problem for problem in headers if problem is not None]
-  readable = [p for p, problem in zip(paths, headers) if problem is None]
-  ImageFile.LOAD_TRUNCATED_IMAGES = False
-  try:
-    decoded = _in_threads(_decode, readable,
-                          "decoding" if progress else None)
-  finally:
-    ImageFile.LOAD_TRUNCATED_IMAGES = True
-  clipped = {str(p): mode for p, (_, mode) in zip(readable, decoded)
-             if mode in CLIPPED_MODES}
-  truncated = []
-  for path, (problem, _) in zip(readable, decoded):
-    if problem is None:
-      continue
-    problem, _ = _decode(path)
-    if problem is None:
-      truncated.append(str(path))
-    else:
-      unreadable.append(f"unreadable: {problem}")
-  return FolderCheck(listing, unreadable, truncated, clipped, {
-      "listing and reading": listed - start,
-      "decoding": time.perf_counter() - listed})
 
 
 class TfdsPhotoSource(datasets.PhotoSource):

@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import hparams_registry
 from experiments.runs import convergence
 from experiments.runs import environment
 from experiments.runs import noise as noise_lib
@@ -423,8 +424,24 @@ def main(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if not Path(output_dir).is_dir():
       parser.error(f"--output_dir {output_dir}: no such directory; it is the "
                    "one the runs were launched into.")
+    if args.changed_hparams:
+      _check_changed_hparams(parser, runs, args.changed_hparams)
     return _reproduce_command(runs, args, output_dir, lock)
   return _longer_command(parser, runs, args, output_dir)
+
+
+def _check_changed_hparams(parser: argparse.ArgumentParser,
+                           runs: Sequence[run_lib.Run],
+                           changed: dict[str, Any]) -> None:
+  """Refuses (exit 2) ``--changed_hparams`` that some algorithm of ``runs``
+  lacks or that are out of range: every copy would exit 2, and the reason
+  would be lost with its scratch directory."""
+  for algorithm, dataset in sorted({(run.args["algorithm"],
+                                     run.args["dataset"]) for run in runs}):
+    try:
+      hparams_registry.check_hparams(algorithm, dataset, changed)
+    except ValueError as e:
+      parser.error(f"--changed_hparams: {e}")
 
 
 def _reproduce_command(runs: Sequence[run_lib.Run], args: argparse.Namespace,

@@ -117,7 +117,8 @@ def pack(directory: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m experiments.runs.study",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("command", nargs="?", default="launch",
                       choices=["launch", "list", "pack", *rerun.COMMANDS],
                       help="launch (default): train every run not done; "

@@ -60,6 +60,8 @@ from typing import Any
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import errors
+from experiments.data import datasets
+from experiments.data import photo_datasets
 from experiments.runs import grid as grid_lib
 from experiments.runs import launchers
 from experiments.runs import rerun
@@ -107,6 +109,9 @@ def cost(runs: Sequence[run_lib.Run], step_ms: float,
   return "\n".join(lines)
 
 
+PROG = "python -m experiments.runs.sweep"
+
+
 def delete_incomplete(runs: Sequence[run_lib.Run]) -> list[run_lib.Run]:
   """Deletes the directories of incomplete and damaged runs; returns those
   runs."""
@@ -120,7 +125,7 @@ def delete_incomplete(runs: Sequence[run_lib.Run]) -> list[run_lib.Run]:
 
 def make_parser() -> argparse.ArgumentParser:
   """The sweep's command line."""
-  parser = argparse.ArgumentParser(prog="python -m experiments.runs.sweep",
+  parser = argparse.ArgumentParser(prog=PROG,
                                    description=__doc__.splitlines()[0])
   parser.add_argument(
       "command", nargs="?", default="launch",
@@ -207,6 +212,10 @@ def check_arguments(parser: argparse.ArgumentParser,
   if args.command == "cost" and (
       args.step_ms <= 0 or min(args.gpu_counts) < 1):
     parser.error("--step_ms must be positive and --gpu_counts at least 1.")
+  for flag in ("n_hparams", "n_trials"):
+    # A grid of no runs would be saved, and the intended one then refused.
+    if getattr(args, flag, 1) < 1:
+      parser.error(f"--{flag} must be at least 1.")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -253,6 +262,26 @@ def confirm_launch(runs: Sequence[run_lib.Run],
   return answer.strip().lower() in ("y", "yes")
 
 
+def check_folders(runs: Sequence[run_lib.Run], data_dir: str | None) -> None:
+  """Refuses a sweep whose runs still to train read a folder dataset that
+  is not there, before the weights they would start from are fetched: the
+  missing data, not a download, is what to fix first, as a single run says.
+
+  Raises:
+    errors.UsageError: a dataset's folder is missing; the message says
+      where it was looked for and how to put it there.
+  """
+  for run in runs:
+    name = run.args["dataset"]
+    if run.status is run_lib.Status.DONE or name not in catalog.FOLDER_DATASETS:
+      continue
+    folder, domains = catalog.FOLDER_DATASETS[name]
+    try:
+      photo_datasets.folder_root(name, folder, domains, data_dir)
+    except datasets.DatasetNotFoundError as e:
+      raise errors.UsageError(str(e)) from None
+
+
 def fetch_weights(runs: Sequence[run_lib.Run]) -> list[str]:
   """Downloads, once and before any run starts, the ImageNet weights that
   the runs still to train start from (``--pretrained imagenet``, the photo
@@ -293,6 +322,7 @@ def _launch(args: argparse.Namespace, grid: Mapping[str, Any],
   name (`launchers.REGISTRY`), once the ImageNet weights they start from
   are cached (`fetch_weights`) and the grid is saved
   (`grid_lib.save_grid`); returns the failed runs."""
+  check_folders(runs, args.data_dir)
   fetch_weights(runs)
   if grid_lib.read_grid(args.output_dir) != grid:
     grid_lib.save_grid(args.output_dir, grid)
@@ -305,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     grid = grid_for(args)
     runs = grid_lib.make_runs(output_dir=args.output_dir, **grid)
   except ValueError as e:  # A usage error, as argparse's: status 2.
-    print(f"error: {e}", file=sys.stderr)
+    print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2
   if args.command in rerun.COMMANDS:
     return rerun.main(make_parser(), args, runs, args.output_dir)
@@ -313,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
       print(cost(runs, args.step_ms, args.gpu_counts))
     except errors.UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"{PROG}: error: {e}", file=sys.stderr)
       return 2
     return 0
   if args.command == "list":
@@ -329,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
       failed = _launch(args, grid, runs)
     except errors.UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"{PROG}: error: {e}", file=sys.stderr)
       return 2
     except KeyboardInterrupt:
       going = launchers.REGISTRY[args.launcher].interrupted
@@ -344,9 +374,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command == "delete_incomplete":
     n = sum(run.status in (run_lib.Status.INCOMPLETE, run_lib.Status.DAMAGED)
             for run in runs)
-    if not args.skip_confirmation and input(
-        f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
-      return 1
+    if not n:
+      print("Nothing to delete.")
+      return 0
+    if not args.skip_confirmation:
+      if not sys.stdin.isatty():
+        # Deleting is not undone: without a terminal to ask on, only an
+        # explicit flag goes ahead.
+        print(f"{PROG}: error: delete_incomplete asks before deleting; pass "
+              "--skip_confirmation (--yes) to delete without a terminal.",
+              file=sys.stderr)
+        return 2
+      if input(f"Delete {n} incomplete or damaged runs? [y/N] ") != "y":
+        return 1
     print(f"Deleted {len(delete_incomplete(runs))} incomplete or damaged "
           "runs.")
   return 0

@@ -292,6 +292,8 @@ class _Training:
     self.train_step = setup.sharder.on_mesh(self.step_program)
     self.eval_step = setup.sharder.on_mesh(
         steps.make_eval_step(setup.network, setup.algorithm.predict))
+    self.evaluated = setup.sharder.on_mesh(
+        steps.make_evaluated(setup.algorithm))
     self.sets = evaluate.eval_sets(setup.splits, self.config)
     self.on_cpu_photos = (jax.default_backend() == "cpu"
                           and datasets.is_photo_dataset(setup.dataset))
@@ -443,8 +445,9 @@ class _Training:
         "domains": list(setup.dataset.domain_names), "step": step,
         "epoch": step / self.steps_per_epoch,
         **meter.result(), **timing, **self.startup,
-        **evaluate.evaluate(self.eval_step, state, setup.dataset, self.sets,
-                            self.config, setup.sharder, setup.augment)}
+        **evaluate.evaluate(self.eval_step, self.evaluated(state),
+                            setup.dataset, self.sets, self.config,
+                            setup.sharder, setup.augment)}
     if not scheduled:
       # An interrupt's record, between the --checkpoint_freq steps: the
       # run that resumes from it carries its meter on and drops it.

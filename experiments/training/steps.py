@@ -129,6 +129,23 @@ def make_eval_step(
   return eval_step
 
 
+def make_evaluated(
+    algorithm: algorithms.Algorithm
+) -> Callable[[TrainState], TrainState]:
+  """The state whose network an evaluation runs: the trained one, or the
+  network the algorithm evaluates (``algorithms.Algorithm.evaluated``: ERM++'s
+  moving average), jitted."""
+  if algorithm.evaluated is None:
+    return lambda state: state
+  network = jax.jit(algorithm.evaluated)
+
+  def evaluated(state):
+    params, stats = network(state.params, state.stats, state.algorithm_state)
+    return state._replace(params=params, stats=stats)
+
+  return evaluated
+
+
 def training_example(dataset: datasets.MultiDomainDataset,
                      augment: augmentation.Augmentation | None,
                      train_domains: Sequence[int],

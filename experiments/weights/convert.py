@@ -65,9 +65,10 @@ _TORCH_SUFFIXES = (".pth", ".pt")
 _SAFETENSORS_SUFFIX = ".safetensors"
 _HOW_TO_GET_WEIGHTS = (
     "Pass --pretrained imagenet for torchvision's IMAGENET1K_V1 weights "
-    "(downloaded once), a .pth file of a torchvision state_dict, a .npz "
-    "converted from one (python -m experiments.weights convert), or an "
-    "Orbax directory of featurizer weights."
+    "(downloaded once), imagenet_augmix for timm's AugMix ResNet-50, a .pth "
+    "file of a torchvision state_dict or timm's .safetensors, a .npz "
+    "converted from either (python -m experiments.weights convert), an "
+    "Orbax directory of featurizer weights, or none to train from scratch."
 )
 
 
@@ -246,7 +247,7 @@ def convert_torchvision(state_dict: Mapping[str, np.ndarray]) -> tuple[
   """Converts a torchvision ResNet-18/50 or DenseNet-121 ``state_dict``.
 
   Returns:
-    The model's name in ``models.MODELS`` and the converted weights.
+    The model's name in ``catalog.MODELS`` and the converted weights.
   """
   if any(name.startswith("features.denseblock") for name in state_dict):
     return "densenet121", convert_torchvision_densenet121(state_dict)

@@ -17,8 +17,9 @@ import pytest
 
 from experiments import catalog
 from experiments import config as config_lib
+from experiments import hparams_registry
 from experiments.data import datasets
-from experiments import hparams_registry as hp
+from experiments import search_space as hp
 from experiments.runs import grid
 from experiments.runs import launchers
 from experiments.runs import run as run_lib
@@ -103,14 +104,15 @@ def test_an_added_algorithm_and_dataset_list_sweep_and_plot(added, capsys):
       ["image_size", "28", "fixed"],
       ["variance_weight", "10.0", "10^U(-1,"]]
   # On a WILDS dataset, its WILDS value, unsearched.
-  assert hp.random_hparams(ALGORITHM, "FMoW", 5)["variance_weight"] == 1.0
+  assert hparams_registry.random_hparams(
+      ALGORITHM, "FMoW", 5)["variance_weight"] == 1.0
 
   runs = grid.make_runs(output_dir="sweep", datasets=[DATASET],
                         algorithms=[ALGORITHM], n_hparams=3, n_trials=1)
   assert len(runs) == 3 * len(DOMAINS)
-  weights = {hp.random_hparams(ALGORITHM, DATASET, r.args["hparams_seed"],
-                               r.args["trial_seed"])["variance_weight"]
-             for r in runs}
+  weights = {hparams_registry.random_hparams(
+      ALGORITHM, DATASET, r.args["hparams_seed"],
+      r.args["trial_seed"])["variance_weight"] for r in runs}
   assert len(weights) == 3 and all(0.1 <= w <= 1000 for w in weights)
 
   # A colour of its own, past the 20 of tab20.

@@ -209,7 +209,7 @@ def test_model_options_follow_the_hparams():
 
 def test_the_names_and_facts_import_no_jax():
   code = ("import sys\n"
-          "from experiments import catalog, config, hparams_registry\n"
+          "from experiments import catalog, config, hparams_registry, search_space\n"
           "config.parse_args(['--dataset', 'PACS', '--algorithm', 'Fish'])\n"
           "print(sorted({'jax', 'flax', 'optax', 'grain', 'orbax'}"
           " & sys.modules.keys()))\n")

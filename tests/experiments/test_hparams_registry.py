@@ -1,5 +1,5 @@
-"""Tests for experiments/hparams_registry.py: the catalog's blocks and
-families."""
+"""Tests for experiments/hparams_registry.py: the answers on the catalog's
+blocks and families."""
 
 import pytest
 
@@ -89,29 +89,3 @@ def test_wilds_fixes_the_hparams_of_domainbeds_photos(dataset):
     defaults = hparams_registry.default_hparams(name, dataset)
     assert set(defaults) == names, name
     assert _draws(name, dataset) == [defaults] * 4, name
-
-
-@pytest.mark.parametrize("wilds", [None, "PovertyMap"])
-def test_a_space_keeps_the_declared_order_and_fixes_wilds_values(wilds):
-  algorithm = catalog.AlgorithmEntry(name="A", builder="builtins:dict")
-  dataset = catalog.DatasetEntry(name="D", builder="builtins:dict",
-                                 domains=("a", "b"), wilds=wilds)
-  space = hparams_registry.SearchSpace(algorithm, dataset)
-  space.add_wilds("groups", 3, hparams_registry.POSITIVE_INT)
-  space.add("rate", 1.0, hparams_registry.POSITIVE,
-            hparams_registry.log_uniform(-1, 1), wilds=2.0)
-  space.add("width", 5, hparams_registry.POSITIVE_INT,
-            hparams_registry.int_log_uniform(0, 3))
-  space.update("rate", default=1.5)
-  with pytest.raises(ValueError, match="'width' is declared twice"):
-    space.add("width", 6, hparams_registry.POSITIVE_INT)
-  hparams = space.hparams()
-  if wilds is None:
-    assert list(hparams) == ["rate", "width"]
-    assert [h.default for h in hparams.values()] == [1.5, 5]
-    assert hparams["rate"].search.description == "10^U(-1, 1)"
-  else:
-    # WILDS's values, or the defaults, unsearched; WILDS's own last.
-    assert list(hparams) == ["rate", "width", "groups"]
-    assert [h.default for h in hparams.values()] == [2.0, 5, 3]
-    assert all(h.search is None for h in hparams.values())

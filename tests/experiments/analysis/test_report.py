@@ -323,8 +323,9 @@ def test_missing_input_fails(tmp_path, capsys):
     report.main(["--input_dir", str(tmp_path / "sweeep"),
                  "--output_dir", str(tmp_path / "out")])
   assert raised.value.code == 2
-  assert f"--input_dir {tmp_path / 'sweeep'}: no such directory" in (
-      capsys.readouterr().err)
+  # Named by the command the docs give, not by the file that argparse sees.
+  assert (f"python -m experiments.analysis.report: error: --input_dir "
+          f"{tmp_path / 'sweeep'}: no such directory") in capsys.readouterr().err
   assert not (tmp_path / "out").exists()
 
 
@@ -339,6 +340,22 @@ def test_plot_writes_png(tmp_path, plot):
   plot(records, path)
   assert path.read_bytes().startswith(b"\x89PNG")
   assert path.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("plot", [plots.plot_loss_curves,
+                                  plots.plot_heldout_accuracy,
+                                  plots.plot_mean_training_loss])
+def test_step_axes_tick_whole_steps(tmp_path, plot):
+  # A sweep of one evaluation per run: matplotlib's default ticks around a
+  # single step are fractional (9.6, 9.8, ...), steps that never happen.
+  records = [r for r in sweep_records()
+             if r["args"]["dataset"] == "ColoredDigits"
+             and r["args"]["test_envs"] == [0] and r["step"] == STEPS[-1]]
+  figure = plot(records, tmp_path / "figure.png")
+  for axes in figure.axes:
+    low, high = axes.get_xlim()
+    ticks = [t for t in axes.get_xticks() if low <= t <= high]
+    assert ticks and all(t == round(t) for t in ticks), ticks
 
 
 def test_mean_std_over_runs():

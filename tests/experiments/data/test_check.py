@@ -38,7 +38,7 @@ def test_check_decodes_counts_and_tells_truncated_from_unreadable(
   garbage.write_bytes(b"\xff\xd8 cut")
   assert check.main(flags) == 2
   out, _ = capsys.readouterr()
-  assert "1 problem, which stop training:" in out
+  assert "1 problem, which stops training:" in out
   assert re.search(r"horse +3 +3 +3 +3\n", out)  # Files, read or not.
   assert f"  - not an image: {garbage}" in out
 

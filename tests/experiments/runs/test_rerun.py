@@ -247,6 +247,33 @@ def test_changed_hparams_must_be_a_json_object(tmp_path, capsys):
     assert "--changed_hparams" in capsys.readouterr().err
 
 
+def test_changed_hparams_are_checked_before_any_run_retrains(tmp_path,
+                                                              capsys):
+  # A finished run, its records written as training writes them.
+  flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
+  [run] = sweep.runs_for(sweep.parse_args(flags))
+  run.output_dir.mkdir(parents=True)
+  for record in run_records([0.5, 0.6], [(0.7, 0.7)] * 2,
+                            [(1.0, 1.0), (0.5, 0.5)]):
+    records.append_record(run.output_dir, record)
+  records.mark_done(run.output_dir)
+  assert run.status is run_lib.Status.DONE
+  # An hparam that ERM lacks, or a value out of range, is the user's
+  # mistake, named at once; each copy would only exit 2 without saying why.
+  for changed, said in [({"lr_": 0.003}, "Unknown hparams ['lr_'] for ERM"),
+                        ({"lr": -1}, "hparam 'lr' must be a number > 0")]:
+    try:
+      sweep.main(["reproduce", *flags, "--changed_hparams",
+                  json.dumps(changed)])
+    except SystemExit as e:
+      assert e.code == 2
+    else:
+      raise AssertionError(f"--changed_hparams {changed} was taken")
+    out, err = capsys.readouterr()
+    assert "Retraining" not in out
+    assert f"--changed_hparams: {said}" in err
+
+
 def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
   flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
   try:

@@ -244,7 +244,14 @@ def test_photo_sweep_fetches_imagenet_weights_once_before_any_run(
   flags = ["--datasets", "PACS", "--algorithms", "ERM", "--test_envs", "0",
            "--n_hparams", "1", "--n_trials", "2", "--steps", "1",
            "--output_dir", str(tmp_path / "sweep"),
-           "--train_command", train_command]
+           "--train_command", train_command,
+           "--data_dir", str(tmp_path / "data")]
+  # Missing data are said first: they, not a download, are what to fix.
+  assert sweep.main(["launch", *flags]) == 2
+  error = capsys.readouterr().err
+  assert f"PACS not found: {tmp_path / 'data' / 'PACS'}" in error
+  assert "resnet50" not in error
+  (tmp_path / "data" / "PACS").mkdir(parents=True)  # The stand-in reads none.
   assert sweep.main(["launch", *flags]) == 2
   error = capsys.readouterr().err
   assert "resnet50-0676ba61.pth" in error and "--pretrained none" in error
@@ -308,3 +315,38 @@ def test_usage_names_the_command_to_run(capsys):
     sweep.parse_args(["list", "--output_dir", "x", "--n_trials", "many"])
   assert capsys.readouterr().err.startswith(
       "usage: python -m experiments.runs.sweep ")
+
+
+@pytest.mark.parametrize("flag", ["--n_hparams", "--n_trials"])
+def test_a_grid_of_no_runs_is_refused(tmp_path, flag, capsys):
+  # Saved, a grid of no runs would refuse the grid meant.
+  with pytest.raises(SystemExit, match="2"):
+    sweep.parse_args(["launch", "--output_dir", str(tmp_path), flag, "0"])
+  assert f"{flag} must be at least 1" in capsys.readouterr().err
+  assert not (tmp_path / grid.GRID_FILE).exists()
+
+
+def test_delete_incomplete_without_a_terminal_needs_the_flag(
+    tmp_path, train_command, capsys, monkeypatch):
+  flags = sweep_flags(tmp_path, n_hparams=4)
+  assert sweep.main(flags + ["--train_command", train_command]) == 1
+  capsys.readouterr()
+  monkeypatch.setattr(sys, "stdin", open(os.devnull))  # Not a terminal.
+  assert sweep.main(["delete_incomplete"] + flags) == 2
+  assert capsys.readouterr().err.startswith(
+      "python -m experiments.runs.sweep: error: delete_incomplete asks "
+      "before deleting; pass --skip_confirmation")
+  assert sweep.main(["list"] + flags) == 0
+  assert "2 incomplete" in capsys.readouterr().out
+  # With the flag it deletes, and then there is nothing to ask about.
+  assert sweep.main(["delete_incomplete", "--yes"] + flags) == 0
+  capsys.readouterr()
+  assert sweep.main(["delete_incomplete"] + flags) == 0
+  assert "Nothing to delete." in capsys.readouterr().out
+
+
+def test_a_usage_error_found_after_parsing_names_the_command(tmp_path, capsys):
+  # A sweep directory with no saved grid, listed without the grid's flags.
+  assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 2
+  assert capsys.readouterr().err.startswith(
+      "python -m experiments.runs.sweep: error: ")

@@ -59,6 +59,10 @@ def test_pretrained_file_that_is_no_weights_exits_2_saying_what_it_is(
       [*PACS_FLAGS, "--data_dir", str(data_dir), "--output_dir",
        str(tmp_path / "run"), "--pretrained", str(path)], capsys)
   assert f"--pretrained: {str(path)!r} {said}" in error
+  if name.endswith(".npz"):  # Not weights at all: what would be, each kind.
+    for kind in ("imagenet ", "imagenet_augmix", ".pth", ".safetensors",
+                 "Orbax", "none"):
+      assert kind in error.split(said)[1], kind
 
 
 @pytest.mark.parametrize("converted", [False, True], ids=["pth", "npz"])

@@ -1,4 +1,5 @@
-"""Tests for models.DenseNet and its torchvision weight conversion."""
+"""Tests for models.DenseNet (experiments/models/densenet.py) and its
+torchvision weight conversion."""
 
 import re
 
