@@ -353,8 +353,9 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
     raise errors.UsageError(
         f"--pretrained {path}: no such file or directory. Pass imagenet for "
         "torchvision's ImageNet weights (downloaded once), imagenet_augmix "
-        "for timm's AugMix ResNet-50, a .pth, .npz or Orbax directory of "
-        "featurizer weights, or none to train from scratch.")
+        "for timm's AugMix ResNet-50, a .pth, .safetensors or .npz file or "
+        "an Orbax directory of featurizer weights, or none to train from "
+        "scratch.")
   if path.is_file() and zipfile.is_zipfile(path):
     with zipfile.ZipFile(path) as archive:
       names = archive.namelist()

@@ -424,13 +424,16 @@ def _group_change(where: str, recorded: Mapping[str, Any],
     verb = "added" if after > before else "removed"
     return (f"{where}: {counted(abs(after - before), 'file')} {verb} "
             f"({before} -> {after})")
+  # The digests are of whole groups: which of their files changed, and how
+  # many, is not known, so the count said is the group's.
   if recorded["names"] != current["names"]:
-    return f"{where}: files renamed or replaced ({after} files)"
+    return (f"{where}: one or more of its {counted(after, 'file')} renamed "
+            "or replaced")
   if recorded["sizes"] != current["sizes"]:
-    return (f"{where}: files resized ({recorded['bytes']} -> "
-            f"{current['bytes']} bytes)")
-  return (f"{where}: files changed in place ({after} files, the same names "
-          "and sizes)")
+    return (f"{where}: one or more of its {counted(after, 'file')} resized "
+            f"({recorded['bytes']} -> {current['bytes']} bytes)")
+  return (f"{where}: one or more of its {counted(after, 'file')} changed in "
+          "place (the same names and sizes)")
 
 
 def fingerprint_changes(recorded: Mapping[str, Any],

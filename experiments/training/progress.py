@@ -125,17 +125,22 @@ class Screen:
     in ``seconds``, ``data_wait`` of which waiting for batches; nothing for
     none."""
     if steps and seconds > 0:
-      self.bar.set_postfix_str(
+      self._speed = (
           f"images/s={self.images_per_step * steps / seconds:.0f}, data wait "
-          f"{100 * data_wait / seconds:.0f}%" + self._results, refresh=False)
+          f"{100 * data_wait / seconds:.0f}%")
+      self.bar.set_postfix_str(self._speed + self._results, refresh=False)
 
   def results(self, record: records.Record,
               test_envs: Sequence[int]) -> None:
-    """Shows a record's training loss and mean held-out metric."""
+    """Shows a record's training loss and mean held-out metric, at once:
+    the bar's last words after the last evaluation must be its numbers,
+    which the run then prints."""
     held_out = [records.held_out_metric(record, t) for t in test_envs]
     self._results = (f", loss={record['loss']:.4f}, "
                      f"held_out={np.mean(held_out):.4f}")
+    self.bar.set_postfix_str(self._speed + self._results, refresh=True)
 
+  _speed = ""
   _results = ""
 
 

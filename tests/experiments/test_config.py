@@ -106,6 +106,9 @@ def test_pretrained_mistakes_are_refused_at_the_command_line(tmp_path,
   for flags, message in [
       (["--pretrained", str(tmp_path / "nope.npz")],
        "no such file or directory. Pass imagenet"),
+      # Every kind of file it reads is named, timm's included.
+      (["--pretrained", str(tmp_path / "nope.npz")],
+       "a .pth, .safetensors or .npz file or an Orbax directory"),
       (["--pretrained", str(params)], f"--init_params {params} instead"),
       (["--pretrained", "imagenet"], "no ImageNet weights of mnist_cnn"),
       (["--dataset", "PACS", "--model", "resnet18", "--pretrained",

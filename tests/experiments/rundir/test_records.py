@@ -248,8 +248,9 @@ def test_a_run_refuses_other_data_naming_what_changed(tmp_path):
       f"({tmp_path / records.DATASET_FILE} records them): "
       "art_painting/dog: 2 files added (3 -> 5); "
       "art_painting/horse: 1 file removed (4 -> 3); "
-      "cartoon/dog: files renamed or replaced (5 files); "
-      "cartoon/horse: files resized (100 -> 90 bytes); "
+      "cartoon/dog: one or more of its 5 files renamed or replaced; "
+      "cartoon/horse: one or more of its 6 files resized (100 -> 90 "
+      "bytes); "
       "digits/labels: abc -> abd; domain photo: new")
   fewer = {"dataset": "PACS", "domains": {"cartoon": domains["cartoon"]}}
   assert records.fingerprint_changes(FINGERPRINT, fewer) == [
@@ -260,7 +261,8 @@ def test_contents_changed_in_place_are_named_and_old_records_lack_them():
   recorded = {"dog": {**_files(3), "contents": "c"}}
   edited = {"dog": {**_files(3), "contents": "d"}}
   assert records.fingerprint_changes(recorded, edited, "photo") == [
-      "photo/dog: files changed in place (3 files, the same names and sizes)"]
+      "photo/dog: one or more of its 3 files changed in place (the same "
+      "names and sizes)"]
   # A run recorded before contents were: compared on what it holds.
   assert records.fingerprint_changes({"dog": _files(3)}, edited, "photo") == []
   assert records.fingerprint_changes(

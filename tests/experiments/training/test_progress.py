@@ -45,3 +45,17 @@ def test_the_progress_bar_counts_time_from_the_runs_start(capsys):
   capsys.readouterr()
   # The run's 94 s so far, not the bar's few microseconds.
   assert 94 <= elapsed < 94 + 60
+
+
+def test_the_bar_ends_on_the_last_evaluations_numbers(capsys):
+  # The bar's last words and the printed result come from the same record:
+  # the speed of the steps before an evaluation, then that evaluation.
+  with progress.progress_bar(20, 0, time.time()) as bar:
+    screen = progress.Screen(bar, images_per_step=10)
+    for step, (loss, acc) in [(10, (0.9, 0.25)), (20, (0.5, 0.75))]:
+      screen.training(10, seconds=2.0, data_wait=0.5)
+      screen.results({"step": step, "loss": loss, "env0_in_acc": acc},
+                     test_envs=[0])
+      shown = bar.postfix
+  capsys.readouterr()
+  assert shown == "images/s=50, data wait 25%, loss=0.5000, held_out=0.7500"
