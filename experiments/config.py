@@ -231,7 +231,7 @@ class Config:
     """Checks that every domain's batch splits as the step splits it.
 
     The algorithm cuts every domain's ``batch_size`` examples into equal
-    chunks (PGrad's ``B``, ``catalog.AlgorithmEntry.batch_chunks``), and a
+    chunks (PGrad's ``B``, ``entries.AlgorithmEntry.batch_chunks``), and a
     step on several ``devices`` splits each chunk over them on a data axis
     (`training.sharding.Sharder`, docs/scaling.md).
 

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 
 from experiments import catalog
+from experiments import entries
 from experiments import search_space
 
 
 def _entries(
     algorithm: str, dataset: str
-) -> tuple[catalog.AlgorithmEntry, catalog.DatasetEntry]:
+) -> tuple[entries.AlgorithmEntry, entries.DatasetEntry]:
   """The catalog's entries of ``algorithm`` and ``dataset``."""
   return catalog.ALGORITHMS[algorithm], catalog.DATASETS[dataset]
 

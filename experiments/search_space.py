@@ -14,7 +14,7 @@ to one `SearchSpace`, in this order (the order
    ``training_hparams`` block declares its own;
 2. the dataset's: its network's and images' (`dataset_hparams`);
 3. its own terms: its entry's ``hparams`` block, after its family head's
-   (``catalog.AlgorithmEntry``).
+   (``entries.AlgorithmEntry``).
 
 WILDS's own hyperparameters, which DomainBed's datasets lack, come last. The
 algorithms' blocks are in ``experiments/catalog.py``, each beside its entry;
@@ -44,7 +44,7 @@ WILDS_DOMAINS_PER_STEP = 8
 
 def wilds_lr(dataset: registry.Entry) -> float:
   """WILDS's Adam learning rate: 1e-3 on PovertyMap, 1e-4 on FMoW, of a
-  dataset's ``catalog.DatasetEntry``."""
+  dataset's ``entries.DatasetEntry``."""
   return 1e-3 if dataset.wilds == "PovertyMap" else 1e-4
 
 
@@ -193,9 +193,9 @@ class SearchSpace:
   value, unsearched, and WILDS's own hyperparameters (`add_wilds`) last.
 
   Attributes:
-    algorithm: the algorithm's ``catalog.AlgorithmEntry`` (a family member's
+    algorithm: the algorithm's ``entries.AlgorithmEntry`` (a family member's
       own, whose facts its head's blocks read).
-    dataset: the dataset's ``catalog.DatasetEntry``.
+    dataset: the dataset's ``entries.DatasetEntry``.
   """
 
   def __init__(self, algorithm: registry.Entry, dataset: registry.Entry):

@@ -31,7 +31,7 @@ rerun resumes.
 With ``--devices`` N > 1, every domain's batch is split over N devices on a
 ``data`` mesh axis and the train state is replicated
 (`training.sharding.Sharder`); the batch must divide, and the algorithm
-must keep it split (``catalog.AlgorithmEntry.data_parallel``).
+must keep it split (``entries.AlgorithmEntry.data_parallel``).
 
 The command reads: resolve the run (`resolve_run`), which claims its
 directory; report it if it is finished; train it (``training.loop.train``);

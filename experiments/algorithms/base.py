@@ -122,7 +122,7 @@ def build_algorithm(
     network: the model, from `Network.split`.
     hparams: its hyperparameters (see ``experiments.search_space``),
       which its builder gets as its entry types them
-      (``catalog.AlgorithmEntry.typed_hparams``).
+      (``entries.AlgorithmEntry.typed_hparams``).
     num_domains: the number of training domains.
     seed: seeds the algorithm's own randomness (e.g. PGrad's domain order).
 

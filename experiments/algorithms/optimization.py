@@ -6,7 +6,7 @@ unless another file is named.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -114,13 +114,10 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
     network's params *and* BatchNorm statistics (its ``state_dict``, less
     ``num_batches_tracked``), the latest network until update
     ``sma_start_iter``, then the equal-weight mean of the networks after
-    update ``sma_start_iter - 1`` and every later one. Where BatchNorm
-    trains (DomainBed's ``freeze_bn`` false), the averaged network then
-    runs once in train mode over the pooled batch (lines 198-200), which
-    moves its statistics by one momentum step on that batch's.
+    update ``sma_start_iter - 1`` and every later one; where BatchNorm
+    trains, `_step_averaged_batch_norm` (lines 198-200).
   * Evaluation runs the averaged network in eval mode (``predict``, lines
-    204-206): the algorithm's ``evaluated``. Before the first update that is
-    the network itself (DomainBed's ``deepcopy``, ``lib/misc.py`` line 54).
+    204-206): `_averaged_network`, the algorithm's ``evaluated``.
 
   The metrics are ``loss`` and ``linear_probe``, 1 where the update stepped
   the linear probe's optimizer and 0 where the full one (a record's mean is
@@ -151,13 +148,7 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
   sma = averaging.sma(sma_start_iter)
   linear_steps = hparams["linear_steps"]
   tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
-  # The head's params step; the featurizer's are left as they are.
-  linear_tx = optax.multi_transform(
-      {"head": _erm_plus_plus_optimizer(hparams, hparams["linear_lr"]),
-       "featurizer": optax.set_to_zero()},
-      lambda params: jax.tree_util.tree_map_with_path(
-          lambda path, _: "head" if path[0].key == "head" else "featurizer",
-          params))
+  linear_tx = _linear_probe_optimizer(hparams)
   objective = _pooled_objective(network)
 
   def init(params):
@@ -180,40 +171,69 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
     grads, (metrics, stats) = jax.grad(objective, has_aux=True)(
         params, stats, batches, objective_key)
     linear = average.updates <= linear_steps
-
-    def linear_step():
-      updates, linear_opt_state = linear_tx.update(
-          grads, state.linear_opt_state, params)
-      return updates, linear_opt_state, state.opt_state
-
-    def full_step():
-      updates, opt_state = tx.update(grads, state.opt_state, params)
-      return updates, state.linear_opt_state, opt_state
-
     updates, linear_opt_state, opt_state = jax.lax.cond(
-        linear, linear_step, full_step)
+        linear,
+        lambda: (*linear_tx.update(grads, state.linear_opt_state, params),
+                 state.opt_state),
+        lambda: _with_probe_state(tx.update(grads, state.opt_state, params),
+                                  state.linear_opt_state))
     params = optax.apply_updates(params, updates)
-    average = sma.update({"params": params, "stats": stats}, average)
-    averaged = network.bind(average.average["params"],
-                            average.average["stats"])
-    if base.trains_batch_norm(averaged.featurizer):
-      pooled = base.merge_domains(batches)
-      averaged.features(pooled["image"], rngs=pooled["key"][0])
-      average = average._replace(average={
-          "params": average.average["params"],
-          "stats": nnx.state(averaged, nnx.BatchStat)})
+    average = _step_averaged_batch_norm(
+        network, sma.update({"params": params, "stats": stats}, average),
+        batches)
     metrics["linear_probe"] = linear.astype(base.model_dtype(params))
     return (params, stats,
             ErmPlusPlusState(linear_opt_state, opt_state, average), metrics)
 
-  def evaluated(params, stats, state):
-    chosen = jax.tree.map(
-        lambda trained, kept: jnp.where(state.average.updates == 0, trained,
-                                        kept),
-        {"params": params, "stats": stats}, state.average.average)
-    return chosen["params"], chosen["stats"]
+  return base.Algorithm(init, update, evaluated=_averaged_network)
 
-  return base.Algorithm(init, update, evaluated=evaluated)
+
+def _linear_probe_optimizer(hparams: base.HParams
+                            ) -> optax.GradientTransformation:
+  """ERM++'s linear probe: its optimizer at ``linear_lr`` on the head's
+  params; the featurizer's are left as they are (DomainBed's
+  ``network[1]``, line 158)."""
+  return optax.multi_transform(
+      {"head": _erm_plus_plus_optimizer(hparams, hparams["linear_lr"]),
+       "featurizer": optax.set_to_zero()},
+      lambda params: jax.tree_util.tree_map_with_path(
+          lambda path, _: "head" if path[0].key == "head" else "featurizer",
+          params))
+
+
+def _with_probe_state(full_step: tuple[Any, Any], linear_opt_state: Any
+                      ) -> tuple[Any, Any, Any]:
+  """The full optimizer's ``(updates, opt_state)`` with the probe's state
+  kept as it is, in the order of the probe's step."""
+  updates, opt_state = full_step
+  return updates, linear_opt_state, opt_state
+
+
+def _step_averaged_batch_norm(network: base.Network, average: Any,
+                              batches: base.Batches) -> Any:
+  """``average`` after the averaged network's train-mode pass over the
+  pooled batch, where its BatchNorm trains (DomainBed's lines 198-200):
+  its statistics move one momentum step towards that batch's."""
+  averaged = network.bind(average.average["params"], average.average["stats"])
+  if not base.trains_batch_norm(averaged.featurizer):
+    return average
+  pooled = base.merge_domains(batches)
+  averaged.features(pooled["image"], rngs=pooled["key"][0])
+  return average._replace(average={
+      "params": average.average["params"],
+      "stats": nnx.state(averaged, nnx.BatchStat)})
+
+
+def _averaged_network(params: base.Params, stats: base.Stats,
+                      state: ErmPlusPlusState
+                      ) -> tuple[base.Params, base.Stats]:
+  """What ERM++ evaluates: its moving average, or before its first update
+  the network itself (DomainBed's ``deepcopy``, ``lib/misc.py`` line 54)."""
+  chosen = jax.tree.map(
+      lambda trained, kept: jnp.where(state.average.updates == 0, trained,
+                                      kept),
+      {"params": params, "stats": stats}, state.average.average)
+  return chosen["params"], chosen["stats"]
 
 
 def sd(network: base.Network, hparams: base.HParams, *, num_domains: int,

@@ -149,8 +149,10 @@ def step_x_axis(axes: Axes) -> None:
   """Labels the x-axis "step" and ticks it at whole steps: around a single
   evaluation matplotlib would tick steps that never happen (9.6, 9.8, ...)."""
   axes.set_xlabel("step")
+  # nbins="auto", as matplotlib's own locator: as many ticks as the axis's
+  # length holds without their labels running into each other.
   axes.xaxis.set_major_locator(
-      ticker.MaxNLocator(integer=True, min_n_ticks=1))
+      ticker.MaxNLocator(nbins="auto", integer=True, min_n_ticks=1))
 
 
 def single_point_marker(steps: Sequence[Any]) -> str | None:

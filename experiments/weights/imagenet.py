@@ -3,14 +3,14 @@
 Two ``--pretrained`` values name published weights (`PRETRAINED`):
 
 * ``imagenet``: torchvision's ``IMAGENET1K_V1`` weights of the model
-  (`catalog.ModelEntry.imagenet_weights`: ``resnet18-f37072fd.pth``,
+  (`entries.ModelEntry.imagenet_weights`: ``resnet18-f37072fd.pth``,
   ``resnet50-0676ba61.pth``, ``densenet121-a639ec97.pth``), the files that
   ``torchvision.models.resnet50(weights="IMAGENET1K_V1")`` downloads, which
   the paper and DomainBed before July 2024 start from. They are checked as
   ``torch.hub`` checks them, on download and on every use: the hexadecimal
   digits after the ``-`` in the file name start the SHA-256 of the file.
 * ``imagenet_augmix``: timm's ``resnet50.ram_in1k`` weights
-  (`catalog.ModelEntry.augmix_weights`), a ResNet-50 trained with AugMix,
+  (`entries.ModelEntry.augmix_weights`), a ResNet-50 trained with AugMix,
   which DomainBed starts from since commit 3dfdc8e (2024-07-25,
   ``resnet50_augmix``): the hub's ``model.safetensors`` at `HUB_REVISION`.
   No SHA-256 of it is published: its first download must read whole as a

@@ -2,14 +2,14 @@
 
 import pytest
 
-from experiments import catalog
+from experiments import entries
 from experiments import search_space
 
 
 @pytest.mark.parametrize("wilds", [None, "PovertyMap"])
 def test_a_space_keeps_the_declared_order_and_fixes_wilds_values(wilds):
-  algorithm = catalog.AlgorithmEntry(name="A", builder="builtins:dict")
-  dataset = catalog.DatasetEntry(name="D", builder="builtins:dict",
+  algorithm = entries.AlgorithmEntry(name="A", builder="builtins:dict")
+  dataset = entries.DatasetEntry(name="D", builder="builtins:dict",
                                  domains=("a", "b"), wilds=wilds)
   space = search_space.SearchSpace(algorithm, dataset)
   space.add_wilds("groups", 3, search_space.POSITIVE_INT)

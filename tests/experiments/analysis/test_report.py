@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+from matplotlib.backends import backend_agg
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from PIL import Image
@@ -356,6 +357,31 @@ def test_step_axes_tick_whole_steps(tmp_path, plot):
     low, high = axes.get_xlim()
     ticks = [t for t in axes.get_xticks() if low <= t <= high]
     assert ticks and all(t == round(t) for t in ticks), ticks
+
+
+def test_step_tick_labels_of_a_long_run_do_not_run_into_each_other(tmp_path):
+  # Five narrow panels over 2,000 steps, as the study's smoothness figures:
+  # ten whole-step ticks a panel wrote "10001250150017502000".
+  records = [{"args": {"dataset": "RotatedDigits", "algorithm": "ERM",
+                       "test_envs": [0], "trial_seed": 0, "hparams_seed": 0},
+              "domains": [f"{a}°" for a in range(0, 90, 15)], "step": step,
+              **{f"env{i}_in_loss": 1.0 / step for i in range(6)},
+              **{f"env{i}_{split}_acc": 0.5 for i in range(6)
+                 for split in ("in", "out")}}
+             for step in range(100, 2001, 100)]
+  figure = plots.plot_loss_curves(records, tmp_path / "figure.png")
+  canvas = backend_agg.FigureCanvasAgg(figure)  # Laid out as when saved.
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  for axes in figure.axes:
+    labels = [label for label in axes.get_xticklabels() if label.get_text()]
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    # Apart by a third of a character's height at least: closer, the
+    # numbers read as one.
+    gap = labels[0].get_fontsize() * figure.dpi / 72 / 3
+    assert len(boxes) >= 2
+    for left, right in zip(boxes, boxes[1:]):
+      assert right.x0 - left.x1 >= gap, [label.get_text() for label in labels]
 
 
 def test_mean_std_over_runs():
