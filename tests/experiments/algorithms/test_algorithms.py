@@ -211,6 +211,26 @@ def test_every_algorithm_takes_a_finite_step(name):
     assert np.all(np.diff(eigenvalues) <= 0)
 
 
+def assert_resumes_bit_for_bit(tmp_path, train, start, checkpoint_at,
+                               steps):
+  """Checks that ``train(start, range(steps))`` equals training to
+  ``checkpoint_at``, a checkpoint saved and restored as the training loop
+  does (Orbax), then training on; returns the uninterrupted state."""
+  uninterrupted = train(start, range(steps))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", train(start, range(checkpoint_at)))
+  checkpointer.wait_until_finished()
+  restored = checkpointer.restore(
+      tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                                       start))
+  resumed = train(restored, range(checkpoint_at, steps))
+  assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)
+  for got, want in zip(jax.tree.leaves(resumed),
+                       jax.tree.leaves(uninterrupted)):
+    np.testing.assert_array_equal(got, want)
+  return uninterrupted
+
+
 # Algorithms with state beyond one Adam's, with hparams that use it around
 # the resume after step 2: VREx's and IB_ERM's update count, whose anneal
 # step (2) restarts Adam after the resume; CDANN's count, which picks the
@@ -240,19 +260,7 @@ def test_a_checkpointed_state_resumes_bit_for_bit(name, hparams, tmp_path):
 
   start = train_steps.TrainState(jnp.zeros((), jnp.int32), params, stats,
                               algorithm.init(params))
-  uninterrupted = train(start, range(5))
-  # As the training loop checkpoints and restores its state.
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "state", train(start, range(2)))
-  checkpointer.wait_until_finished()
-  restored = checkpointer.restore(
-      tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                       start))
-  resumed = train(restored, range(2, 5))
-  assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)
-  for got, want in zip(jax.tree.leaves(resumed),
-                       jax.tree.leaves(uninterrupted)):
-    np.testing.assert_array_equal(got, want)
+  uninterrupted = assert_resumes_bit_for_bit(tmp_path, train, start, 2, 5)
   assert not np.array_equal(uninterrupted.params["head"]["kernel"][...],
                             params["head"]["kernel"][...])
 
@@ -538,3 +546,18 @@ def test_wilds_defaults_follow_the_paper_and_wilds(dataset, model, lr,
   assert hparams_registry.random_hparams("IRM", dataset, 3) == (
       hparams_registry.default_hparams("IRM", dataset))
   assert hparams_registry.default_hparams("IRM", dataset)["irm_lambda"] == 1.0
+
+
+# Their masks and partners are by class, which regression targets lack.
+@pytest.mark.parametrize("name", ["RSC", "SelfReg"])
+def test_class_label_algorithms_refuse_regression_targets(name):
+  model = models.Classifier(Flatten(16), 1, rngs=nnx.Rngs(0))
+  network, params, stats = algorithms.Network.split(model)
+  algorithm = algorithms.build_algorithm(name, network,
+                                         algorithm_hparams(name),
+                                         num_domains=NUM_DOMAINS)
+  batches = make_batches()
+  batches["label"] = batches["label"].astype(jnp.float32)
+  with pytest.raises(ValueError, match="needs class labels"):
+    algorithm.update(params, stats, algorithm.init(params), batches,
+                     jax.random.PRNGKey(0))

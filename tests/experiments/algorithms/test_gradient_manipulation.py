@@ -268,17 +268,3 @@ def test_rsc_matches_a_numpy_model_of_domainbed():
   other, _ = oracle.rsc(theta, batch_list, LR, WD, 0.1, 1 / 3, NUM_CLASSES)
   _assert_matches(got, want, theta, other)
   np.testing.assert_allclose([m["loss"] for m in metrics], losses, rtol=1e-5)
-
-
-@pytest.mark.parametrize("name", ["RSC"])
-def test_class_label_algorithms_refuse_regression_targets(name):
-  model = models.Classifier(Flatten(16), 1, rngs=nnx.Rngs(0))
-  network, params, stats = algorithms.Network.split(model)
-  algorithm = algorithms.build_algorithm(name, network,
-                                         algorithm_hparams(name),
-                                         num_domains=NUM_DOMAINS)
-  batches = make_batches()
-  batches["label"] = batches["label"].astype(jnp.float32)
-  with pytest.raises(ValueError, match="needs class labels"):
-    algorithm.update(params, stats, algorithm.init(params), batches,
-                     jax.random.PRNGKey(0))

@@ -333,20 +333,6 @@ def test_mtl_needs_its_embedding_head():
                      jax.random.PRNGKey(0))
 
 
-@pytest.mark.parametrize("name", ["SelfReg"])
-def test_selfreg_refuses_regression_targets(name):
-  model = models.Classifier(Flatten(16), 1, rngs=nnx.Rngs(0))
-  network, params, stats = algorithms.Network.split(model)
-  algorithm = algorithms.build_algorithm(name, network,
-                                         algorithm_hparams(name),
-                                         num_domains=NUM_DOMAINS)
-  batches = make_batches()
-  batches["label"] = batches["label"].astype(jnp.float32)
-  with pytest.raises(ValueError, match="needs class labels"):
-    algorithm.update(params, stats, algorithm.init(params), batches,
-                     jax.random.PRNGKey(0))
-
-
 def _checkpointed_state(output_dir, step):
   manager = ocp.CheckpointManager(output_dir / "checkpoints")
   return manager.restore(step, args=ocp.args.Composite(

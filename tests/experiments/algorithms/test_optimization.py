@@ -11,7 +11,6 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -25,7 +24,8 @@ import oracle
 from test_algorithms import NUM_CLASSES, NUM_DOMAINS
 from test_algorithms import algorithm_hparams, float64_batches
 from test_algorithms import linear_net_theta, linear_featurizer_model
-from test_algorithms import linear_model, make_batches
+from test_algorithms import assert_resumes_bit_for_bit, linear_model
+from test_algorithms import make_batches
 
 
 def _head(params):
@@ -387,19 +387,7 @@ def test_erm_plus_plus_resumes_bit_for_bit_across_its_switches(tmp_path):
 
   start = train_steps.TrainState(jnp.zeros((), jnp.int32), params, stats,
                               algorithm.init(params))
-  uninterrupted = train(start, range(5))
-  # As the training loop checkpoints and restores its state.
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "state", train(start, range(1)))
-  checkpointer.wait_until_finished()
-  restored = checkpointer.restore(
-      tmp_path / "state", jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                       start))
-  resumed = train(restored, range(1, 5))
-  assert jax.tree.structure(resumed) == jax.tree.structure(uninterrupted)
-  for got, want in zip(jax.tree.leaves(resumed),
-                       jax.tree.leaves(uninterrupted)):
-    np.testing.assert_array_equal(got, want)
+  uninterrupted = assert_resumes_bit_for_bit(tmp_path, train, start, 1, 5)
   average = uninterrupted.algorithm_state.average
   assert int(average.updates) == 5 and int(average.count) == 4
   assert not np.array_equal(average.average["params"]["head"]["kernel"][...],
