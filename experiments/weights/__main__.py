@@ -23,8 +23,12 @@ def _convert_command(args: argparse.Namespace) -> int:
     state_dict = convert.read_state_dict(args.input)
     if state_dict is None:  # Read as PyTorch's, which says what it is not.
       state_dict = torch_pickle.read_torch_state_dict(args.input)
+  except (OSError, ValueError) as e:  # The readers' messages name the file.
+    print(e, file=sys.stderr)
+    return 2
+  try:
     name, converted = convert.convert_torchvision(state_dict)
-  except (OSError, ValueError) as e:
+  except ValueError as e:
     print(f"{args.input}: {e}", file=sys.stderr)
     return 2
   convert.save_npz(converted, args.output)

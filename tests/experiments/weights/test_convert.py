@@ -231,3 +231,15 @@ def test_augmix_run_starts_from_timm_weights_with_batchnorm_trained(
   # The paper's default keeps BatchNorm frozen.
   assert train.resolve_run(flags[:-2] + ["--pretrained", "none"]).hparams[
       "bn_mode"] == "frozen"
+
+
+def test_the_convert_command_names_a_file_that_is_not_weights_once(
+    tmp_path, capsys):
+  path = tmp_path / "notes.txt"
+  path.write_text("not weights")
+  assert weights_command.main(["convert", "--in", str(path), "--out",
+                               str(tmp_path / "m.npz")]) == 2
+  error = capsys.readouterr().err
+  assert "is not a PyTorch file" in error
+  assert error.count(str(path)) == 1, error
+  assert not (tmp_path / "m.npz").exists()
