@@ -474,10 +474,10 @@ def test_a_finished_run_prints_its_result_again_and_writes_nothing(
       "held-out domains' in splits; no model selection): "
       f"{held_out}. Run directory: {reference}\n")
   assert _files(reference) == before
-  # The training loop, called on the finished run, returns its last
-  # record, and prints nothing: the command prints.
-  assert loop.train(train.resolve_run(_flags(reference))) == last
-  assert capsys.readouterr() == ("", "")
+  # Claimed and trained in a test, the finished run gives its last record
+  # and says it is finished; the result is the command's to print.
+  assert train.claim_and_train(train.resolve_run(_flags(reference))) == last
+  assert capsys.readouterr() == ("", "Already finished.\n")
   assert _files(reference) == before
 
 
