@@ -151,11 +151,11 @@ class ClaimedRun:
 @contextlib.contextmanager
 def claim_run(output_dir: str | Path, *,
               resume: bool) -> Iterator[ClaimedRun]:
-  """Claims the run directory of a run resolved to go in ``output_dir``
-  (`claim_run_directory`), as a context manager: takes its lock where it
-  exists, and reads and checks the records of a run to resume, so that a
-  second process, or damaged records, stop the run before its model is
-  built. The lock, if taken, is released on exit.
+  """Claims ``output_dir`` for the run resolved to go there
+  (`claim_run_directory`), as a context manager: takes its lock where the
+  directory exists, and reads and checks the records of a run to resume,
+  so that a second process, or damaged records, stop the run before its
+  model is built. The lock, if taken, is released on exit.
 
   It imports no JAX, so that the command prints a finished run's result
   without the seconds of importing the training loop.
