@@ -517,7 +517,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 class RunSpec:
   """One run, every setting resolved and checked once
   (``experiments.train.resolve_run``); ``training.loop.train`` reads only
-  this, and finds nothing in it to refuse.
+  this and the run's claimed directory (``rundir.claim.claim_run``), and
+  finds nothing in them to refuse.
 
   Attributes:
     config: the configuration it trains by, which its records hold: the

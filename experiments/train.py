@@ -24,24 +24,29 @@ metrics are `tasks.split_metrics`'s: ``env{i}_in_mse``, ``env{i}_in_r`` and
 The run directory (its files, records, checkpoints, what a killed or
 interrupted run leaves, and when a directory is refused) is
 `experiments.rundir`'s contract. The command exits with status 2 and a
-message, no traceback, on a run that cannot run (`errors.UsageError`), and
-with 128 + the signal's number on SIGINT or SIGTERM, after saying where a
-rerun resumes.
+message, no traceback, on a run that cannot run (`errors.UsageError`), that
+another process trains (`rundir.claim.RunDirectoryBusyError`), whose
+records are damaged (`rundir.records.DamagedRunError`) or whose images stop
+decoding as it trains (`data.datasets.UnreadableImageError`); and with 128 +
+the signal's number on SIGINT or SIGTERM, after saying where a rerun
+resumes. It alone turns these errors into exit statuses (`errors`).
 
 With ``--devices`` N > 1, every domain's batch is split over N devices on a
 ``data`` mesh axis and the train state is replicated
 (`training.sharding.Sharder`); the batch must divide, and the algorithm
 must keep it split (``entries.AlgorithmEntry.data_parallel``).
 
-The command reads: resolve the run (`resolve_run`), which claims its
-directory; report it if it is finished; train it (``training.loop.train``);
-print its result. Every setting is resolved and checked once, before the
-training loop is imported, into the frozen `config.RunSpec` that the loop
-reads: a bad name or value is refused at once, the loop finds nothing left
-to refuse, and a finished run's result is printed
-(`rundir.claim.report_finished_run`) without importing JAX. (Resolving
-imports JAX only where a check needs it: featurizer weights, several
-devices, ``--init_params``, a new ``image_size``.)
+The command reads: resolve the run (`resolve_run`), which refuses another
+run's directory; claim it (`rundir.claim.claim_run`: its lock, and the
+records of a run to resume, checked); train it (``training.loop.train``),
+unless it is finished; print its result. Every setting is resolved and
+checked once, before the training loop is imported, into the frozen
+`config.RunSpec` that the loop reads: a bad name or value is refused at
+once, the loop finds nothing left to refuse, and a finished run's result is
+printed without importing JAX. (Resolving imports JAX only where a check
+needs it: featurizer weights, several devices, ``--init_params``, a new
+``image_size``.) `claim_and_train` is the claim and train steps, for a run
+resolved in a test or a benchmark.
 """
 
 
@@ -98,6 +103,8 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
       ``--init_params`` do not fit the model; nothing was written (only what
       ``--overwrite`` deletes, weights fetched into their cache and the
       compilation cache's directory).
+    rundir.claim.RunDirectoryBusyError: with ``--overwrite``, another
+      process trains the run there; nothing was deleted.
   """
   config, hparams = config_lib.parse_flags(argv)
   config_lib.check_outside_data(config)
@@ -314,6 +321,31 @@ def _checked_weights(config: config_lib.Config,
   return weights
 
 
+def claim_and_train(spec: config_lib.RunSpec) -> records.Record:
+  """The command's claim and train steps, for a resolved ``spec``: claims
+  its run directory (`rundir.claim.claim_run`) and trains the run
+  (``training.loop.train``), or says on stderr that it is finished; returns
+  its last record.
+
+  Raises:
+    rundir.claim.RunDirectoryBusyError: another process trains the run.
+    rundir.records.DamagedRunError: its records are damaged.
+    data.datasets.UnreadableImageError: an image stopped decoding as the
+      run trained.
+    KeyboardInterrupt: as ``training.loop.train`` raises it.
+  """
+  with claim.claim_run(spec.config.output_dir,
+                       resume=spec.resume) as claimed:
+    if claimed.finished:
+      print("Already finished.", file=sys.stderr)
+      return claimed.run.records[-1]
+    # Imported for a run to train: a finished run's result needs no JAX,
+    # whose import takes seconds.
+    # pylint: disable-next=import-outside-toplevel
+    from experiments.training import loop
+    return loop.train(spec, claimed)
+
+
 class _Stopped(KeyboardInterrupt):
   """SIGTERM before the run trains (resolving it can read a large folder)."""
 
@@ -331,10 +363,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   """Command-line entry point; see the module docstring.
 
   Returns:
-    The exit status: 0; 2 for a command line that cannot run (after a
-    message saying why, as argparse's usage errors); 128 + the signal's
-    number when stopped by SIGINT (130, Ctrl-C) or SIGTERM (143), after
-    saying where a rerun resumes.
+    The exit status: 0; 2 for a command line that cannot run, or a run
+    directory or data that the run cannot go on with (after a message
+    saying why, as argparse's usage errors); 128 + the signal's number when
+    stopped by SIGINT (130, Ctrl-C) or SIGTERM (143), after saying where a
+    rerun resumes.
   """
   # Until training takes the signals over (to stop at a checkpointed step),
   # SIGTERM stops the command as Ctrl-C does; one ignored (nohup) stays so,
@@ -356,18 +389,14 @@ def _run(argv: Sequence[str] | None) -> int:
   spec = None
   try:
     spec = resolve_run(argv)
-    # A finished run's result needs no JAX, whose import takes seconds.
-    if spec.resume and claim.report_finished_run(
-        spec.config.output_dir) is not None:
-      return 0
-    # Imported once the run is resolved and to be trained.
-    # pylint: disable-next=import-outside-toplevel
-    from experiments.training import loop
-    record = loop.train(spec)
+    record = claim_and_train(spec)
     claim.print_result(record, spec.config.output_dir)
-  except errors.UsageError as e:
-    print(f"{config_lib.PROG}: error: {e}", file=sys.stderr)
-    return 2
+  except records.DamagedRunError as e:
+    return _refuse(f"{e}. Train it again from scratch: the same command "
+                   "with --overwrite.")
+  except (errors.UsageError, claim.RunDirectoryBusyError,
+          datasets.UnreadableImageError) as e:
+    return _refuse(str(e))
   except KeyboardInterrupt as e:
     # Ctrl-C's SIGINT, unless the run says which
     # (training.interrupts.Interrupted, or _Stopped before it trains).
@@ -384,6 +413,12 @@ def _run(argv: Sequence[str] | None) -> int:
           file=sys.stderr)
     return 128 + signum
   return 0
+
+
+def _refuse(message: str) -> int:
+  """Prints ``message`` as argparse prints a usage error; returns 2."""
+  print(f"{config_lib.PROG}: error: {message}", file=sys.stderr)
+  return 2
 
 
 if __name__ == "__main__":

@@ -67,9 +67,13 @@ class DatasetProblemsError(errors.UsageError):
   every problem found."""
 
 
-class UnreadableImageError(errors.UsageError):
+class UnreadableImageError(Exception):
   """An image that read when the run started no longer does; the message
-  names it and what to do."""
+  names it and what to do.
+
+  Not a `errors.UsageError`: the command line is right, and the run's data
+  changed under it, found only as training reads them. The command-line
+  edge prints it as one, with exit status 2."""
 
 
 def digest(lines: Iterable[str]) -> str:

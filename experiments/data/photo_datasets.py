@@ -39,7 +39,7 @@ DomainBed's ``datasets.py`` sets at import; so does this module, which every
 process decoding a folder's photos imports: Grain's worker processes import
 it when they unpickle a `FolderSource`). A file that cannot be decoded during
 training (damaged after the check) stops the run with a
-`datasets.UnreadableImageError` naming it, a usage error: skipping it would
+`datasets.UnreadableImageError` naming it (exit status 2): skipping it would
 change what the batches of a ``(seed, step)`` hold, silently, and the run
 would no longer be the one its configuration names. The run resumes from
 its last checkpoint once the file is restored.

@@ -1,13 +1,13 @@
 """The run directory: what ``python -m experiments.train`` writes for one run,
 and the contract that training, sweeps, reruns and reports keep with it.
 
-This docstring is the one description of the contract; the modules
-implement it: `records` (the record files: results, config, dataset
-fingerprint, environment, done), `claim` (identity, lock, refusal, and the
-report of a finished run), `checkpoints` (params files, params snapshots,
-Orbax checkpoints and interrupts' checkpoints) and `pack` (a sweep's
-finished runs in one file). None imports the run's configuration, its
-command or its training loop.
+This docstring is the one description of the contract; the modules implement
+it: `records` (the record files: results, config, dataset fingerprint,
+environment, done), `claim` (identity, refusal, and the claim of a run: its
+lock and the records it goes on from), `checkpoints` (params files, params
+snapshots, Orbax checkpoints and interrupts' checkpoints) and `pack` (a
+sweep's finished runs in one file). None imports the run's configuration,
+its command or its training loop.
 
 **One directory, one configuration.** A run directory belongs to one
 configuration: its ``config.json`` holds the run's identity (its resolved
@@ -27,7 +27,9 @@ step-0 snapshot. It then writes ``config.json`` before anything else
 (`claim.start_run_directory`), so a run failing earlier leaves nothing, and
 a run killed later leaves a directory that the same command resumes. While
 a process trains there it holds the directory's lock
-(`claim.RunDirectoryLock`): a second process is refused, exit status 2.
+(`claim.RunDirectoryLock`), taken when the run is claimed (`claim.claim_run`)
+where the directory exists, before the model is built: a second process is
+refused, exit status 2.
 
 A run directory holds::
 
@@ -123,11 +125,10 @@ and finishes with bit-for-bit the same params as an uninterrupted run; a
 record newer than the checkpoint is dropped and recomputed. Records that
 contradict themselves or the checkpoints (which no run, even killed,
 leaves) are refused with exit status 2 before anything else
-(`claim.read_checked_run`), as is a finished run's; the same command with
+(`claim.claim_run`), as is a finished run's; the same command with
 ``--overwrite`` trains again from scratch. At the end the run writes its
 final params (`checkpoints.save_params`) and its ``done`` file; the same
-command then prints its result again (`claim.report_finished_run`),
-without importing JAX.
+command then prints its result again, without importing JAX.
 
 **Interrupts.** SIGINT (Ctrl-C) and SIGTERM (e.g. SLURM's preemption, or its
 time limit) lose no work: the run finishes its step, evaluates and

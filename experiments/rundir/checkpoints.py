@@ -16,7 +16,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from flax import traverse_util
 
-from experiments.rundir import claim
 from experiments.rundir import records
 from experiments.weights import convert
 
@@ -115,6 +114,10 @@ def forget_interrupt_checkpoint(
 
   Returns:
     The run's checkpoint manager, afresh, and its records kept.
+
+  Raises:
+    records.DamagedRunError: the records left fail `records.read_run`'s
+      check.
   """
   manager.close()
   directory = output_dir / records.CHECKPOINT_DIR
@@ -122,7 +125,6 @@ def forget_interrupt_checkpoint(
   (directory / str(step)).rename(deleted)
   shutil.rmtree(deleted)
   manager = checkpoint_manager(output_dir)
-  run = claim.read_checked_run(output_dir,
-                               checkpoint_step=manager.latest_step())
+  run = records.read_run(output_dir, checkpoint_step=manager.latest_step())
   records.keep_checkpointed(run)
   return manager, run.checkpointed

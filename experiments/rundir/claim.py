@@ -1,5 +1,5 @@
 """Claims a run directory for one run: its identity, its lock, the refusal
-of another run's directory, and the report of a finished run.
+of another run's directory, and what a run goes on from (`claim_run`).
 
 What a run directory holds, and why a run claims it before any work, is
 `experiments.rundir`'s contract.
@@ -7,12 +7,14 @@ What a run directory holds, and why a run claims it before any work, is
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fcntl
 import json
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,12 @@ def _check_writable(output_dir: Path) -> None:
                      f"({e.strerror}); pass a writable --output_dir.") from None
 
 
+class RunDirectoryBusyError(Exception):
+  """Another process holds a run directory's lock: it trains the run now.
+  The message says what to do; it is the user's to act on, as a usage
+  error's."""
+
+
 class RunDirectoryLock:
   """Keeps two processes from training one run directory at once (a sweep
   launched again while its jobs still run, one command run twice), which
@@ -87,8 +95,8 @@ class RunDirectoryLock:
     """Takes the lock, unless held already; the directory must exist.
 
     Raises:
-      UsageError: another process holds it. A file system without locks
-        gets a warning instead, and no lock.
+      RunDirectoryBusyError: another process holds it. A file system
+        without locks gets a warning instead, and no lock.
     """
     if self._file is not None:
       return
@@ -97,7 +105,7 @@ class RunDirectoryLock:
       fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       file.close()
-      raise UsageError(
+      raise RunDirectoryBusyError(
           f"{self.output_dir}: another process is training this run now. "
           "Wait for it to end, or stop it, then run the same command to go "
           "on from its last checkpoint.") from None
@@ -121,42 +129,66 @@ class RunDirectoryLock:
     self.release()
 
 
-def read_checked_run(output_dir: str | Path, **checkpoint: int | None
-                     ) -> records.RunRecords:
-  """`records.read_run`, with damaged records a usage error naming the fix.
+@dataclasses.dataclass(frozen=True)
+class ClaimedRun:
+  """A run directory claimed by `claim_run`: what its run goes on from.
 
-  Args:
-    output_dir: the run directory.
-    **checkpoint: ``checkpoint_step``, as `records.read_run` takes it.
-
-  Raises:
-    UsageError: the records are damaged.
+  Attributes:
+    lock: the directory's lock, held where the directory exists; a fresh
+      run takes it as it creates the directory (`start_run_directory`).
+    run: the records of the run to resume, checked against its last
+      checkpoint (`records.read_run`), or of the finished run; None for a
+      fresh run.
+    finished: whether the run is finished (`records.is_done`): its result
+      is ``run.records[-1]``, and nothing is left to train.
   """
-  try:
-    return records.read_run(output_dir, **checkpoint)
-  except records.DamagedRunError as e:
-    raise UsageError(f"{e}. Train it again from scratch: the same command "
-                     "with --overwrite.") from None
+
+  lock: RunDirectoryLock
+  run: records.RunRecords | None
+  finished: bool
 
 
-def report_finished_run(output_dir: str | Path) -> records.Record | None:
-  """Prints the result of the run in ``output_dir`` if it is finished
-  (`records.is_done`), as the train command prints it again, and returns
-  its last record; returns None for a run not finished, printing nothing.
+@contextlib.contextmanager
+def claim_run(output_dir: str | Path, *,
+              resume: bool) -> Iterator[ClaimedRun]:
+  """Claims ``output_dir`` for the run resolved to go there
+  (`claim_run_directory`), as a context manager: takes its lock where the
+  directory exists, and reads and checks the records of a run to resume,
+  so that a second process, or damaged records, stop the run before its
+  model is built. The lock, if taken, is released on exit.
 
   It imports no JAX, so that the command prints a finished run's result
   without the seconds of importing the training loop.
 
+  Args:
+    output_dir: the run directory.
+    resume: whether it holds the run to resume (`claim_run_directory`).
+
+  Yields:
+    The claimed run; a finished run's lock is not taken, as it writes
+    nothing.
+
   Raises:
-    UsageError: the run is finished but its records are damaged
-      (`read_checked_run`); nothing is printed.
+    RunDirectoryBusyError: another process trains the run there.
+    records.DamagedRunError: the records of the run to resume, or of the
+      finished run, fail `records.read_run`'s check.
   """
-  if not records.is_done(output_dir):
-    return None
-  record = read_checked_run(output_dir).records[-1]
-  print("Already finished.", file=sys.stderr)
-  print_result(record, output_dir)
-  return record
+  output_dir = Path(output_dir)
+  with RunDirectoryLock(output_dir) as lock:
+    if resume and records.is_done(output_dir):
+      yield ClaimedRun(lock, records.read_run(output_dir), finished=True)
+      return
+    # Before the model is built, so that a second process stops at once;
+    # on a directory with no run in it yet (a sweep's, which creates it)
+    # too.
+    if output_dir.is_dir():
+      lock.acquire()
+    run = None
+    if resume:
+      steps = records.checkpoint_steps(output_dir)
+      run = records.read_run(output_dir,
+                             checkpoint_step=steps[-1] if steps else None)
+    yield ClaimedRun(lock, run, finished=False)
 
 
 def print_result(record: records.Record, output_dir: str | Path) -> None:
@@ -192,6 +224,8 @@ def claim_run_directory(output_dir: str | Path, identity: Mapping[str, Any],
     UsageError: the directory cannot be written, or holds a run of another
       configuration, or run files without a config file, and ``overwrite``
       is off.
+    RunDirectoryBusyError: with ``overwrite``, another process trains the
+      run there; nothing was deleted.
   """
   output_dir = Path(output_dir)
   _check_writable(output_dir)
@@ -248,8 +282,8 @@ def start_run_directory(
   ``environment`` it trains in (``experiments.runs.environment.describe``).
 
   Raises:
-    UsageError: another process has started the directory and trains there
-      (`RunDirectoryLock`); nothing was written.
+    RunDirectoryBusyError: another process has started the directory and
+      trains there (`RunDirectoryLock`); nothing was written.
   """
   output_dir = Path(output_dir)
   output_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
 """The training loop of one run: `train` reads a resolved `config.RunSpec`
-and returns the run's last record; it prints no result.
+and its claimed run directory, and returns the run's last record; it prints
+no result, and refuses nothing: resolving and claiming the run did.
 
 It reads as Flax's ``train_and_evaluate`` (examples/imagenet/train.py):
 set up the data, the model and its state (`_set_up`), resume from the last
@@ -194,23 +195,28 @@ def _resume(
   return state, written, meter
 
 
-def train(spec: config_lib.RunSpec) -> records.Record:
+def train(spec: config_lib.RunSpec,
+          claimed: claim.ClaimedRun) -> records.Record:
   """Trains (or resumes) one run and returns its last results record.
-
-  A finished run (`records.is_done`) is not trained again: its last record
-  is returned.
 
   Args:
     spec: the run, resolved and checked (``experiments.train.resolve_run``).
+    claimed: its run directory, claimed (`claim.claim_run`) and not
+      finished: its lock held where the directory exists, and the records
+      of a run to resume checked.
 
   Returns:
     The record of the final evaluation.
 
   Raises:
-    errors.UsageError: what no resolution can tell beforehand: the run's
-      records are damaged (`records.read_run`), or the data have problems
-      found as they are read, or another process trains the run
-      (`claim.RunDirectoryLock`); nothing was written.
+    claim.RunDirectoryBusyError: another process started this fresh run's
+      directory first, between the claim and the run's first write there;
+      nothing was written.
+    datasets.UnreadableImageError: an image read when the run was resolved
+      no longer decodes; the run's last checkpoint stays.
+    records.DamagedRunError: the records were damaged while the run
+      trained (found when an interrupt's checkpoint is forgotten, and at
+      the end, before ``done``).
     KeyboardInterrupt: on Ctrl-C, once the checkpoint being written is
       complete; `interrupts.Interrupted` on a signal of
       `interrupts.STOP_SIGNALS`, from its arrival on, once the step in
@@ -220,21 +226,13 @@ def train(spec: config_lib.RunSpec) -> records.Record:
   config = spec.config
   output_dir = Path(config.output_dir)
   # From the start: a signal before the first step stops the run there.
-  with interrupts.StopRequests() as stop, claim.RunDirectoryLock(
-      output_dir) as lock:
-    if spec.resume and records.is_done(output_dir):
-      return claim.read_checked_run(output_dir).records[-1]
-    if spec.resume or output_dir.is_dir():
-      # Before the model is built and compiled, so that a second process on
-      # the directory (a sweep's, which creates it) stops at once.
-      lock.acquire()
+  with interrupts.StopRequests() as stop:
     compile_cache.use_compile_cache(spec.compile_cache)
     # A fresh run creates its directory when it first writes there
     # (`_RunDirectory.started`), so a run that fails before leaves nothing.
-    directory = _RunDirectory(spec, lock)
-    start = directory.manager.latest_step() if spec.resume else None
-    run = (claim.read_checked_run(output_dir, checkpoint_step=start)
-           if spec.resume else None)
+    directory = _RunDirectory(spec, claimed.lock)
+    run = claimed.run
+    start = None if run is None else run.checkpoint_step
     setup = _set_up(spec)
     state, written, meter = _resume(setup, directory, start, run)
     # Whether the state holds steps that no checkpoint has (after one
@@ -256,7 +254,7 @@ def train(spec: config_lib.RunSpec) -> records.Record:
     checkpoints.save_params(output_dir / records.FINAL_PARAMS_FILE,
                             state.params, state.stats)
     # Done only on records that check, whatever touched them meanwhile.
-    claim.read_checked_run(output_dir)
+    records.read_run(output_dir)
     records.mark_done(output_dir)
     if step < config.steps:
       progress.say(f"Stopped at step {step} of at most {config.steps}: "

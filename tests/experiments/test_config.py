@@ -26,7 +26,6 @@ from experiments.rundir import records
 from experiments.runs import run as run_lib
 from experiments import train
 from experiments.rundir import claim
-from experiments.training import loop
 from experiments.training import steps as train_steps
 from test_train import REPO, read_records, run_here
 
@@ -388,7 +387,7 @@ def test_a_run_resolves_once_into_a_frozen_spec_that_training_reads(
   assert not run.exists()
   # Training resolves nothing again: it reads the spec.
   resolved.clear()
-  record = loop.train(spec)
+  record = train.claim_and_train(spec)
   assert resolved == []
   assert record["hparams"] == dict(spec.hparams)
   assert record["args"] == spec.config.record_args()

@@ -9,6 +9,7 @@ followed up to its first batch, with the ResNet-50 it names.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from test_models import random_state_dict
 from test_imagenet import fixture_server  # pylint: disable=unused-import
 from test_imagenet import serve_weights
 import torch_writer
-from test_train import kill_at_first_checkpoint, run_here
+from test_train import kill_at_first_checkpoint, run_after, run_here
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, FREQ = 4, 2
@@ -164,6 +165,39 @@ def test_photo_run_killed_and_resumed_ends_bit_for_bit_as_uninterrupted(
 
   assert ([comparable(r) for r in _records(output_dir)]
           == [comparable(r) for r in _records(reference)])
+
+
+# Prepended to a train command: once the run is resolved, its folder
+# checked, every photo of DATA is damaged, as a failing disk would.
+_DAMAGE_PHOTOS_ONCE_CHECKED = """\
+import pathlib
+from experiments.rundir import claim
+claim_run = claim.claim_run
+def damage_then_claim_run(*args, **kwargs):
+  for path in pathlib.Path({data!r}).rglob("*.jpg"):
+    path.write_bytes(b"not a photo")
+  return claim_run(*args, **kwargs)
+claim.claim_run = damage_then_claim_run
+"""
+
+
+def test_a_photo_damaged_as_the_run_reads_it_is_named_on_one_line(
+    data_dir, tmp_path):
+  # Damaged after the check, a photo stops the run as training reads it:
+  # the command says which, exit status 2, without a traceback, and a
+  # fresh run leaves nothing, having written nothing.
+  data, output_dir = tmp_path / "data", tmp_path / "run"
+  shutil.copytree(data_dir, data)
+  damaged = run_after(_DAMAGE_PHOTOS_ONCE_CHECKED.format(data=str(data)),
+                      _command(data, output_dir, 2), timeout=300)
+  assert damaged.returncode == 2, damaged.stderr
+  assert "Traceback" not in damaged.stderr
+  error = f"{config_lib.PROG}: error: Cannot read image {data / 'PACS'}"
+  lines = damaged.stderr.splitlines()
+  assert lines[-1].startswith(error), damaged.stderr
+  assert "Restore the file and rerun the same command" in lines[-1]
+  assert sum(line.startswith(config_lib.PROG) for line in lines) == 1
+  assert not output_dir.exists()
 
 
 def test_evaluation_augments_the_training_domains_only(data_dir):

@@ -16,7 +16,6 @@ from experiments import config as config_lib
 from experiments import errors
 from experiments.data import datasets
 from experiments import train
-from experiments.training import loop
 from experiments.training import steps as train_steps
 from experiments.data import wilds
 from test_train import kill_at_first_checkpoint, run_here
@@ -59,7 +58,7 @@ def fixture_pgrad_run(tmp_path_factory):
   output_dir = tmp_path_factory.mktemp("pgrad") / "run"
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(wilds, "POVERTY_ID_EVAL_SIZE", ID_EVAL_SIZE)
-    record = loop.train(train.resolve_run(
+    record = train.claim_and_train(train.resolve_run(
         _pgrad_flags(data, output_dir, 0)))
   return data, output_dir, record
 
@@ -97,7 +96,7 @@ def test_poverty_map_evaluates_images_without_augmentation(tmp_path,
     # output can show.
     hparams = {"lr": 1e-30, "batch_size": 4, "domains_per_step": 3,
                "data_augmentation": data_augmentation}
-    record = loop.train(train.resolve_run([
+    record = train.claim_and_train(train.resolve_run([
         "--dataset", "PovertyMap", "--algorithm", "ERM", "--data_dir",
         str(tmp_path / "data"), "--output_dir",
         str(tmp_path / str(data_augmentation)), "--steps", "1",
@@ -118,7 +117,7 @@ def test_poverty_map_refuses_to_stop_on_an_accuracy_plateau(tmp_path,
   del small_id_eval
   wilds_data.write_poverty(tmp_path / "data")
   with pytest.raises(errors.UsageError, match="regression"):
-    loop.train(train.resolve_run([
+    train.claim_and_train(train.resolve_run([
         "--dataset", "PovertyMap", "--data_dir", str(tmp_path / "data"),
         "--output_dir", str(tmp_path / "run"), "--steps", "4",
         "--checkpoint_freq", "2", "--plateau_check_freq", "2", *NO_WORKERS]))
@@ -171,11 +170,11 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   flags = ["--dataset", "FMoW", "--data_dir", str(data), "--steps", "2",
            "--checkpoint_freq", "2", *NO_WORKERS]
   domains = '"domains_per_step": 2, "batch_size": 2'
-  erm = loop.train(train.resolve_run([
+  erm = train.claim_and_train(train.resolve_run([
       *flags, "--algorithm", "ERM", "--output_dir", str(tmp_path / "erm"),
       "--hparams", "{" + domains + "}"]))
   assert erm["hparams"]["lr"] == 1e-4
-  pgrad = loop.train(train.resolve_run([
+  pgrad = train.claim_and_train(train.resolve_run([
       *flags, "--algorithm", "PGrad", "--output_dir", str(tmp_path / "pgrad"),
       "--init_params", str(tmp_path / "erm" / "final_params.npz"),
       "--hparams", "{" + domains + "}"]))
@@ -185,7 +184,7 @@ def test_fmow_erm_phase_then_pgrad(tmp_path):
   for key in ("acc", "worst_acc"):
     assert 0 <= pgrad[f"env{val}_in_{key}"] <= 1
   with pytest.raises(ValueError, match="does not fit the model"):
-    loop.train(train.resolve_run([
+    train.claim_and_train(train.resolve_run([
         *flags[:-2], "--model", "resnet18", "--algorithm", "PGrad",
         "--output_dir", str(tmp_path / "bad"), "--init_params",
         str(tmp_path / "erm" / "final_params.npz")]))

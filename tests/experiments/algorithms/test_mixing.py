@@ -10,7 +10,6 @@ from flax import nnx
 from experiments import algorithms
 from experiments import models
 from experiments import train
-from experiments.training import loop
 from experiments.training import steps as train_steps
 import oracle
 from test_algorithms import BATCH, NUM_CLASSES, NUM_DOMAINS, Flatten
@@ -197,7 +196,7 @@ def test_arm_needs_its_context_network():
 
 
 def test_arm_trains_and_evaluates_through_the_training_loop(tmp_path):
-  record = loop.train(train.resolve_run([
+  record = train.claim_and_train(train.resolve_run([
       "--dataset", "RotatedDigits", "--algorithm", "ARM", "--test_envs", "0",
       "--steps", "4", "--checkpoint_freq", "2", "--eval_examples", "70",
       "--eval_batch_size", "72", "--output_dir", str(tmp_path / "run"),
@@ -347,15 +346,16 @@ def test_mtl_embeddings_resume_bit_for_bit(tmp_path):
            '{"image_size": 8, "cnn_width": 8, "batch_size": 8}']
   whole, resumed = tmp_path / "whole", tmp_path / "resumed"
   for output_dir in (whole, resumed):
-    loop.train(train.resolve_run([*flags, "--output_dir",
-                                  str(output_dir)]))
+    train.claim_and_train(train.resolve_run([*flags, "--output_dir",
+                                             str(output_dir)]))
   # What a run killed after its step-2 checkpoint leaves: the rest goes.
   ocp.CheckpointManager(resumed / "checkpoints").delete(4)
   (resumed / "done").unlink()
   (resumed / "final_params.npz").unlink()
   lines = (resumed / "results.jsonl").read_text().splitlines(keepends=True)
   (resumed / "results.jsonl").write_text(lines[0])
-  loop.train(train.resolve_run([*flags, "--output_dir", str(resumed)]))
+  train.claim_and_train(train.resolve_run([*flags, "--output_dir",
+                                           str(resumed)]))
   want, got = (_checkpointed_state(d, 4)["algorithm_state"]
                for d in (whole, resumed))
   assert np.abs(want["embeddings"]).max() > 0.01
