@@ -154,3 +154,12 @@ def test_the_state_round_trips_through_a_json_record_exactly():
   for state in got:
     entry = json.loads(json.dumps(lr_plateau.to_record(state)))
     assert lr_plateau.from_record(entry) == state
+
+
+def test_a_change_at_the_first_evaluation_is_not_counted():
+  # Only where patience is 0 and the first loss improves on nothing (NaN)
+  # can the first evaluation reduce: DomainBed's list has no learning rate
+  # before it to differ from.
+  got, want = _run([float("nan"), 1.0, 1.0, 1.0], patience=0)
+  _assert_same(got, want)
+  assert got[0].lr == 5e-5 * 0.1 and got[0].changes == 0
