@@ -123,8 +123,10 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
   the linear probe's optimizer and 0 where the full one (a record's mean is
   the share of its steps in the probe).
 
-  With the hparam ``auto_lr`` the full optimizer's learning rate is a
-  hyperparameter of its state (`optax.inject_hyperparams`), which the
+  With the hparam ``auto_lr`` the full optimizer is built at rate 1 and its
+  output scaled by the learning rate, a hyperparameter of its state
+  (`optax.inject_hyperparams`; scaled after LARS's momentum, as DomainBed's
+  LARS scales it, ``lib/misc.py`` line 566), which the
   training loop sets at its evaluations (the algorithm's
   ``set_learning_rate``) as DomainBed's ``set_lr`` sets the optimizer's
   (lines 208-233, ``scripts/train_autolr.py``; the decisions are
@@ -155,8 +157,13 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
   linear_steps = hparams["linear_steps"]
   auto_lr = hparams["auto_lr"]
   if auto_lr:
+    # At rate 1, then scaled: DomainBed's LARS scales its momentum by the
+    # rate of the step (misc.py line 566), optax's each gradient by the rate
+    # of its own step, which differ once the rate changes. (Adam's are
+    # the same.)
     tx = optax.inject_hyperparams(
-        lambda learning_rate: _erm_plus_plus_optimizer(hparams, learning_rate)
+        lambda learning_rate: optax.chain(
+            _erm_plus_plus_optimizer(hparams, 1.0), optax.scale(learning_rate))
     )(learning_rate=hparams["lr"])
   else:
     tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
