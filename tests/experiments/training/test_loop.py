@@ -108,3 +108,15 @@ def test_a_run_killed_at_a_change_resumes_bit_for_bit(scheduled, tmp_path,
   assert got.keys() == expected.keys()
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+def test_auto_lr_without_validation_examples_is_a_usage_error(tmp_path,
+                                                              capsys):
+  # A ten-thousandth of a digits domain is no example.
+  output_dir = tmp_path / "run"
+  refused = run_here([*_flags(output_dir), "--holdout_fraction", "0.0001"],
+                     capsys)
+  assert refused.returncode == 2
+  assert "holds out no example of domains [1, 2, 3, 4, 5]" in refused.stderr
+  assert "Traceback" not in refused.stderr
+  assert not output_dir.exists()
