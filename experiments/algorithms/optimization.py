@@ -214,8 +214,10 @@ def _with_learning_rate(state: ErmPlusPlusState,
   """ERM++'s state with its full optimizer at ``lr`` (``auto_lr``): the
   learning rate of its `optax.inject_hyperparams` state."""
   opt_state = state.opt_state
+  kept = opt_state.hyperparams["learning_rate"]
   return state._replace(opt_state=opt_state._replace(
-      hyperparams={**opt_state.hyperparams, "learning_rate": lr}))
+      hyperparams={**opt_state.hyperparams,
+                   "learning_rate": lr.astype(kept.dtype)}))
 
 
 def _linear_probe_optimizer(hparams: base.HParams

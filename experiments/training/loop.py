@@ -479,7 +479,8 @@ class _Training:
                    ) -> tuple[steps.TrainState, records.Record]:
     """ERM++'s learning rate (hparam ``auto_lr``) at an evaluation: the
     state stepping at its schedule's learning rate, and the record's
-    entries (none without ``auto_lr``, or at an interrupt's).
+    entries (none without ``auto_lr``). An interrupt's evaluation records
+    the schedule as it stands.
 
     As DomainBed's ``set_lr`` (``algorithms.py`` lines 208-229), after the
     linear probe (``step > linear_steps``) the averaged network's
@@ -488,13 +489,13 @@ class _Training:
     has ``lr``, the full optimizer's learning rate from this step on, and
     ``lr_schedule``; those that stepped it ``sma_val_loss``.
     """
-    if self.set_learning_rate is None or not scheduled:
+    if self.set_learning_rate is None:
       return state, {}
     schedule = next(
         (lr_plateau.from_record(r[LR_SCHEDULE_KEY]) for r in reversed(written)
          if LR_SCHEDULE_KEY in r), lr_plateau.plateau_init(self.hparams["lr"]))
     entries = {}
-    if step > self.hparams["linear_steps"]:
+    if scheduled and step > self.hparams["linear_steps"]:
       setup = self.setup
       self.screen.phase("evaluating")
       loss = evaluate.validation_loss(

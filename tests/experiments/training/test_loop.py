@@ -6,6 +6,7 @@ test_train.py's.)
 """
 
 import json
+import signal
 
 import numpy as np
 import pytest
@@ -13,8 +14,10 @@ import pytest
 from experiments import train
 from experiments.rundir import records
 from test_lr_plateau import _TorchPlateau
-from test_train import TIMING, _train_command, kill_at_first_checkpoint
-from test_train import read_records, run_here
+from experiments.rundir import checkpoints
+from test_train import TIMING, _SIGNAL_IN_STEP, _train_command
+from test_train import kill_at_first_checkpoint, read_records, run_after
+from test_train import run_here
 
 # A tiny ERM++ on the digits, evaluated after every step: the probe takes
 # updates 1-3, and a learning rate of 1 then makes the averaged network's
@@ -23,11 +26,11 @@ from test_train import read_records, run_here
 MAX_STEPS, LINEAR_STEPS, LR = 30, 2, 1.0
 
 
-def _flags(output_dir, auto_lr=True, steps=MAX_STEPS):
+def _flags(output_dir, auto_lr=True, steps=MAX_STEPS, checkpoint_freq=1):
   hparams = {"batch_size": 4, "cnn_width": 8, "image_size": 8,
              "linear_steps": LINEAR_STEPS, "lr": LR, "auto_lr": auto_lr}
   return ["--algorithm", "ERMPlusPlus", "--steps", str(steps),
-          "--checkpoint_freq", "1", "--test_envs", "0", "--eval_examples",
+          "--checkpoint_freq", str(checkpoint_freq), "--test_envs", "0", "--eval_examples",
           "16", "--loss_examples", "16", "--num_workers", "0",
           "--output_dir", str(output_dir), "--hparams", json.dumps(hparams)]
 
@@ -38,6 +41,11 @@ def fixture_scheduled(tmp_path_factory):
   output_dir = tmp_path_factory.mktemp("scheduled")
   assert train.main(_flags(output_dir)) == 0
   return output_dir
+
+
+def _comparable(record):
+  record = {k: v for k, v in record.items() if k not in TIMING}
+  return {**record, "args": {**record["args"], "output_dir": None}}
 
 
 def _params(output_dir):
@@ -98,16 +106,42 @@ def test_a_run_killed_at_a_change_resumes_bit_for_bit(scheduled, tmp_path,
   assert (f"Stopped at step {last} of at most {MAX_STEPS}: finished, the "
           "learning rate changed for the third time") in resumed.stderr
 
-  def comparable(record):
-    record = {k: v for k, v in record.items() if k not in TIMING}
-    return {**record, "args": {**record["args"], "output_dir": None}}
+  _assert_same_run(output_dir, scheduled)
 
-  assert ([comparable(r) for r in read_records(output_dir)]
-          == [comparable(r) for r in read_records(scheduled)])
-  expected, got = _params(scheduled), _params(output_dir)
+
+def _assert_same_run(output_dir, reference):
+  assert ([_comparable(r) for r in read_records(output_dir)]
+          == [_comparable(r) for r in read_records(reference)])
+  expected, got = _params(reference), _params(output_dir)
   assert got.keys() == expected.keys()
   for key in expected:
     np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+
+
+@pytest.mark.slow
+def test_an_interrupt_between_evaluations_keeps_the_schedule(tmp_path,
+                                                             capsys):
+  # Evaluations every 2 steps; a signal in step 5, after the schedule's
+  # first step (4): the interrupt's record holds the schedule as it stood,
+  # and the resumed run ends as the uninterrupted one.
+  reference = tmp_path / "reference"
+  assert train.main(_flags(reference, checkpoint_freq=2)) == 0
+  output_dir = tmp_path / "run"
+  flags = _flags(output_dir, checkpoint_freq=2)
+  stopped = run_after(_SIGNAL_IN_STEP.format(calls=5,
+                                             sig=int(signal.SIGTERM)),
+                      _train_command(flags))
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  interrupt = read_records(output_dir)[-1]
+  assert interrupt["step"] == 5 and checkpoints.INTERRUPT_KEY in interrupt
+  at_4 = read_records(reference)[1]
+  assert at_4["step"] == 4 and "sma_val_loss" in at_4
+  assert "sma_val_loss" not in interrupt
+  assert (interrupt["lr"], interrupt["lr_schedule"]) == (
+      at_4["lr"], at_4["lr_schedule"])
+  resumed = run_here(flags, capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  _assert_same_run(output_dir, reference)
 
 
 def test_auto_lr_without_validation_examples_is_a_usage_error(tmp_path,
