@@ -117,7 +117,8 @@ def validation_loss(
 ) -> float:
   """The training domains' validation loss as ERM++'s ``set_lr`` takes it.
 
-  Each training domain's whole out split, in its order, in batches of
+  Each training domain's whole out split, in a fresh random order
+  (`input_pipeline.validation_order`), in batches of
   `VALIDATION_BATCH_SIZE` (``eval_loaders_iid``, ``scripts/train_autolr.py``
   lines 170-174), through ``eval_step``, averaged by `batch_mean_loss`.
   ``--eval_examples`` does not shorten it: DomainBed's loaders are whole.
@@ -129,7 +130,9 @@ def validation_loss(
                  * sharder.num_devices)
   domains = []
   for domain in train_domains:
-    indices = splits[domain][1]
+    indices = input_pipeline.validation_order(
+        splits[domain][1], seed=config.seed, step=int(state.step),
+        domain=domain)
     if len(indices) == 0:
       raise ValueError(f"Domain {domain}'s out split is empty: ERM++'s "
                        "auto_lr needs a validation loss.")

@@ -4,6 +4,7 @@ import numpy as np
 
 from experiments import config as config_lib
 from experiments.data import datasets
+from experiments.data import pipeline
 from experiments.training import evaluate
 from experiments.training import sharding
 from experiments.training import steps as train_steps
@@ -62,13 +63,20 @@ def test_validation_loss_weighs_each_batch_of_64_as_domainbed_does():
     shapes.append(images.shape[0])
     return labels, np.asarray(images)[:, 0, 0, 0]
 
-  state = train_steps.TrainState(0, None, None, None)
-  config = config_lib.Config(test_envs=(1,), num_workers=0)
+  config = config_lib.Config(test_envs=(1,), num_workers=0, seed=3)
+  step = 7
+  state = train_steps.TrainState(step, None, None, None)
   got = evaluate.validation_loss(eval_step, state, dataset, splits, (0, 2),
                                  config, sharding.Sharder())
   want = []
   for domain in (0, 2):
-    out = values[domain][200 - out_sizes[domain]:].astype(np.float64)
+    # A fresh order at every step, as DomainBed's RandomSampler.
+    order = pipeline.validation_order(splits[domain][1], seed=3, step=step,
+                                      domain=domain)
+    assert sorted(order) == list(splits[domain][1])
+    assert not np.array_equal(order, pipeline.validation_order(
+        splits[domain][1], seed=3, step=step + 1, domain=domain))
+    out = values[domain][order].astype(np.float64)
     batch_means = [out[start:start + 64].mean()
                    for start in range(0, len(out), 64)]
     want.append(sum(batch_means) / len(batch_means))
