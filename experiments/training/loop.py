@@ -26,7 +26,6 @@ import orbax.checkpoint as ocp
 
 from experiments import algorithms
 from experiments import config as config_lib
-from experiments import errors
 from experiments import lr_plateau
 from experiments.data import datasets
 from experiments.data import photo_augmentation as augmentation
@@ -285,25 +284,6 @@ def train(spec: config_lib.RunSpec) -> records.Record:
     return written[-1]
 
 
-def _learning_rate_setter(setup: _Setup, train_domains: Sequence[int]
-                          ) -> Any:
-  """The algorithm's ``set_learning_rate``, jitted, for a run whose learning
-  rate follows its validation loss (ERM++'s ``auto_lr``); else None.
-
-  Raises:
-    errors.UsageError: a training domain has no validation example.
-  """
-  if setup.algorithm.set_learning_rate is None:
-    return None
-  empty = [d for d in train_domains if len(setup.splits[d][1]) == 0]
-  if empty:
-    raise errors.UsageError(
-        f"auto_lr follows the training domains' validation loss, but "
-        f"--holdout_fraction holds out no example of domains {empty}: "
-        "raise it, or set hparam auto_lr to false.")
-  return jax.jit(setup.algorithm.set_learning_rate)
-
-
 class _Training:
   """The steps of a run from where it goes on, evaluated and checkpointed
   every ``checkpoint_freq`` steps, at the end, and at a stop request.
@@ -335,8 +315,11 @@ class _Training:
     self.evaluated = setup.sharder.on_mesh(
         steps.make_evaluated(setup.algorithm))
     self.sets = evaluate.eval_sets(setup.splits, self.config)
-    self.set_learning_rate = _learning_rate_setter(setup,
-                                                   self.train_domains)
+    # A run whose learning rate follows its validation loss (ERM++'s
+    # auto_lr; `_schedule_lr`) sets it with this; others have none.
+    self.set_learning_rate = (
+        None if setup.algorithm.set_learning_rate is None
+        else jax.jit(setup.algorithm.set_learning_rate))
     self.on_cpu_photos = (jax.default_backend() == "cpu"
                           and datasets.is_photo_dataset(setup.dataset))
     self.timer = progress.StepTimer()

@@ -1,8 +1,8 @@
-"""Tests for experiments/training/loop.py: ERM++'s learning-rate schedule
-(hparam ``auto_lr``) in a run, its stop and its resume.
+"""Tests for experiments/training/loop.py's learning-rate schedule, ERM++'s
+hparam ``auto_lr``: in a run, its stop and its resume.
 
 (Whole runs of the default command, their resumes and their stops are
-test_train.py's.)
+test_train.py's; the loop's claim is test_loop.py's.)
 """
 
 import json
@@ -143,14 +143,3 @@ def test_an_interrupt_between_evaluations_keeps_the_schedule(tmp_path,
   assert resumed.returncode == 0, resumed.stderr
   _assert_same_run(output_dir, reference)
 
-
-def test_auto_lr_without_validation_examples_is_a_usage_error(tmp_path,
-                                                              capsys):
-  # A ten-thousandth of a digits domain is no example.
-  output_dir = tmp_path / "run"
-  refused = run_here([*_flags(output_dir), "--holdout_fraction", "0.0001"],
-                     capsys)
-  assert refused.returncode == 2
-  assert "holds out no example of domains [1, 2, 3, 4, 5]" in refused.stderr
-  assert "Traceback" not in refused.stderr
-  assert not output_dir.exists()
