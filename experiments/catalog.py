@@ -506,6 +506,9 @@ def _erm_plus_plus(space: hp.SearchSpace) -> None:
   space.add("lars", False, hp.Allowed(bool))
   space.add("linear_steps", 500, hp.NON_NEGATIVE_INT)
   space.add("linear_lr", 5e-5, hp.POSITIVE, hp.log_uniform(-5, -3.5))
+  # DomainBed's ``--auto_lr`` of scripts/train_autolr.py (line 51), a flag
+  # there; here an hparam of ERM++, whose ``set_lr`` it drives.
+  space.add("auto_lr", False, hp.Allowed(bool))
 
 
 ALGORITHMS.register("ERMPlusPlus", f"{_OPTIMIZATION}:erm_plus_plus",

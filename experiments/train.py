@@ -97,7 +97,8 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   Raises:
     errors.UsageError: the run directory holds another run or cannot be
       written, or the data are missing or are not the run's, or the
-      held-out domains or the plateau checks do not fit them, or the
+      held-out domains, the plateau checks or ``auto_lr`` do not fit them,
+      or the
       weights are damaged or not ``--model``'s, or the compilation cache
       named cannot be written, or the devices are not there, or the
       ``--init_params`` do not fit the model; nothing was written (only what
@@ -125,6 +126,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
   if catalog.DATASETS[config.dataset].wilds is not None:
     protocol = wilds_protocol(config, dataset, hparams)
   train_domains = _train_domains(protocol, dataset)
+  _check_validation_examples(protocol, dataset, train_domains, hparams)
   domains_per_step = hparams.get("domains_per_step") or len(train_domains)
   # Last, once the data are there: fetching the weights can download
   # 100 MB. A finished run reports its result, which needs nothing more.
@@ -179,6 +181,28 @@ def _train_domains(config: config_lib.Config,
         "convergence criterion is on validation accuracy; train a fixed "
         "--steps instead.")
   return train_domains
+
+
+def _check_validation_examples(config: config_lib.Config,
+                               dataset: datasets.MultiDomainDataset,
+                               train_domains: Sequence[int],
+                               hparams: Mapping[str, Any]) -> None:
+  """Checks that a run whose learning rate follows the training domains'
+  validation loss (ERM++'s ``auto_lr``) holds out examples of each.
+
+  Raises:
+    errors.UsageError: ``--holdout_fraction`` holds out none of a training
+      domain.
+  """
+  if not hparams.get("auto_lr"):
+    return
+  empty = [d for d in train_domains if datasets.held_out_size(
+      len(dataset.domains[d]), config.holdout_fraction) == 0]
+  if empty:
+    raise errors.UsageError(
+        "auto_lr follows the training domains' validation loss, but "
+        f"--holdout_fraction {config.holdout_fraction} holds out no example "
+        f"of domains {empty}: raise it, or set hparam auto_lr to false.")
 
 
 def _steps_per_epoch(config: config_lib.Config,

@@ -13,7 +13,10 @@ pure functions:
   algorithm's own prediction rule at evaluation (ARM adapts to the batch);
 * optionally ``evaluated(params, stats, state) -> (params, stats)``: the
   network that evaluation runs, where it is not the one trained (ERM++
-  evaluates its moving average).
+  evaluates its moving average);
+* optionally ``set_learning_rate(state, lr) -> state``: the state stepping
+  at ``lr`` from then on, for a learning rate that the training loop
+  schedules (ERM++'s ``auto_lr``).
 
 ``params`` are the model's ``nnx.Param`` and ``stats`` its ``nnx.BatchStat``
 (BatchNorm's running statistics, which only train-mode BatchNorm updates: a

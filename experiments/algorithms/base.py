@@ -96,6 +96,10 @@ class Algorithm(NamedTuple):
       network that evaluation runs (through ``predict``), for an algorithm
       that evaluates another network than the one it trains (ERM++'s moving
       average). ``None``: the trained network.
+    set_learning_rate: ``set_learning_rate(state, lr) -> state``, the state
+      whose optimizer steps at ``lr`` (a scalar array) from then on, for an
+      algorithm whose learning rate the training loop schedules (ERM++'s
+      ``auto_lr``). ``None``: the learning rate is the algorithm's own.
   """
 
   init: Callable[[Params], Any]
@@ -105,6 +109,7 @@ class Algorithm(NamedTuple):
   predict: Callable[[Params, Stats, jax.Array, jax.Array], jax.Array] | None = (
       None)
   evaluated: Callable[[Params, Stats, Any], tuple[Params, Stats]] | None = None
+  set_learning_rate: Callable[[Any, jax.Array], Any] | None = None
 
 
 def build_algorithm(

@@ -123,16 +123,24 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
   the linear probe's optimizer and 0 where the full one (a record's mean is
   the share of its steps in the probe).
 
-  DomainBed's ``set_lr``, the validation-driven schedule of
-  ``scripts/train_autolr.py`` (lines 208-233), is not applied: the
-  learning rates stay constant, as in DomainBed's ``scripts/train.py``.
+  With the hparam ``auto_lr`` the full optimizer is built at rate 1 and its
+  output scaled by the learning rate, a hyperparameter of its state
+  (`optax.inject_hyperparams`; scaled after LARS's momentum, as DomainBed's
+  LARS scales it, ``lib/misc.py`` line 566), which the
+  training loop sets at its evaluations (the algorithm's
+  ``set_learning_rate``) as DomainBed's ``set_lr`` sets the optimizer's
+  (lines 208-233, ``scripts/train_autolr.py``; the decisions are
+  ``experiments.lr_plateau``'s). The linear probe's stays ``linear_lr``, as
+  DomainBed's ``scheduler`` wraps ``self.optimizer`` alone (line 178).
+  Without it the learning rates stay constant, as in DomainBed's
+  ``scripts/train.py``, and the optimizer is built as before.
   (At b93c22a1 DomainBed's ``lars`` fails to build: it passes
   ``foreach=False``, which its ``LARS`` does not take, line 537.)
 
   Args:
     network: the model.
-    hparams: ``lr``, ``linear_lr``, ``weight_decay``, ``linear_steps`` and
-      ``lars``.
+    hparams: ``lr``, ``linear_lr``, ``weight_decay``, ``linear_steps``,
+      ``lars`` and ``auto_lr``.
     num_domains: unused: the domains are pooled.
     seed: unused.
     sma_start_iter: the update from which the moving average holds more than
@@ -147,7 +155,18 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
                      "build its network with Network.split(model).")
   sma = averaging.sma(sma_start_iter)
   linear_steps = hparams["linear_steps"]
-  tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
+  auto_lr = hparams["auto_lr"]
+  if auto_lr:
+    # At rate 1, then scaled: DomainBed's LARS scales its momentum by the
+    # rate of the step (misc.py line 566), optax's each gradient by the rate
+    # of its own step, which differ once the rate changes. (Adam's are
+    # the same.)
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: optax.chain(
+            _erm_plus_plus_optimizer(hparams, 1.0), optax.scale(learning_rate))
+    )(learning_rate=hparams["lr"])
+  else:
+    tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
   linear_tx = _linear_probe_optimizer(hparams)
   objective = _pooled_objective(network)
 
@@ -185,7 +204,20 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
     return (params, stats,
             ErmPlusPlusState(linear_opt_state, opt_state, average), metrics)
 
-  return base.Algorithm(init, update, evaluated=_averaged_network)
+  return base.Algorithm(
+      init, update, evaluated=_averaged_network,
+      set_learning_rate=_with_learning_rate if auto_lr else None)
+
+
+def _with_learning_rate(state: ErmPlusPlusState,
+                        lr: jax.Array) -> ErmPlusPlusState:
+  """ERM++'s state with its full optimizer at ``lr`` (``auto_lr``): the
+  learning rate of its `optax.inject_hyperparams` state."""
+  opt_state = state.opt_state
+  kept = opt_state.hyperparams["learning_rate"]
+  return state._replace(opt_state=opt_state._replace(
+      hyperparams={**opt_state.hyperparams,
+                   "learning_rate": lr.astype(kept.dtype)}))
 
 
 def _linear_probe_optimizer(hparams: base.HParams

@@ -44,6 +44,7 @@ _SPLIT_STREAM = 0
 _TRAIN_STREAM = 1
 _TRANSFORM_STREAM = 2
 _EVAL_TRANSFORM_STREAM = 3
+_VALIDATION_ORDER_STREAM = 4
 # prctl's option to signal a process when its parent ends (linux/prctl.h).
 _PR_SET_PDEATHSIG = 1
 # Examples a thread reads at a time: short runs keep the threads equally
@@ -374,6 +375,17 @@ class _WorkerBatches(grain.DatasetIterator):
   def close(self) -> None:
     self._stop_workers()
     super().close()
+
+
+def validation_order(indices: np.ndarray, *, seed: int, step: int,
+                     domain: int) -> np.ndarray:
+  """``indices`` in the order of the validation pass at ``step``: a fresh
+  random order at every step, as DomainBed's ``FastDataLoader`` draws one
+  (``lib/fast_data_loader.py`` lines 90-94: a ``RandomSampler`` without
+  replacement), here from ``(seed, step, domain)``, so a resumed run draws
+  the same."""
+  rng = np.random.default_rng([seed, _VALIDATION_ORDER_STREAM, step, domain])
+  return rng.permutation(indices)
 
 
 def eval_batches(

@@ -60,7 +60,6 @@ def evaluate(
   DomainBed evaluates them.
   """
   results = {}
-  step = int(state.step)
   # Batches no larger than the largest split, so small datasets are not
   # padded to the flag's size; one size for all splits, so one compilation.
   size = min(config.eval_batch_size,
@@ -69,33 +68,12 @@ def evaluate(
   # Split over the devices as a training batch is, in equal shares.
   size = -(-size // sharder.num_devices) * sharder.num_devices
   for i, domain in enumerate(sets):
-    augmented = (augment is not None and augment.in_evaluation
-                 and i not in config.test_envs)
     for name, indices in domain.items():
       if len(indices) == 0:
         continue
-      predicted, labels, groups, losses = [], [], [], []
-      for batch in input_pipeline.eval_batches(
-          augment.dataset if augmented else dataset, i, indices,
-          batch_size=size, num_workers=config.num_workers,
-          transform=augment.transform if augmented else None,
-          seed=config.seed, step=step):
-        count = len(batch["label"])
-        if batch["image"].dtype == np.uint8:
-          # Augmented photos: normalised here, so that one program (of
-          # float32 images, as the test domains') evaluates every domain.
-          batch = {**batch, "image": datasets.normalize(batch["image"])}
-        # One batch shape, so one compilation: pad the last batch.
-        padded = {k: np.concatenate([v, np.zeros((size - count,) + v.shape[1:],
-                                                 v.dtype)])
-                  for k, v in batch.items()}
-        padded = sharder.batch(padded, axis=0)
-        prediction, loss = eval_step(state.params, state.stats,
-                                     padded["image"], padded["label"], count)
-        predicted.append(np.asarray(prediction)[:count])
-        labels.append(batch["label"])
-        groups.append(batch.get("group"))
-        losses.append(np.asarray(loss)[:count])
+      predicted, labels, groups, losses = _split_outputs(
+          eval_step, state, dataset, i, indices, size, config, sharder,
+          augment)
       metrics = tasks.split_metrics(
           np.concatenate(predicted), np.concatenate(labels),
           None if groups[0] is None else np.concatenate(groups))
@@ -107,6 +85,107 @@ def evaluate(
         results[records.env_key(i, "in", "loss")] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
   return results
+
+
+# ERM++'s validation batches: DomainBed's ``eval_loaders_iid`` load 64
+# examples at a time (``scripts/train_autolr.py`` lines 170-174).
+VALIDATION_BATCH_SIZE = 64
+
+
+def batch_mean_loss(domains: Sequence[Sequence[np.ndarray]]) -> float:
+  """The loss of ERM++'s ``set_lr`` (DomainBed's ``algorithms.py`` lines
+  213-221) from per-example losses, batch by batch, domain by domain.
+
+  Per domain, the mean over its batches of each batch's mean loss (a short
+  last batch weighs as much as a full one), then the mean over the domains;
+  in float64 (DomainBed sums float32 batch means).
+  """
+  return float(np.mean([
+      np.mean([np.mean(batch, dtype=np.float64) for batch in batches])
+      for batches in domains]))
+
+
+def validation_loss(
+    eval_step: Callable[..., tuple[jax.Array, jax.Array]],
+    state: steps.TrainState,
+    dataset: datasets.MultiDomainDataset,
+    splits: Sequence[input_pipeline.Split],
+    train_domains: Sequence[int],
+    config: config_lib.Config,
+    sharder: sharding.Sharder,
+    augment: augmentation.Augmentation | None = None,
+) -> float:
+  """The training domains' validation loss as ERM++'s ``set_lr`` takes it.
+
+  Each training domain's whole out split, in a fresh random order
+  (`input_pipeline.validation_order`), in batches of
+  `VALIDATION_BATCH_SIZE` (``eval_loaders_iid``, ``scripts/train_autolr.py``
+  lines 170-174), through ``eval_step``, averaged by `batch_mean_loss`.
+  ``--eval_examples`` does not shorten it: DomainBed's loaders are whole.
+
+  Raises:
+    ValueError: a training domain's out split is empty.
+  """
+  padded_size = (-(-VALIDATION_BATCH_SIZE // sharder.num_devices)
+                 * sharder.num_devices)
+  domains = []
+  for domain in train_domains:
+    indices = input_pipeline.validation_order(
+        splits[domain][1], seed=config.seed, step=int(state.step),
+        domain=domain)
+    if len(indices) == 0:
+      raise ValueError(f"Domain {domain}'s out split is empty: ERM++'s "
+                       "auto_lr needs a validation loss.")
+    domains.append(_split_outputs(
+        eval_step, state, dataset, domain, indices, VALIDATION_BATCH_SIZE,
+        config, sharder, augment, padded_size)[3])
+  return batch_mean_loss(domains)
+
+
+def _split_outputs(
+    eval_step: Callable[..., tuple[jax.Array, jax.Array]],
+    state: steps.TrainState,
+    dataset: datasets.MultiDomainDataset,
+    domain: int,
+    indices: np.ndarray,
+    size: int,
+    config: config_lib.Config,
+    sharder: sharding.Sharder,
+    augment: augmentation.Augmentation | None,
+    padded_size: int | None = None,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray | None],
+           list[np.ndarray]]:
+  """The predictions, labels, groups (None without) and per-example losses
+  of ``domain``'s examples at ``indices``, in that order, batch by batch of
+  ``size`` (the last one short), as `evaluate` describes. Each batch is
+  padded to ``padded_size`` examples (by default ``size``), a multiple of
+  the devices."""
+  padded_size = padded_size or size
+  augmented = (augment is not None and augment.in_evaluation
+               and domain not in config.test_envs)
+  predicted, labels, groups, losses = [], [], [], []
+  for batch in input_pipeline.eval_batches(
+      augment.dataset if augmented else dataset, domain, indices,
+      batch_size=size, num_workers=config.num_workers,
+      transform=augment.transform if augmented else None,
+      seed=config.seed, step=int(state.step)):
+    count = len(batch["label"])
+    if batch["image"].dtype == np.uint8:
+      # Augmented photos: normalised here, so that one program (of
+      # float32 images, as the test domains') evaluates every domain.
+      batch = {**batch, "image": datasets.normalize(batch["image"])}
+    # One batch shape, so one compilation: pad the last batch.
+    padded = {k: np.concatenate([v, np.zeros((padded_size - count,)
+                                             + v.shape[1:], v.dtype)])
+              for k, v in batch.items()}
+    padded = sharder.batch(padded, axis=0)
+    prediction, loss = eval_step(state.params, state.stats,
+                                 padded["image"], padded["label"], count)
+    predicted.append(np.asarray(prediction)[:count])
+    labels.append(batch["label"])
+    groups.append(batch.get("group"))
+    losses.append(np.asarray(loss)[:count])
+  return predicted, labels, groups, losses
 
 
 # One dispatch per step for the metric sums, rather than one per metric.

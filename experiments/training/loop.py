@@ -22,10 +22,12 @@ from typing import Any
 import grain
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import algorithms
 from experiments import config as config_lib
+from experiments import lr_plateau
 from experiments.data import datasets
 from experiments.data import photo_augmentation as augmentation
 from experiments.data import pipeline as input_pipeline
@@ -42,17 +44,33 @@ from experiments.training import sharding
 from experiments.training import steps
 
 
+# A record's key of ERM++'s learning-rate schedule (``auto_lr``): its
+# `lr_plateau.PlateauState`, as `lr_plateau.to_record` writes it.
+LR_SCHEDULE_KEY = "lr_schedule"
+
+
 def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
              step: int) -> bool:
-  """Whether a run with ``plateau_check_freq`` stops at ``step``: a check
+  """Whether a run stops at ``step``: its learning-rate schedule stopped
+  there (`lr_schedule_stopped`), or, with ``plateau_check_freq``, a check
   step at which its records so far have plateaued (`convergence.run_end`).
 
   A resumed run reads its records so far from its results file, so a run
   killed after stopping and resumed stops again at the same step."""
+  if lr_schedule_stopped(run_records, step):
+    return True
   if not config.plateau_check_freq or not step or (
       step % config.plateau_check_freq):
     return False
   return convergence.run_end(run_records).plateaued
+
+
+def lr_schedule_stopped(run_records: Sequence[records.Record],
+                        step: int) -> bool:
+  """Whether the record of ``step``, the last, says that ERM++'s
+  learning-rate schedule stopped there (`lr_plateau`: its third change)."""
+  return bool(run_records) and run_records[-1]["step"] == step and (
+      run_records[-1].get(LR_SCHEDULE_KEY, {}).get("stopped", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +275,10 @@ def train(spec: config_lib.RunSpec,
     records.read_run(output_dir)
     records.mark_done(output_dir)
     if step < config.steps:
-      progress.say(f"Stopped at step {step} of at most {config.steps}: "
-                   "plateaued (--plateau_check_freq).")
+      progress.say(f"Stopped at step {step} of at most {config.steps}: " + (
+          "finished, the learning rate changed for the third time (hparam "
+          "auto_lr)." if lr_schedule_stopped(written, step)
+          else "plateaued (--plateau_check_freq)."))
     return written[-1]
 
 
@@ -293,6 +313,11 @@ class _Training:
     self.evaluated = setup.sharder.on_mesh(
         steps.make_evaluated(setup.algorithm))
     self.sets = evaluate.eval_sets(setup.splits, self.config)
+    # A run whose learning rate follows its validation loss (ERM++'s
+    # auto_lr; `_schedule_lr`) sets it with this; others have none.
+    self.set_learning_rate = (
+        None if setup.algorithm.set_learning_rate is None
+        else jax.jit(setup.algorithm.set_learning_rate))
     self.on_cpu_photos = (jax.default_backend() == "cpu"
                           and datasets.is_photo_dataset(setup.dataset))
     self.timer = progress.StepTimer()
@@ -390,7 +415,9 @@ class _Training:
         batch = self._next_batch()
         continue
       self.timer.wait_for_device(state)
-      written.append(self._checkpoint(state, step, meter, scheduled))
+      state, schedule = self._schedule_lr(state, step, written, scheduled)
+      written.append(self._checkpoint(state, step, meter, scheduled,
+                                      schedule))
       unsaved = False
       meter = evaluate.MetricMeter()
       self.timer.restart()
@@ -428,12 +455,55 @@ class _Training:
       checkpoints.save_trajectory_point(self.directory.path, step,
                                         state.params)
 
+  def _schedule_lr(self, state: steps.TrainState, step: int,
+                   written: Sequence[records.Record], scheduled: bool
+                   ) -> tuple[steps.TrainState, records.Record]:
+    """ERM++'s learning rate (hparam ``auto_lr``) at an evaluation: the
+    state stepping at its schedule's learning rate, and the record's
+    entries (none without ``auto_lr``). An interrupt's evaluation records
+    the schedule as it stands.
+
+    As DomainBed's ``set_lr`` (``algorithms.py`` lines 208-229), after the
+    linear probe (``step > linear_steps``) the averaged network's
+    validation loss (`evaluate.validation_loss`) steps the schedule
+    (`lr_plateau`), whose state the run's last record holds. Every record
+    has ``lr``, the full optimizer's learning rate from this step on, and
+    ``lr_schedule``; those that stepped it ``sma_val_loss``.
+    """
+    if self.set_learning_rate is None:
+      return state, {}
+    schedule = next(
+        (lr_plateau.from_record(r[LR_SCHEDULE_KEY]) for r in reversed(written)
+         if LR_SCHEDULE_KEY in r), lr_plateau.plateau_init(self.hparams["lr"]))
+    entries = {}
+    if scheduled and step > self.hparams["linear_steps"]:
+      setup = self.setup
+      self.screen.phase("evaluating")
+      loss = evaluate.validation_loss(
+          self.eval_step, self.evaluated(state), setup.dataset, setup.splits,
+          self.train_domains, self.config, setup.sharder, setup.augment)
+      before, schedule = schedule, lr_plateau.plateau_step(schedule, loss)
+      entries["sma_val_loss"] = loss
+      lr = setup.sharder.replicate(np.float32(schedule.lr))
+      state = state._replace(algorithm_state=self.set_learning_rate(
+          state.algorithm_state, lr))
+      if schedule.lr != before.lr:
+        progress.say(f"Step {step}: learning rate {before.lr:.6g} -> "
+                     f"{schedule.lr:.6g} (change {schedule.changes}), the "
+                     f"averaged network's validation loss at {loss:.6g}.")
+      if schedule.stopped:
+        progress.say(f"Step {step}: the learning rate's third change ends "
+                     "the run here, finished (DomainBed's train_autolr.py).")
+    return state, {"lr": schedule.lr,
+                   LR_SCHEDULE_KEY: lr_plateau.to_record(schedule), **entries}
+
   def _checkpoint(self, state: steps.TrainState, step: int,
-                  meter: evaluate.MetricMeter,
-                  scheduled: bool) -> records.Record:
+                  meter: evaluate.MetricMeter, scheduled: bool,
+                  schedule: records.Record) -> records.Record:
     """Evaluates ``step``, appends its record and checkpoints it; returns
     the record. ``scheduled``: a ``checkpoint_freq`` step or the last, else
-    an interrupt's."""
+    an interrupt's. ``schedule``: the learning rate's entries
+    (`_schedule_lr`)."""
     setup = self.setup
     timing = self.timer.record()
     manager = self.directory.started()
@@ -442,7 +512,7 @@ class _Training:
         "args": self.config.record_args(), "hparams": self.hparams,
         "domains": list(setup.dataset.domain_names), "step": step,
         "epoch": step / self.steps_per_epoch,
-        **meter.result(), **timing, **self.startup,
+        **meter.result(), **timing, **self.startup, **schedule,
         **evaluate.evaluate(self.eval_step, self.evaluated(state),
                             setup.dataset, self.sets, self.config,
                             setup.sharder, setup.augment)}

@@ -1025,3 +1025,18 @@ def test_a_diverged_run_says_so(tmp_path, capsys):
   assert "Already finished." in again.stderr
   assert "Warning: the model diverged" in again.stderr
 
+
+def test_auto_lr_without_validation_examples_is_a_usage_error(tmp_path,
+                                                              capsys):
+  # A ten-thousandth of a digits domain is no example: refused as the run
+  # resolves.
+  output_dir = tmp_path / "run"
+  refused = run_here([
+      "--algorithm", "ERMPlusPlus", "--test_envs", "0", "--holdout_fraction",
+      "0.0001", "--output_dir", str(output_dir), "--hparams",
+      '{"auto_lr": true}'], capsys)
+  assert refused.returncode == 2
+  assert ("--holdout_fraction 0.0001 holds out no example of domains "
+          "[1, 2, 3, 4, 5]") in refused.stderr
+  assert "Traceback" not in refused.stderr
+  assert not output_dir.exists()

@@ -255,9 +255,11 @@ class _NumpyLARS:
 
 
 def _numpy_erm_plus_plus(theta, buffers, batch_list, *, lr, linear_lr, wd,
-                         linear_steps, lars, sma_start_iter):
+                         linear_steps, lars, sma_start_iter, lrs=None):
   """DomainBed's ``ERMPlusPlus.update`` (lines 181-202) and its
-  ``update_sma`` (``lib/misc.py`` lines 61-72) over several steps.
+  ``update_sma`` (``lib/misc.py`` lines 61-72) over several steps; ``lrs``
+  maps updates to the full optimizer's learning rate after them, as
+  ``set_lr`` sets it (line 231, ``scheduler.step``).
 
   Returns, after every step, ``(theta, buffers, sma_theta, sma_buffers)``.
   """
@@ -280,6 +282,8 @@ def _numpy_erm_plus_plus(theta, buffers, batch_list, *, lr, linear_lr, wd,
     else:
       theta = theta[:3] + linear.step(theta[3:], grads[3:])
     global_iter += 1
+    if lrs and global_iter in lrs:
+      full.lr = lrs[global_iter]
     live = theta + buffers
     if global_iter >= sma_start_iter:
       sma_count += 1
@@ -366,6 +370,51 @@ def test_erm_plus_plus_matches_a_numpy_model_of_domainbed(lars):
   want_logits, _ = _numpy_forward(want_history[-1][2], want_history[-1][3],
                                   np.asarray(images).reshape(-1, 4), False)
   np.testing.assert_allclose(logits, want_logits, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("lars", [False, True])
+def test_erm_plus_plus_auto_lr_steps_at_the_learning_rate_it_is_set(lars):
+  # The probe takes updates 1-3; the loop sets the full optimizer's
+  # learning rate after updates 4 and 5, as DomainBed's set_lr does at an
+  # evaluation; the probe's stays linear_lr.
+  steps, linear_steps, start = 7, 2, 4
+  hparams = {**algorithm_hparams("ERMPlusPlus"), "lr": 0.05,
+             "linear_lr": 0.02, "weight_decay": 0.01,
+             "linear_steps": linear_steps, "lars": lars, "auto_lr": True}
+  if lars:
+    hparams.update(lr=2.0, linear_lr=1.0)
+  lrs = {4: hparams["lr"] * 0.1, 5: hparams["lr"] * 0.01}
+  with jax.enable_x64(True):
+    network, params, stats = _erm_plus_plus_model()
+    algorithm = _erm_plus_plus(network, hparams, start)
+    update = jax.jit(algorithm.update)
+    set_learning_rate = jax.jit(algorithm.set_learning_rate)
+    state = algorithm.init(params)
+    theta = _arrays(params, _ERM_PLUS_PLUS_PARAMS)
+    buffers = _arrays(stats, _ERM_PLUS_PLUS_STATS)
+    batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
+                               if x.dtype == jnp.float32 else x,
+                               make_batches(step, (2, 2, 1)))
+                  for step in range(steps)]
+    got = []
+    for step, batches in enumerate(batch_list):
+      params, stats, state, _ = update(params, stats, state, batches,
+                                       jax.random.PRNGKey(step))
+      if step + 1 in lrs:
+        state = set_learning_rate(state, jnp.asarray(lrs[step + 1]))
+      got.append(_arrays(params, _ERM_PLUS_PLUS_PARAMS))
+  kwargs = dict(lr=hparams["lr"], linear_lr=hparams["linear_lr"], wd=0.01,
+                linear_steps=linear_steps, lars=lars, sma_start_iter=start)
+  want = [h[0] for h in _numpy_erm_plus_plus(theta, buffers, batch_list,
+                                             lrs=lrs, **kwargs)]
+  constant = [h[0] for h in _numpy_erm_plus_plus(theta, buffers, batch_list,
+                                                 **kwargs)]
+  # As the constant-rate model's tolerance (measured above).
+  for got_arrays, want_arrays in zip(got, want):
+    for got_array, want_array in zip(got_arrays, want_arrays):
+      np.testing.assert_allclose(got_array, want_array, rtol=0, atol=1e-9)
+  # The rates set move the params elsewhere than the constant one.
+  assert not np.allclose(want[-1][0], constant[-1][0], rtol=0, atol=1e-6)
 
 
 def test_erm_plus_plus_resumes_bit_for_bit_across_its_switches(tmp_path):
