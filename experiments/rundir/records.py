@@ -28,6 +28,12 @@ TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
                  "init_time", "compile_time", "first_batch_time",
                  "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
+# The averaged params and statistics at the end, beside FINAL_PARAMS_FILE, of
+# a run with --averaging.
+AVERAGED_PARAMS_FILE = "averaged_params.npz"
+# The prefix of the averaged model's metrics in the records of such a run:
+# ``averaged_env0_in_acc`` beside ``env0_in_acc``.
+AVERAGED_PREFIX = "averaged_"
 # Held (flock) by the process that trains the run, while it does
 # (`claim.RunDirectoryLock`); empty.
 LOCK_FILE = "training.lock"
@@ -36,7 +42,8 @@ DONE_FILE = "done"
 # but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
 # log there first.)
 RUN_FILES = (DATASET_FILE, ENVIRONMENT_FILE, RESULTS_FILE, CHECKPOINT_DIR,
-             TRAJECTORY_DIR, FINAL_PARAMS_FILE, DONE_FILE)
+             TRAJECTORY_DIR, FINAL_PARAMS_FILE, AVERAGED_PARAMS_FILE,
+             DONE_FILE)
 
 Record = dict[str, Any]
 
