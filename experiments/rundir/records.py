@@ -78,6 +78,26 @@ def parse_env_key(key: str) -> tuple[int, str, str] | None:
   return None if match is None else (int(match[1]), match[2], match[3])
 
 
+def averaged_record(record: Record) -> Record | None:
+  """A record of a run with ``--averaging`` as its averaged model's: its
+  ``env{i}_*`` metrics replaced by the ``averaged_env{i}_*`` ones; None for
+  a record without them (SWAD's, but the last; a run without averaging).
+
+  >>> averaged_record({"step": 2, "env0_in_acc": 0.5,
+  ...                  "averaged_env0_in_acc": 0.75})
+  {'step': 2, 'env0_in_acc': 0.75}
+  """
+  metrics = {key[len(AVERAGED_PREFIX):]: value
+             for key, value in record.items()
+             if key.startswith(AVERAGED_PREFIX)
+             and parse_env_key(key[len(AVERAGED_PREFIX):]) is not None}
+  if not metrics:
+    return None
+  return {**{key: value for key, value in record.items()
+             if parse_env_key(key) is None
+             and not key.startswith(AVERAGED_PREFIX)}, **metrics}
+
+
 def held_out_env(record: Record) -> int:
   """The single held-out domain of a record's run."""
   (env,) = record["args"]["test_envs"]
