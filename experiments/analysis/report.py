@@ -7,7 +7,7 @@ standard error over trials, in percent; ``X`` marks a missing result. Runs
 that average their weights (``--averaging``) are rows of their own ("ERM +
 SWAD", after ERM), read by their averaged model
 (`model_selection.averaged_model`); more tables then read their trained
-weights. A
+weights, and the curves and claims leave them out. A
 training table per dataset says where the runs ended
 (`experiments.runs.convergence`): final training loss and accuracy, whether the
 validation accuracy had plateaued, and the training time. Training curves of
@@ -430,7 +430,8 @@ def render(records: Sequence[Record], output_dir: Path,
     lines += ["", "The runs that average their weights (an algorithm \"+ "
               "SWAD\", \"+ EMA\", \"+ SMA\") are read by their averaged "
               "model (SWAD's: its final model, in its last record); the last "
-              "tables read their trained weights."]
+              "tables read their trained weights. The training curves and "
+              "the paper's claims leave them out."]
     read[", the trained weights of the runs that average"] = averaging
   for title, selection_records in read.items():
     rows = [a for a in algorithms
@@ -477,8 +478,9 @@ def render(records: Sequence[Record], output_dir: Path,
   plots_dir.mkdir(parents=True, exist_ok=True)
   lines += ["", f"## Training curves (hparams_seed {PLOTTED_HPARAMS_SEED})"]
   for dataset in datasets:
-    by_env = model_selection.group_by(by_dataset[dataset],
-                                      records_lib.held_out_env)
+    by_env = model_selection.group_by(
+        [r for r in by_dataset[dataset] if not model_selection.averages(r)],
+        records_lib.held_out_env)
     for env in sorted(by_env):
       written, skipped = write_plots(by_env[env], dataset, env, plots_dir)
       for plot in written:
@@ -610,8 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"
   try:
+    # The paper's claims are of its algorithms, without weight averaging.
+    claimed = {run_dir: run for run_dir, run in runs.items()
+               if not model_selection.averages(run[0])}
     report.write_text(render(records, output_dir, scope)
-                      + claims_section(runs, output_dir, found.trajectories))
+                      + claims_section(claimed, output_dir,
+                                       found.trajectories))
   except claims_lib.ProjectedApartError as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2

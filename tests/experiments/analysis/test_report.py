@@ -1008,3 +1008,9 @@ def test_runs_that_average_are_reported_by_both_models(tmp_path, undrawn):
     assert "| ERM |" not in section and "| PGrad |" not in section
   # Where the runs ended: a row of their own too.
   assert "\n| ERM + SWAD | 6 |" in text
+  # The curves and claims are the runs' without averaging.
+  assert report.main(["--input_dir", str(tmp_path / "sweep" / "plain"),
+                      "--output_dir", str(tmp_path / "plain")]) == 0
+  plain = (tmp_path / "plain" / "results.md").read_text()
+  curves = "\n## Training curves"
+  assert text[text.index(curves):] == plain[plain.index(curves):]
