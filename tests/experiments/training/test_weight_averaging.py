@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax import traverse_util
 
 from experiments import algorithms
+from experiments import averaging
 from experiments import config as config_lib
 from experiments import train
 from experiments.models import layers
@@ -31,6 +33,7 @@ from test_train import _train_command
 from test_train import read_records
 from test_train import run_after
 from test_train import run_here
+from test_train_photos import fixture_data_dir  # pylint: disable=unused-import
 
 STEPS, FREQ = 10, 2
 TRAIN_DOMAINS = (4, 5)  # FLAGS hold out domains 0 to 3.
@@ -264,3 +267,49 @@ def test_only_trained_batchnorm_is_recomputed():
   assert not weight_averaging.bn_trains({"bn_mode": "frozen"}, stats)
   assert not weight_averaging.bn_trains({}, stats)
   assert not weight_averaging.bn_trains({"bn_mode": "train"}, {})
+
+
+@pytest.mark.slow
+def test_swads_batchnorm_statistics_are_recomputed_from_the_next_batches(
+    data_dir, tmp_path, capsys, monkeypatch):
+  # A PACS-like folder, a ResNet whose BatchNorm trains: SWAD's final model
+  # takes the statistics of the training batches after the last step.
+  monkeypatch.setattr(weight_averaging, "BATCHNORM_BATCHES", 2)
+  steps = 4
+  flags = ["--dataset", "PACS", "--algorithm", "ERM", "--model", "resnet18",
+           "--pretrained", "none", "--data_dir", str(data_dir),
+           "--steps", str(steps), "--checkpoint_freq", "2",
+           "--hparams", '{"batch_size": 4, "image_size": 32, '
+           '"bn_mode": "train", "lr": 1e-3}',
+           "--eval_examples", "4", "--eval_batch_size", "8",
+           "--loss_examples", "4", "--num_workers", "0",
+           "--averaging", "swad", "--output_dir", str(tmp_path / "run")]
+  assert run_here(flags, capsys).returncode == 0
+  with np.load(tmp_path / "run" / records.AVERAGED_PARAMS_FILE) as npz:
+    saved = {key: npz[key] for key in npz.files}
+  # The same batches, from a fresh iterator past the run's steps, through
+  # the averaged params.
+  setup = loop._set_up(train.resolve_run([*flags, "--output_dir",
+                                          str(tmp_path / "again")]))
+  for _ in range(steps):
+    next(setup.train_iter)
+  batches = [setup.sharder.batch(next(setup.train_iter), 1)
+             for _ in range(weight_averaging.BATCHNORM_BATCHES)]
+  setup.train_iter.close()
+  params = nnx.State(traverse_util.unflatten_dict(
+      {tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
+       for key, value in saved.items() if key.startswith("params/")}))
+  expected = traverse_util.flatten_dict(nnx.to_pure_dict(
+      averaging.cumulative_batch_statistics(
+          lambda batch: weight_averaging.batch_statistics(
+              setup.network, params, setup.state.stats, batch), batches)))
+  stats = {key: value for key, value in saved.items()
+           if key.startswith("stats/")}
+  assert len(stats) == len(expected) > 0
+  for path, value in expected.items():
+    np.testing.assert_array_equal(
+        stats["/".join(["stats", *map(str, path)])], value)
+  # Not the trained weights' statistics, nor their average.
+  with np.load(tmp_path / "run" / records.FINAL_PARAMS_FILE) as final:
+    assert all(not np.array_equal(final[key], value)
+               for key, value in stats.items())
