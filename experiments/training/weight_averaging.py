@@ -9,7 +9,7 @@ evaluated at every evaluation. SWAD is updated after every step; at every
 scheduled evaluation its valley takes the training domains' validation loss
 of the trained model, as swad's trainer gives it ``tr_outloss``
 (khanrc/swad 252190e, ``domainbed/trainer.py`` line 250;
-``domainbed/evaluator.py`` lines 107-113: the mean over the training
+``domainbed/evaluator.py`` lines 98-116: the mean over the training
 domains of each out split's mean cross-entropy), and the run stops where
 the valley dies (trainer.py lines 253-255). SWAD's final model (swad's
 ``get_final_model``) is evaluated in the run's last record only, as swad's
@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -58,7 +57,7 @@ AVERAGED_SEGMENTS = "averaged_segments"
 AVERAGED_FIRST_STEP = "averaged_first_step"
 AVERAGED_LAST_STEP = "averaged_last_step"
 # swad's ``update_bn``: the batches of the training domains that recompute
-# the final model's BatchNorm statistics (trainer.py line 290).
+# the final model's BatchNorm statistics (trainer.py line 291).
 BATCHNORM_BATCHES = 500
 
 
@@ -92,7 +91,8 @@ def batch_statistics(network: algorithms.Network, params: Any, stats: Any,
       # The running statistics become the batch's own.
       module.momentum = 0.0
   images = steps.normalized(batch["image"])
-  model(images.reshape(-1, *images.shape[2:]))
+  # In train mode, as update_bn runs it, dropout included: a fixed key.
+  model(images.reshape(-1, *images.shape[2:]), rngs=jax.random.PRNGKey(0))
   return nnx.state(model, nnx.BatchStat)
 
 
@@ -103,6 +103,8 @@ class Averaging:
 
   Attributes:
     kind: ``--averaging``: ema, sma or swad.
+    bn_trains: whether the model's BatchNorm trains (`bn_trains`): SWAD's
+      final model then has its statistics recomputed.
     state: the averaging's arrays (`averaging.EmaState`, `SmaState` or
       `SwadArrays`), on the devices.
     valley: SWAD's `loss_valley.ValleyState` (NumPy); None for the others.

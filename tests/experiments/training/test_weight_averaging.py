@@ -232,7 +232,8 @@ class _TwoBatchNorms(nnx.Module):
     self.first = layers.batch_norm(features, "train", rngs=rngs)
     self.second = layers.batch_norm(features, "train", rngs=rngs)
 
-  def __call__(self, x):
+  def __call__(self, x, *, rngs=None):  # As a classifier takes dropout's.
+    del rngs
     return self.second(2.0 * jax.nn.relu(self.first(x)))
 
 
