@@ -10,8 +10,9 @@ run continues bit for bit. It imports only JAX, the standard library and
 BatchNorm statistics where they should be averaged too) can be averaged.
 
 ERM++ (``experiments.algorithms.erm_plus_plus``) keeps its `sma` in its
-state; ``experiments.train`` has no ``--averaging`` flag for the other
-algorithms yet: a training loop calls these functions itself (below).
+state; ``experiments.train --averaging ema|sma|swad`` runs these functions
+for every other algorithm (``experiments.training.weight_averaging``), and
+any training loop can call them itself (below).
 
 **EMA** (`ema`): ``average = decay * average + (1 - decay) * params`` after
 every step, starting from the initial params, with no bias correction: the

@@ -30,6 +30,7 @@ from typing import Any
 
 from experiments import catalog
 from experiments import hparams_registry
+from experiments import loss_valley
 from experiments.data import datasets
 from experiments import errors
 from experiments.rundir import claim
@@ -48,6 +49,21 @@ EXECUTION_FIELDS = ("devices", "num_workers", "compile_cache_dir")
 # cache, and the cache's place under the user's cache directory otherwise.
 COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 COMPILE_CACHE_SUBDIR = Path("pgrad_jax") / "jax_cache"
+# ``--averaging``'s choices (`experiments.averaging`), and each one's knobs:
+# flags that only it reads, with their defaults (DomainBed's SMA start,
+# khanrc/swad's ``LossValley`` defaults, timm's usual EMA decay).
+AVERAGING_KNOBS = {
+    "none": {},
+    "ema": {"ema_decay": 0.999},
+    "sma": {"sma_start_iter": 600},
+    "swad": {"swad_n_converge": 3, "swad_n_tolerance": 6,
+             "swad_tolerance_ratio": 0.3},
+}
+# The fields that --averaging adds. Added after runs were committed, they are
+# in a run's identity and records only where it averages, so that every run
+# without averaging keeps the identity and records it had.
+AVERAGING_FIELDS = ("averaging", *(knob for knobs in AVERAGING_KNOBS.values()
+                                   for knob in knobs))
 PROG = "python -m experiments.train"
 
 
@@ -136,6 +152,28 @@ class Config:
       256, "Largest batch of evaluation (smaller when the splits are).")
   trajectory_freq: int = _field(
       0, "Steps between snapshots of the params in trajectory/ (0: none).")
+  averaging: str = _field(
+      "none", "Weight averaging along the run, evaluated and recorded beside "
+      "the trained weights (averaged_* keys), and read by model selection: "
+      "ema (an exponential moving average), sma (DomainBed's ERM++ moving "
+      "average from step --sma_start_iter), swad (khanrc/swad's dense "
+      "averaging over the loss valley of the training domains' validation "
+      "loss; the run stops where the valley ends), or none.")
+  ema_decay: float | None = _field(
+      None, "--averaging ema's decay. Default: 0.999.")
+  sma_start_iter: int | None = _field(
+      None, "--averaging sma: the update from which the average is an equal-"
+      "weight mean (DomainBed's sma_start_iter). Default: 600.")
+  swad_n_converge: int | None = _field(
+      None, "--averaging swad: the evaluations of its convergence window. "
+      "Default: 3.")
+  swad_n_tolerance: int | None = _field(
+      None, "--averaging swad: the evaluations of its tolerance window. "
+      "Default: 6.")
+  swad_tolerance_ratio: float | None = _field(
+      None, "--averaging swad: the valley ends when the least validation "
+      "loss of the tolerance window exceeds the convergence window's mean "
+      "times 1 + this. Default: 0.3.")
   devices: int = _field(
       1, "Devices to split every domain's batch over, on a data mesh axis; "
       "the batch must be a multiple of devices (times B for PGrad's "
@@ -203,6 +241,7 @@ class Config:
       raise errors.UsageError(
           f"--data_dir {config.data_dir} is a file; pass the directory that "
           "holds the datasets.")
+    config = _resolve_averaging(config)
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
@@ -223,9 +262,11 @@ class Config:
 
   def record_args(self) -> dict[str, Any]:
     """The fields a results record holds as its ``args``: all but
-    EXECUTION_FIELDS."""
+    EXECUTION_FIELDS, and the AVERAGING_FIELDS that the run does not use
+    (all of them without averaging)."""
     return {name: value for name, value in dataclasses.asdict(self).items()
-            if name not in EXECUTION_FIELDS}
+            if name not in EXECUTION_FIELDS and not (
+                name in AVERAGING_FIELDS and value in (None, "none"))}
 
   def check_batch_split(self, hparams: Mapping[str, Any]) -> None:
     """Checks that every domain's batch splits as the step splits it.
@@ -311,6 +352,57 @@ class Config:
     if self.pretrained == "imagenet_augmix" and "bn_mode" in hparams:
       return {"bn_mode": "train"}
     return {}
+
+
+def _resolve_averaging(config: Config) -> Config:
+  """``config`` with the knobs of its ``--averaging`` filled in, checked.
+
+  Raises:
+    errors.UsageError: an unknown averaging, a knob of another averaging
+      (or of none), a knob out of its range, or averaging for ERM++, which
+      averages its own weights.
+  """
+  if config.averaging not in AVERAGING_KNOBS:
+    raise errors.UsageError(
+        f"--averaging {config.averaging!r} is none of "
+        f"{', '.join(AVERAGING_KNOBS)}.")
+  knobs = AVERAGING_KNOBS[config.averaging]
+  for name in AVERAGING_FIELDS[1:]:
+    if getattr(config, name) is not None and name not in knobs:
+      raise errors.UsageError(
+          f"--{name} is a knob of --averaging {name.split('_')[0]}, and this "
+          f"run's --averaging is {config.averaging}: drop it, or pass "
+          f"--averaging {name.split('_')[0]}.")
+  if config.averaging != "none" and config.algorithm == "ERMPlusPlus":
+    raise errors.UsageError(
+        f"--averaging {config.averaging}: ERMPlusPlus averages its weights "
+        "itself (its SMA, which it evaluates); averaging them again has no "
+        "reference. Pass --averaging none, or another --algorithm (ERM with "
+        "--averaging sma is ERM with ERM++'s average).")
+  config = dataclasses.replace(config, **{
+      name: default if getattr(config, name) is None else getattr(config, name)
+      for name, default in knobs.items()})
+  # The ranges `experiments.averaging` accepts, checked without importing
+  # JAX (a finished run's result is printed without it).
+  if config.averaging == "ema" and not 0 <= config.ema_decay < 1:
+    raise errors.UsageError(
+        f"--ema_decay must be in [0, 1), got {config.ema_decay}.")
+  if config.averaging == "sma" and config.sma_start_iter < 1:
+    raise errors.UsageError("--sma_start_iter counts updates from 1, so it "
+                            f"must be at least 1, got {config.sma_start_iter}.")
+  if config.averaging == "swad":
+    try:
+      loss_valley.valley_init(swad_config(config))
+    except ValueError as e:
+      raise errors.UsageError(f"--averaging swad: {e}") from None
+  return config
+
+
+def swad_config(config: Config) -> loss_valley.ValleyConfig:
+  """The valley of a resolved ``--averaging swad`` config's knobs."""
+  return loss_valley.ValleyConfig(config.swad_n_converge,
+                                  config.swad_n_tolerance,
+                                  config.swad_tolerance_ratio)
 
 
 def _resolve_pretrained(config: Config, model: str) -> str | None:

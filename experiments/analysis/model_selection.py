@@ -15,6 +15,10 @@ domain's ``in`` split; the methods differ in what they validate on:
   domains, maximised over a run's checkpoints (early stopping allowed).
 * `OracleSelection`: the held-out domain's ``out`` split, read at a run's
   last checkpoint only (no early stopping).
+
+A run that averages its weights (``--averaging``) is a method of its own,
+``"ERM + SWAD"`` (`method`), and its model is the averaged one: selection
+reads its records as `averaged_model` makes them.
 """
 
 from __future__ import annotations
@@ -27,7 +31,46 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
-from experiments.rundir.records import Record, env_key, held_out_env, train_envs
+from experiments.rundir.records import Record, averaged_record, env_key
+from experiments.rundir.records import held_out_env, train_envs
+
+
+# Between an algorithm and its weight averaging in a `method`'s name.
+AVERAGING_JOINT = " + "
+
+
+def method(record: Record) -> str:
+  """What a record's run is reported as: its algorithm, and its weight
+  averaging where it has one.
+
+  >>> method({"args": {"algorithm": "ERM", "averaging": "swad"}})
+  'ERM + SWAD'
+  >>> method({"args": {"algorithm": "ERM"}})
+  'ERM'
+  """
+  averaging = record["args"].get("averaging", "none")
+  algorithm = record["args"]["algorithm"]
+  return algorithm if averaging == "none" else (
+      algorithm + AVERAGING_JOINT + averaging.upper())
+
+
+def averages(record: Record) -> bool:
+  """Whether a record's run averages its weights (``--averaging``)."""
+  return record["args"].get("averaging", "none") != "none"
+
+
+def averaged_model(records: Iterable[Record]) -> list[Record]:
+  """The records as model selection reads them: a run that averages its
+  weights by its averaged model's metrics (`records.averaged_record`), at
+  the evaluations that have them (EMA and SMA: every one; SWAD: its last,
+  its final model, as swad reports it); the others as they are."""
+  read = []
+  for record in records:
+    if averages(record):
+      record = averaged_record(record)
+    if record is not None:
+      read.append(record)
+  return read
 
 
 class RunAccuracy(NamedTuple):
@@ -167,14 +210,14 @@ def selected_accuracies(
 def trial_groups(
     records: Iterable[Record]) -> dict[tuple[str, str, int, int], list[Record]]:
   """The records of every ``(dataset, algorithm, test env, trial_seed)``, among
-  which a selection method picks one hparam draw. Runs with more than one test
-  env are left out."""
+  which a selection method picks one hparam draw, the algorithm being the
+  `method`. Runs with more than one test env are left out."""
   single = [r for r in records if len(r["args"]["test_envs"]) == 1]
   return group_by(
       single,
       lambda r: (
           r["args"]["dataset"],
-          r["args"]["algorithm"],
+          method(r),
           held_out_env(r),
           r["args"]["trial_seed"],
       ),

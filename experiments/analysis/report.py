@@ -3,7 +3,11 @@
 For every model selection method there is one table per dataset, with a row per
 algorithm and a column per held-out domain plus their average, and a summary
 table with a column per dataset. A cell is the selected test accuracy as mean ±
-standard error over trials, in percent; ``X`` marks a missing result. A
+standard error over trials, in percent; ``X`` marks a missing result. Runs
+that average their weights (``--averaging``) are rows of their own ("ERM +
+SWAD", after ERM), read by their averaged model
+(`model_selection.averaged_model`); more tables then read their trained
+weights, and the curves and claims leave them out. A
 training table per dataset says where the runs ended
 (`experiments.runs.convergence`): final training loss and accuracy, whether the
 validation accuracy had plateaued, and the training time. Training curves of
@@ -159,6 +163,16 @@ def _labels(algorithms: Sequence[str], datasets: Sequence[str],
   return [row_label(a, row, most) for a, row in zip(algorithms, counts)]
 
 
+def _in_order(methods: set[str]) -> list[str]:
+  """The rows of the tables: the methods (`model_selection.method`) in the
+  registry's order of their algorithms, each algorithm's weight averagings
+  after it ("ERM", "ERM + SWAD", "PGrad-B", ...)."""
+  algorithm = lambda method: method.split(model_selection.AVERAGING_JOINT)[0]
+  algorithms = catalog.ALGORITHMS.in_order(map(algorithm, methods))
+  return sorted(methods, key=lambda method: (
+      algorithms.index(algorithm(method)), method))
+
+
 def _most_trials(rows: Sequence[Sequence[Sequence[float]]]) -> int:
   """The most trials any cell of a table holds: what a complete cell has."""
   return max((len(accs) for columns in rows for accs in columns), default=0)
@@ -295,7 +309,7 @@ def training_table(records: Sequence[Record],
     at their plateau differ), and the median training time per run.
   """
   runs = model_selection.group_by(model_selection.by_run(records),
-                                  lambda run: run[0]["args"]["algorithm"])
+                                  lambda run: model_selection.method(run[0]))
   selected = model_selection.group_by(
       ((algorithm, convergence.run_end(
           model_selection.TrainingDomainValidation.selected_run(group)))
@@ -395,8 +409,7 @@ def render(records: Sequence[Record], output_dir: Path,
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
   datasets = catalog.DATASETS.in_order(by_dataset)
-  algorithms = catalog.ALGORITHMS.in_order(
-      r["args"]["algorithm"] for r in records)
+  algorithms = _in_order({model_selection.method(r) for r in records})
   num_domains = {d: records_lib.num_envs(by_dataset[d][0])
                  for d in datasets}
   domain_names = {d: next((r["domains"] for r in by_dataset[d]
@@ -411,17 +424,30 @@ def render(records: Sequence[Record], output_dir: Path,
       " A row whose cells selected among fewer hparam draws than its"
       " table's most says how many.",
   ]
-  draws = model_selection.draw_counts(records)
-  for method in model_selection.SELECTION_METHODS:
-    selected = model_selection.selected_accuracies(records, method)
-    lines += ["", f"## Model selection: {method.name}"]
-    for dataset in datasets:
-      lines += ["", f"### {dataset}", "",
-                dataset_table(selected, dataset, algorithms,
-                              num_domains[dataset], domain_names[dataset],
-                              draws)]
-    lines += ["", "### Averages", "",
-              summary_table(selected, algorithms, num_domains, draws)]
+  read = {"": model_selection.averaged_model(records)}
+  averaging = [r for r in records if model_selection.averages(r)]
+  if averaging:
+    lines += ["", "The runs that average their weights (an algorithm \"+ "
+              "SWAD\", \"+ EMA\", \"+ SMA\") are read by their averaged "
+              "model (SWAD's: its final model, in its last record); the last "
+              "tables read their trained weights. The training curves and "
+              "the paper's claims leave them out."]
+    read[", the trained weights of the runs that average"] = averaging
+  for title, selection_records in read.items():
+    rows = [a for a in algorithms
+            if any(model_selection.method(r) == a for r in selection_records)]
+    draws = model_selection.draw_counts(selection_records)
+    for method in model_selection.SELECTION_METHODS:
+      selected = model_selection.selected_accuracies(selection_records,
+                                                     method)
+      lines += ["", f"## Model selection: {method.name}{title}"]
+      for dataset in datasets:
+        lines += ["", f"### {dataset}", "",
+                  dataset_table(selected, dataset, rows,
+                                num_domains[dataset], domain_names[dataset],
+                                draws)]
+      lines += ["", "### Averages", "",
+                summary_table(selected, rows, num_domains, draws)]
 
   lines += ["", "## Training", "",
             "Where the runs ended (`experiments.runs.convergence`): a run has "
@@ -452,8 +478,9 @@ def render(records: Sequence[Record], output_dir: Path,
   plots_dir.mkdir(parents=True, exist_ok=True)
   lines += ["", f"## Training curves (hparams_seed {PLOTTED_HPARAMS_SEED})"]
   for dataset in datasets:
-    by_env = model_selection.group_by(by_dataset[dataset],
-                                      records_lib.held_out_env)
+    by_env = model_selection.group_by(
+        [r for r in by_dataset[dataset] if not model_selection.averages(r)],
+        records_lib.held_out_env)
     for env in sorted(by_env):
       written, skipped = write_plots(by_env[env], dataset, env, plots_dir)
       for plot in written:
@@ -585,8 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   output_dir.mkdir(parents=True, exist_ok=True)
   report = output_dir / "results.md"
   try:
+    # The paper's claims are of its algorithms, without weight averaging.
+    claimed = {run_dir: run for run_dir, run in runs.items()
+               if not model_selection.averages(run[0])}
     report.write_text(render(records, output_dir, scope)
-                      + claims_section(runs, output_dir, found.trajectories))
+                      + claims_section(claimed, output_dir,
+                                       found.trajectories))
   except claims_lib.ProjectedApartError as e:
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2

@@ -50,6 +50,8 @@ A run directory holds::
   checkpoints/<step>/   Orbax checkpoints of the last evaluations
   trajectory/<step>.npy params snapshots, with --trajectory_freq
   final_params.npz      the params and statistics at the end
+  averaged_params.npz   with --averaging: the averaged params and
+                        statistics at the end, keyed as final_params.npz
   training.lock         held (flock) by the process training the run, while
                         it does (`claim.RunDirectoryLock`); empty
   done                  written last: the run finished
@@ -78,9 +80,23 @@ A *record* is one evaluation::
                           # carried on when the run resumes
    "env{i}_in_acc", "env{i}_out_acc": float,   # every domain i
    "env{i}_in_loss": float,  # loss on a fixed subset of the in split
-   ...}                   # the algorithm's other metrics; for PGrad:
+   ...,                   # the algorithm's other metrics; for PGrad:
                           # "eigenvalues" (mean normalised spectrum,
                           # descending), "ref_norm", "num_skipped"
+   # With --averaging ema or sma, at every evaluation:
+   "averaged_env{i}_{split}_{metric}": ...,  # every env{i}_ key above, of
+                          # the averaged model (records.AVERAGED_PREFIX)
+   # With --averaging swad, at every evaluation:
+   "env{i}_out_loss": float,  # mean loss on every domain's out split
+   # and at every evaluation but an interrupt's:
+   "swad_loss": float,    # the training domains' mean of it: the valley's
+   "swad_dead": bool,     # whether the valley has died: the run stops
+   # and in its last record only (the valley dead, or the last step):
+   "averaged_env{i}_{split}_{metric}": ...,  # of SWAD's final model
+   "averaged_segments": int,  # how many segment means it averages
+   "averaged_first_step", "averaged_last_step": int | None,  # the steps
+                          # of the params it spans
+  }
 
 Its per-domain keys are ``env{i}_{split}_{metric}`` (`records.env_key`), the
 metrics being `experiments.data.tasks.split_metrics`'s: ``acc`` (and
@@ -119,7 +135,9 @@ read the packed run as they read a finished directory.
 
 **Checkpoints and resuming.** Every evaluation is followed by an Orbax
 checkpoint (the last two are kept) of the params, BatchNorm statistics,
-algorithm state, step and data iterator (`checkpoints.checkpoint_manager`).
+algorithm state, step and data iterator (`checkpoints.checkpoint_manager`),
+and with ``--averaging`` of the averaging's state (an item ``averaging``:
+its arrays and SWAD's valley, in NumPy).
 The same command resumes a killed or stopped run from its last checkpoint
 and finishes with bit-for-bit the same params as an uninterrupted run; a
 record newer than the checkpoint is dropped and recomputed. Records that
@@ -127,7 +145,8 @@ contradict themselves or the checkpoints (which no run, even killed,
 leaves) are refused with exit status 2 before anything else
 (`claim.claim_run`), as is a finished run's; the same command with
 ``--overwrite`` trains again from scratch. At the end the run writes its
-final params (`checkpoints.save_params`) and its ``done`` file; the same
+final params (`checkpoints.save_params`; with ``--averaging`` the averaged
+params before the last record) and its ``done`` file; the same
 command then prints its result again, without importing JAX.
 
 **Interrupts.** SIGINT (Ctrl-C) and SIGTERM (e.g. SLURM's preemption, or its

@@ -28,6 +28,12 @@ TIMING_FIELDS = ("step_time", "data_wait_time", "device_wait_time",
                  "init_time", "compile_time", "first_batch_time",
                  "time_to_first_step")
 FINAL_PARAMS_FILE = "final_params.npz"
+# The averaged params and statistics at the end, beside FINAL_PARAMS_FILE, of
+# a run with --averaging.
+AVERAGED_PARAMS_FILE = "averaged_params.npz"
+# The prefix of the averaged model's metrics in the records of such a run:
+# ``averaged_env0_in_acc`` beside ``env0_in_acc``.
+AVERAGED_PREFIX = "averaged_"
 # Held (flock) by the process that trains the run, while it does
 # (`claim.RunDirectoryLock`); empty.
 LOCK_FILE = "training.lock"
@@ -36,7 +42,8 @@ DONE_FILE = "done"
 # but no CONFIG_FILE holds a run of unknown configuration. (A sweep puts its
 # log there first.)
 RUN_FILES = (DATASET_FILE, ENVIRONMENT_FILE, RESULTS_FILE, CHECKPOINT_DIR,
-             TRAJECTORY_DIR, FINAL_PARAMS_FILE, DONE_FILE)
+             TRAJECTORY_DIR, FINAL_PARAMS_FILE, AVERAGED_PARAMS_FILE,
+             DONE_FILE)
 
 Record = dict[str, Any]
 
@@ -69,6 +76,26 @@ def parse_env_key(key: str) -> tuple[int, str, str] | None:
   """
   match = _ENV_KEY.fullmatch(key)
   return None if match is None else (int(match[1]), match[2], match[3])
+
+
+def averaged_record(record: Record) -> Record | None:
+  """A record of a run with ``--averaging`` as its averaged model's: its
+  ``env{i}_*`` metrics replaced by the ``averaged_env{i}_*`` ones; None for
+  a record without them (SWAD's, but the last; a run without averaging).
+
+  >>> averaged_record({"step": 2, "env0_in_acc": 0.5,
+  ...                  "averaged_env0_in_acc": 0.75})
+  {'step': 2, 'env0_in_acc': 0.75}
+  """
+  metrics = {key[len(AVERAGED_PREFIX):]: value
+             for key, value in record.items()
+             if key.startswith(AVERAGED_PREFIX)
+             and parse_env_key(key[len(AVERAGED_PREFIX):]) is not None}
+  if not metrics:
+    return None
+  return {**{key: value for key, value in record.items()
+             if parse_env_key(key) is None
+             and not key.startswith(AVERAGED_PREFIX)}, **metrics}
 
 
 def held_out_env(record: Record) -> int:

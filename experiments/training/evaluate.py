@@ -48,6 +48,7 @@ def evaluate(
     config: config_lib.Config,
     sharder: sharding.Sharder,
     augment: augmentation.Augmentation | None = None,
+    out_loss: bool = False,
 ) -> records.Record:
   """The metrics of every domain's in and out split, and the in-split loss.
 
@@ -57,7 +58,9 @@ def evaluate(
   ``"group"`` (WILDS), and ``env{i}_{split}_examples``, the number of
   examples evaluated. Empty splits are skipped. With an ``augment`` that
   asks for it, the training domains' examples go through its transform, as
-  DomainBed evaluates them.
+  DomainBed evaluates them. With ``out_loss``, also every out split's mean
+  loss over all its examples evaluated, ``env{i}_out_loss``, in float64
+  (swad's ``tr_outloss`` averages the training domains').
   """
   results = {}
   # Batches no larger than the largest split, so small datasets are not
@@ -84,6 +87,9 @@ def evaluate(
       if name == "in":
         results[records.env_key(i, "in", "loss")] = float(
             np.concatenate(losses)[:config.loss_examples].mean())
+      elif out_loss:
+        results[records.env_key(i, "out", "loss")] = float(
+            np.concatenate(losses).mean(dtype=np.float64))
   return results
 
 

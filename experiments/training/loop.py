@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from experiments.training import interrupts
 from experiments.training import progress
 from experiments.training import sharding
 from experiments.training import steps
+from experiments.training import weight_averaging
 
 
 # A record's key of ERM++'s learning-rate schedule (``auto_lr``): its
@@ -51,13 +52,17 @@ LR_SCHEDULE_KEY = "lr_schedule"
 
 def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
              step: int) -> bool:
-  """Whether a run stops at ``step``: its learning-rate schedule stopped
-  there (`lr_schedule_stopped`), or, with ``plateau_check_freq``, a check
-  step at which its records so far have plateaued (`convergence.run_end`).
+  """Whether a run stops at ``step`` before its last: its learning-rate
+  schedule stopped there (`lr_schedule_stopped`); with ``--averaging
+  swad``, the step whose record says that the valley died; or, with
+  ``plateau_check_freq``, a check step at which its records so far have
+  plateaued (`convergence.run_end`).
 
   A resumed run reads its records so far from its results file, so a run
   killed after stopping and resumed stops again at the same step."""
-  if lr_schedule_stopped(run_records, step):
+  if lr_schedule_stopped(run_records, step) or (
+      run_records and run_records[-1]["step"] == step
+      and run_records[-1].get(weight_averaging.SWAD_DEAD)):
     return True
   if not config.plateau_check_freq or not step or (
       step % config.plateau_check_freq):
@@ -88,6 +93,8 @@ class _Setup:
     sharder: how batches and state go on the devices.
     batch_shape: a training batch's (domains, examples per domain).
     init_time: the seconds initialising the model and its state took.
+    averaging: its weight averaging (``--averaging``), from the initial
+      state; None without.
   """
 
   dataset: datasets.MultiDomainDataset
@@ -100,6 +107,17 @@ class _Setup:
   sharder: sharding.Sharder
   batch_shape: tuple[int, int]
   init_time: float
+  averaging: weight_averaging.Averaging | None
+
+
+def stop_reason(run_records: Sequence[records.Record]) -> str:
+  """Why a run that `stops_at` its last record's step stopped there."""
+  if lr_schedule_stopped(run_records, run_records[-1]["step"]):
+    return ("finished, the learning rate changed for the third time (hparam "
+            "auto_lr)")
+  if run_records[-1].get(weight_averaging.SWAD_DEAD):
+    return "SWAD's loss valley ended (--averaging swad), where swad stops"
+  return "plateaued (--plateau_check_freq)"
 
 
 def _set_up(spec: config_lib.RunSpec) -> _Setup:
@@ -138,7 +156,9 @@ def _set_up(spec: config_lib.RunSpec) -> _Setup:
       domains_per_step=hparams.get("domains_per_step"),
       transform=None if augment is None else augment.transform)
   return _Setup(dataset, splits, augment, network, algorithm, state,
-                train_iter, sharder, batch_shape, init_time)
+                train_iter, sharder, batch_shape, init_time,
+                weight_averaging.build(config, hparams, network, state,
+                                       sharder))
 
 
 class _RunDirectory:
@@ -193,10 +213,17 @@ def _resume(
   state, written, meter = setup.state, [], evaluate.MetricMeter()
   if start is not None:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    items = {}
+    if setup.averaging is not None:
+      items["averaging"] = ocp.args.StandardRestore(
+          setup.averaging.abstract_item())
     # Restores the iterator in place and returns the train state.
-    state = directory.manager.restore(start, args=ocp.args.Composite(
+    restored = directory.manager.restore(start, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract),
-        data=grain.checkpoint.CheckpointRestore(setup.train_iter))).state
+        data=grain.checkpoint.CheckpointRestore(setup.train_iter), **items))
+    state = restored.state
+    if setup.averaging is not None:
+      setup.averaging.restore(restored.averaging)
     progress.say(f"Resuming from step {start}.")
   if run is None:
     return state, written, meter
@@ -275,10 +302,8 @@ def train(spec: config_lib.RunSpec,
     records.read_run(output_dir)
     records.mark_done(output_dir)
     if step < config.steps:
-      progress.say(f"Stopped at step {step} of at most {config.steps}: " + (
-          "finished, the learning rate changed for the third time (hparam "
-          "auto_lr)." if lr_schedule_stopped(written, step)
-          else "plateaued (--plateau_check_freq)."))
+      progress.say(f"Stopped at step {step} of at most {config.steps}: "
+                   f"{stop_reason(written)}.")
     return written[-1]
 
 
@@ -391,6 +416,8 @@ class _Training:
       if batch is None:  # The first step after a checkpoint.
         batch = self._next_batch()
       state, metrics = self.train_step(state, batch)
+      if self.setup.averaging is not None:
+        self.setup.averaging.update(state)
       # Nothing holds a batch once its step has it: a worker's batch is in
       # shared memory, freed when the last reference goes.
       batch = None
@@ -417,7 +444,7 @@ class _Training:
       self.timer.wait_for_device(state)
       state, schedule = self._schedule_lr(state, step, written, scheduled)
       written.append(self._checkpoint(state, step, meter, scheduled,
-                                      schedule))
+                                      schedule, written))
       unsaved = False
       meter = evaluate.MetricMeter()
       self.timer.restart()
@@ -497,13 +524,27 @@ class _Training:
     return state, {"lr": schedule.lr,
                    LR_SCHEDULE_KEY: lr_plateau.to_record(schedule), **entries}
 
+  def _evaluate(self, state: steps.TrainState) -> records.Record:
+    """The metrics of ``state``'s model on every split."""
+    setup = self.setup
+    return evaluate.evaluate(
+        self.eval_step, self.evaluated(state), setup.dataset, self.sets,
+        self.config, setup.sharder, setup.augment,
+        out_loss=self.config.averaging == "swad")
+
+  def _training_batches(self) -> Iterator[Any]:
+    """The next training batches, on the devices."""
+    while True:
+      yield self.setup.sharder.batch(next(self.setup.train_iter), 1)
+
   def _checkpoint(self, state: steps.TrainState, step: int,
                   meter: evaluate.MetricMeter, scheduled: bool,
-                  schedule: records.Record) -> records.Record:
+                  schedule: records.Record,
+                  written: Sequence[records.Record]) -> records.Record:
     """Evaluates ``step``, appends its record and checkpoints it; returns
     the record. ``scheduled``: a ``checkpoint_freq`` step or the last, else
     an interrupt's. ``schedule``: the learning rate's entries
-    (`_schedule_lr`)."""
+    (`_schedule_lr`). ``written``: the records before."""
     setup = self.setup
     timing = self.timer.record()
     manager = self.directory.started()
@@ -513,9 +554,19 @@ class _Training:
         "domains": list(setup.dataset.domain_names), "step": step,
         "epoch": step / self.steps_per_epoch,
         **meter.result(), **timing, **self.startup, **schedule,
-        **evaluate.evaluate(self.eval_step, self.evaluated(state),
-                            setup.dataset, self.sets, self.config,
-                            setup.sharder, setup.augment)}
+        **self._evaluate(state)}
+    averaging = setup.averaging
+    if averaging is not None:
+      record.update(averaging.record(
+          state, record, self.train_domains, scheduled,
+          lambda: scheduled and not self._trains_on(step, [*written, record]),
+          self._evaluate, self._training_batches))
+      if averaging.final is not None:
+        # Before the last record: a run killed between them computes it
+        # again, from the last checkpoint.
+        checkpoints.save_params(
+            self.directory.path / records.AVERAGED_PARAMS_FILE,
+            averaging.final["params"], averaging.final["stats"])
     if not scheduled:
       # An interrupt's record, between the --checkpoint_freq steps: the
       # run that resumes from it carries its meter on and drops it.
@@ -526,9 +577,12 @@ class _Training:
     # killed run leaves at most one record after its last checkpoint.
     manager.wait_until_finished()
     records.append_record(self.directory.path, record)
+    items = {}
+    if averaging is not None:
+      items["averaging"] = ocp.args.StandardSave(averaging.checkpoint_item())
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(setup.train_iter)))
+        data=grain.checkpoint.CheckpointSave(setup.train_iter), **items))
     self.screen.results(record, self.config.test_envs)
     self.screen.phase("training")
     return record

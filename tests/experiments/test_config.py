@@ -22,6 +22,7 @@ from experiments import config as config_lib
 from experiments import errors
 from experiments.data import datasets
 from experiments import hparams_registry
+from experiments.rundir import pack
 from experiments.rundir import records
 from experiments.runs import run as run_lib
 from experiments import train
@@ -43,10 +44,15 @@ def test_every_config_field_is_a_flag(tmp_path):
            "init_params": str(params), "eval_examples": 8,
            "loss_examples": 9, "eval_batch_size": 10,
            "trajectory_freq": 11, "plateau_check_freq": 12, "devices": 1,
-           "num_workers": 2, "compile_cache_dir": "c"}
+           "num_workers": 2, "compile_cache_dir": "c", "averaging": "swad",
+           "swad_n_converge": 2, "swad_n_tolerance": 4,
+           "swad_tolerance_ratio": 0.5, "ema_decay": None,
+           "sma_start_iter": None}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
   argv = []
   for name, value in flags.items():
+    if value is None:  # The knobs of another averaging: not passed.
+      continue
     if value is True:
       argv.append(f"--{name}")
     else:
@@ -147,11 +153,60 @@ def test_plateau_check_freq_is_checked(freq, message):
 def test_every_field_but_location_and_execution_names_the_run():
   config = config_lib.Config().resolve()
   fields = {f.name for f in dataclasses.fields(config)}
+  # Without averaging, its fields are none of the run's.
   assert set(config.identity()) == fields.difference(
-      config_lib.LOCATION_FIELDS, config_lib.EXECUTION_FIELDS)
+      config_lib.LOCATION_FIELDS, config_lib.EXECUTION_FIELDS,
+      config_lib.AVERAGING_FIELDS)
   on = config_lib.Config(plateau_check_freq=100).resolve()
   assert on.identity() == {**config.identity(), "plateau_check_freq": 100}
   assert on.output_dir != config.output_dir
+  # With it, the averaging and its own knobs, resolved, are.
+  swad = config_lib.Config(averaging="swad").resolve()
+  assert swad.identity() == {
+      **config.identity(), "averaging": "swad", "swad_n_converge": 3,
+      "swad_n_tolerance": 6, "swad_tolerance_ratio": 0.3}
+  assert swad.output_dir != config.output_dir
+  ema = config_lib.Config(averaging="ema", ema_decay=0.9).resolve()
+  assert ema.identity() == {**config.identity(), "averaging": "ema",
+                            "ema_decay": 0.9}
+
+
+def test_the_committed_runs_keep_their_identities():
+  # Every run of the study, configured by its recorded args, is the same
+  # run: its identity is its config.json's args, as its records' are.
+  packed = pack.read_pack(REPO / "results" / "study")
+  assert len(packed) > 100
+  for name, run in packed.items():
+    args = run.config["args"]
+    config = config_lib.Config(**args).resolve()
+    assert config.identity() == args, name
+    assert {k: v for k, v in run.records[-1]["args"].items()
+            if k not in config_lib.LOCATION_FIELDS} == args, name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--averaging", "swa"], "--averaging 'swa' is none of none, ema, sma, "
+     "swad"),
+    (["--ema_decay", "0.9"], "--ema_decay is a knob of --averaging ema, and "
+     "this run's --averaging is none"),
+    (["--averaging", "swad", "--sma_start_iter", "5"],
+     "--sma_start_iter is a knob of --averaging sma"),
+    (["--averaging", "ema", "--ema_decay", "1"], "--ema_decay must be in "
+     r"\[0, 1\), got 1.0"),
+    (["--averaging", "sma", "--sma_start_iter", "0"], "at least 1, got 0"),
+    (["--averaging", "swad", "--swad_n_tolerance", "0"], "at least 1"),
+    (["--averaging", "swad", "--swad_tolerance_ratio", "-1"],
+     "tolerance_ratio must be finite and at least 0"),
+    (["--algorithm", "ERMPlusPlus", "--averaging", "sma"],
+     "ERMPlusPlus averages its weights itself"),
+])
+def test_averaging_flags_are_checked(flags, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    config_lib.parse_flags(flags)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert re.search(message, err), err
+  assert "Traceback" not in err
 
 
 # The default command made cheap: two steps, small batches in one chunk (a

@@ -129,6 +129,11 @@ def test_run_writes_domainbed_results_and_done(reference):
     assert eigenvalues.shape == (TRAIN_DOMAINS * B + 1,)
     np.testing.assert_allclose(eigenvalues.sum(), 1.0, rtol=1e-5)
     assert np.all(np.diff(eigenvalues) <= 0)
+  # Without --averaging, nothing of it: no keys, no averaged params.
+  assert not [key for key in records[-1] if key.startswith(
+      ("averaged_", "swad_")) or key.endswith("_out_loss")]
+  assert not set(config_lib.AVERAGING_FIELDS) & set(records[-1]["args"])
+  assert not (reference / "averaged_params.npz").exists()
   params = _params(reference)
   assert "params/head/kernel" in params
   assert all(np.all(np.isfinite(v)) for v in params.values())

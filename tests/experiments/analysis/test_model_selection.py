@@ -142,3 +142,41 @@ def test_draw_counts_are_the_draws_each_trial_selects_among():
   fewer = [r for r in records if (r["args"]["trial_seed"],
                                   r["args"]["hparams_seed"]) != (2, 1)]
   assert sorted(ms.draw_counts(fewer)["Toy", "ERM"]) == [1, 2, 2]
+
+
+def _averaging_records(averaging, averaged_steps):
+  """Toy's runs with ``--averaging``: the averaged model's metrics are
+  Toy's, at ``averaged_steps``; the trained weights' are 0.5 everywhere
+  (which no selection can tell apart)."""
+  records = []
+  for record in toy_records():
+    record = {**record, "args": {**record["args"], "averaging": averaging}}
+    for key in [k for k in record if k.startswith("env")]:
+      if record["step"] in averaged_steps:
+        record["averaged_" + key] = record[key]
+      record[key] = 0.5
+    records.append(record)
+  return records
+
+
+@pytest.mark.parametrize("method", ms.SELECTION_METHODS)
+def test_runs_that_average_are_selected_by_their_averaged_model(method):
+  ema = _averaging_records("ema", (100, 200))
+  records = toy_records() + ema
+  selected = ms.selected_accuracies(ms.averaged_model(records), method)
+  assert selected.keys() == {("Toy", "ERM", 0), ("Toy", "ERM + EMA", 0)}
+  # Each its own method, neither's records among the other's draws.
+  assert selected["Toy", "ERM", 0] == pytest.approx(EXPECTED[method])
+  assert selected["Toy", "ERM + EMA", 0] == pytest.approx(EXPECTED[method])
+  # Their trained weights, as they are.
+  assert ms.selected_accuracies(ema, method)["Toy", "ERM + EMA", 0] == {
+      0: 0.5, 1: 0.5, 2: 0.5}
+
+
+def test_swads_final_model_is_its_runs_only_checkpoint():
+  # SWAD's final model is in the last record alone: training-domain
+  # validation cannot pick step 100 (which is best in trials 1 and 2).
+  swad = ms.averaged_model(_averaging_records("swad", (200,)))
+  assert {r["step"] for r in swad} == {200}
+  assert ms.selected_accuracies(swad, ms.TrainingDomainValidation)[
+      "Toy", "ERM + SWAD", 0] == pytest.approx({0: 0.60, 1: 0.40, 2: 0.65})

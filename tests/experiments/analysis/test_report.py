@@ -968,3 +968,49 @@ def test_the_bottom_loss_title_fits_in_its_figure(tmp_path):
              if t is not None and t.get_text() == title]
   box = text.get_window_extent(renderer)
   assert 0 <= box.x0 and box.x1 <= figure.bbox.x1, (box, figure.bbox)
+
+
+def test_runs_that_average_are_reported_by_both_models(tmp_path, undrawn):
+  # ColoredDigits' ERM runs again, with SWAD: its final model (in the last
+  # record) is 10 points better than the trained weights everywhere.
+  averaged = []
+  for record in sweep_records():
+    if record["args"] != {**record["args"], "dataset": "ColoredDigits",
+                          "algorithm": "ERM"}:
+      continue
+    record = {**record, "args": {**record["args"], "averaging": "swad"}}
+    if record["step"] == STEPS[-1]:
+      record.update({"averaged_" + k: v + 0.1 for k, v in record.items()
+                     if records_lib.parse_env_key(k)})
+    averaged.append(record)
+  write_runs(tmp_path / "sweep" / "plain", sweep_records())
+  write_runs(tmp_path / "sweep" / "swad", averaged)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  sections = text.split("\n## Training\n")[0].split(
+      "## Model selection: ")[1:]
+  assert [s.splitlines()[0] for s in sections] == [
+      "training-domain validation set", "test-domain validation set (oracle)",
+      "training-domain validation set, the trained weights of the runs that "
+      "average",
+      "test-domain validation set (oracle), the trained weights of the runs "
+      "that average"]
+  for section in sections[:2]:
+    # The runs without averaging as before, SWAD's averaged model a row
+    # of its own: ERM's cells plus 10.
+    assert COLORED_TABLE.replace(
+        "| PGrad |", "| ERM + SWAD | 70.0 ± 7.1 | 90.0 ± 0.0 | 90.0 ± 7.1 "
+        "| 83.3 |\n| PGrad |") in section
+  for section in sections[2:]:
+    assert "| ERM + SWAD | 60.0 ± 7.1 | 80.0 ± 0.0 | 80.0 ± 7.1 | 73.3 |" in (
+        section)
+    assert "| ERM |" not in section and "| PGrad |" not in section
+  # Where the runs ended: a row of their own too.
+  assert "\n| ERM + SWAD | 6 |" in text
+  # The curves and claims are the runs' without averaging.
+  assert report.main(["--input_dir", str(tmp_path / "sweep" / "plain"),
+                      "--output_dir", str(tmp_path / "plain")]) == 0
+  plain = (tmp_path / "plain" / "results.md").read_text()
+  curves = "\n## Training curves"
+  assert text[text.index(curves):] == plain[plain.index(curves):]
