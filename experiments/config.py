@@ -30,7 +30,7 @@ from typing import Any
 
 from experiments import catalog
 from experiments import hparams_registry
-from experiments import loss_valley
+from experiments import averaging_flags
 from experiments.data import datasets
 from experiments import errors
 from experiments.rundir import claim
@@ -45,25 +45,6 @@ LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
 # identity and of its records, so that a run resumed with other values is
 # the same run with the same records.
 EXECUTION_FIELDS = ("devices", "num_workers", "compile_cache_dir")
-# The environment variable that JAX reads for its persistent compilation
-# cache, and the cache's place under the user's cache directory otherwise.
-COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-COMPILE_CACHE_SUBDIR = Path("pgrad_jax") / "jax_cache"
-# ``--averaging``'s choices (`experiments.averaging`), and each one's knobs:
-# flags that only it reads, with their defaults (DomainBed's SMA start,
-# khanrc/swad's ``LossValley`` defaults, timm's usual EMA decay).
-AVERAGING_KNOBS = {
-    "none": {},
-    "ema": {"ema_decay": 0.999},
-    "sma": {"sma_start_iter": 600},
-    "swad": {"swad_n_converge": 3, "swad_n_tolerance": 6,
-             "swad_tolerance_ratio": 0.3},
-}
-# The fields that --averaging adds. Added after runs were committed, they are
-# in a run's identity and records only where it averages, so that every run
-# without averaging keeps the identity and records it had.
-AVERAGING_FIELDS = ("averaging", *(knob for knobs in AVERAGING_KNOBS.values()
-                                   for knob in knobs))
 PROG = "python -m experiments.train"
 
 
@@ -241,7 +222,7 @@ class Config:
       raise errors.UsageError(
           f"--data_dir {config.data_dir} is a file; pass the directory that "
           "holds the datasets.")
-    config = _resolve_averaging(config)
+    config = averaging_flags.resolve(config)
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
@@ -262,11 +243,11 @@ class Config:
 
   def record_args(self) -> dict[str, Any]:
     """The fields a results record holds as its ``args``: all but
-    EXECUTION_FIELDS, and the AVERAGING_FIELDS that the run does not use
-    (all of them without averaging)."""
+    EXECUTION_FIELDS, and the ``--averaging`` fields that the run does not
+    use (all of them without averaging, `averaging_flags.FIELDS`)."""
     return {name: value for name, value in dataclasses.asdict(self).items()
             if name not in EXECUTION_FIELDS and not (
-                name in AVERAGING_FIELDS and value in (None, "none"))}
+                name in averaging_flags.FIELDS and value in (None, "none"))}
 
   def check_batch_split(self, hparams: Mapping[str, Any]) -> None:
     """Checks that every domain's batch splits as the step splits it.
@@ -354,57 +335,6 @@ class Config:
     return {}
 
 
-def _resolve_averaging(config: Config) -> Config:
-  """``config`` with the knobs of its ``--averaging`` filled in, checked.
-
-  Raises:
-    errors.UsageError: an unknown averaging, a knob of another averaging
-      (or of none), a knob out of its range, or averaging for ERM++, which
-      averages its own weights.
-  """
-  if config.averaging not in AVERAGING_KNOBS:
-    raise errors.UsageError(
-        f"--averaging {config.averaging!r} is none of "
-        f"{', '.join(AVERAGING_KNOBS)}.")
-  knobs = AVERAGING_KNOBS[config.averaging]
-  for name in AVERAGING_FIELDS[1:]:
-    if getattr(config, name) is not None and name not in knobs:
-      raise errors.UsageError(
-          f"--{name} is a knob of --averaging {name.split('_')[0]}, and this "
-          f"run's --averaging is {config.averaging}: drop it, or pass "
-          f"--averaging {name.split('_')[0]}.")
-  if config.averaging != "none" and config.algorithm == "ERMPlusPlus":
-    raise errors.UsageError(
-        f"--averaging {config.averaging}: ERMPlusPlus averages its weights "
-        "itself (its SMA, which it evaluates); averaging them again has no "
-        "reference. Pass --averaging none, or another --algorithm (ERM with "
-        "--averaging sma is ERM with ERM++'s average).")
-  config = dataclasses.replace(config, **{
-      name: default if getattr(config, name) is None else getattr(config, name)
-      for name, default in knobs.items()})
-  # The ranges `experiments.averaging` accepts, checked without importing
-  # JAX (a finished run's result is printed without it).
-  if config.averaging == "ema" and not 0 <= config.ema_decay < 1:
-    raise errors.UsageError(
-        f"--ema_decay must be in [0, 1), got {config.ema_decay}.")
-  if config.averaging == "sma" and config.sma_start_iter < 1:
-    raise errors.UsageError("--sma_start_iter counts updates from 1, so it "
-                            f"must be at least 1, got {config.sma_start_iter}.")
-  if config.averaging == "swad":
-    try:
-      loss_valley.valley_init(swad_config(config))
-    except ValueError as e:
-      raise errors.UsageError(f"--averaging swad: {e}") from None
-  return config
-
-
-def swad_config(config: Config) -> loss_valley.ValleyConfig:
-  """The valley of a resolved ``--averaging swad`` config's knobs."""
-  return loss_valley.ValleyConfig(config.swad_n_converge,
-                                  config.swad_n_tolerance,
-                                  config.swad_tolerance_ratio)
-
-
 def _resolve_pretrained(config: Config, model: str) -> str | None:
   """``--pretrained`` with its default filled in, checked before any work.
 
@@ -459,53 +389,6 @@ def _resolve_pretrained(config: Config, model: str) -> str | None:
           f"{records.FINAL_PARAMS_FILE} does, not featurizer weights: start "
           f"from it with --init_params {path} instead.")
   return config.pretrained
-
-
-def compile_cache_path(flag: str | None) -> Path | None:
-  """Where a run keeps its compiled programs (``--compile_cache_dir``'s
-  help), or None for no cache (``none``)."""
-  if flag is not None:
-    return None if flag.lower() == "none" else Path(flag)
-  if os.environ.get(COMPILE_CACHE_ENV):
-    return Path(os.environ[COMPILE_CACHE_ENV])
-  cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-  return Path(cache_home) / COMPILE_CACHE_SUBDIR
-
-
-def checked_compile_cache(flag: str | None) -> Path | None:
-  """`compile_cache_path`, created and written to once, so that a run that
-  cannot keep its programs there is told before it trains, not by JAX's
-  warnings on every program.
-
-  Returns:
-    The directory; None for no cache: asked for (``none``), or the default
-    directory cannot be written, which is warned about on stderr.
-
-  Raises:
-    errors.UsageError: the directory that ``flag`` or `COMPILE_CACHE_ENV` names
-      cannot be written.
-  """
-  path = compile_cache_path(flag)
-  if path is None:
-    return None
-  try:
-    path.mkdir(parents=True, exist_ok=True)
-    claim.write_in(path)
-  except OSError as e:
-    reason = e.strerror or str(e)
-    if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
-      named = ("--compile_cache_dir" if flag is not None
-               else f"${COMPILE_CACHE_ENV}")
-      raise errors.UsageError(
-          f"{named} {path}: cannot write the compilation cache there "
-          f"({reason}); pass a writable --compile_cache_dir, or "
-          "--compile_cache_dir none to compile every run afresh.") from None
-    print(f"Warning: cannot write the compilation cache {path} ({reason}): "
-          "this run compiles its programs afresh and keeps none. "
-          "--compile_cache_dir DIR keeps them in DIR; --compile_cache_dir "
-          "none says no cache without this warning.", file=sys.stderr)
-    return None
-  return path
 
 
 def _flag_type(annotation: Any) -> Any:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -74,6 +75,11 @@ from experiments.data import wilds
 if TYPE_CHECKING:
   # Imported where weights are checked: it imports JAX.
   from experiments.weights import convert
+
+# The environment variable that JAX reads for its persistent compilation
+# cache, and the cache's place under the user's cache directory otherwise.
+COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+COMPILE_CACHE_SUBDIR = Path("pgrad_jax") / "jax_cache"
 
 
 def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
@@ -135,7 +141,7 @@ def resolve_run(argv: Sequence[str] | None = None) -> config_lib.RunSpec:
     if "image_size" in hparams:
       dataset = datasets.resized(dataset, hparams["image_size"])
     weights = _checked_weights(config, resume)
-    compile_cache = config_lib.checked_compile_cache(config.compile_cache_dir)
+    compile_cache = checked_compile_cache(config.compile_cache_dir)
     _check_devices(config.devices)
     if config.init_params is not None:
       _check_init_params(protocol, dataset, hparams)
@@ -343,6 +349,53 @@ def _checked_weights(config: config_lib.Config,
         f"{record['sha256']}). Pass the weights it started from, or "
         "--overwrite to train it again from these.")
   return weights
+
+
+def compile_cache_path(flag: str | None) -> Path | None:
+  """Where a run keeps its compiled programs (``--compile_cache_dir``'s
+  help), or None for no cache (``none``)."""
+  if flag is not None:
+    return None if flag.lower() == "none" else Path(flag)
+  if os.environ.get(COMPILE_CACHE_ENV):
+    return Path(os.environ[COMPILE_CACHE_ENV])
+  cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+  return Path(cache_home) / COMPILE_CACHE_SUBDIR
+
+
+def checked_compile_cache(flag: str | None) -> Path | None:
+  """`compile_cache_path`, created and written to once, so that a run that
+  cannot keep its programs there is told before it trains, not by JAX's
+  warnings on every program.
+
+  Returns:
+    The directory; None for no cache: asked for (``none``), or the default
+    directory cannot be written, which is warned about on stderr.
+
+  Raises:
+    errors.UsageError: the directory that ``flag`` or `COMPILE_CACHE_ENV` names
+      cannot be written.
+  """
+  path = compile_cache_path(flag)
+  if path is None:
+    return None
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    claim.write_in(path)
+  except OSError as e:
+    reason = e.strerror or str(e)
+    if flag is not None or os.environ.get(COMPILE_CACHE_ENV):
+      named = ("--compile_cache_dir" if flag is not None
+               else f"${COMPILE_CACHE_ENV}")
+      raise errors.UsageError(
+          f"{named} {path}: cannot write the compilation cache there "
+          f"({reason}); pass a writable --compile_cache_dir, or "
+          "--compile_cache_dir none to compile every run afresh.") from None
+    print(f"Warning: cannot write the compilation cache {path} ({reason}): "
+          "this run compiles its programs afresh and keeps none. "
+          "--compile_cache_dir DIR keeps them in DIR; --compile_cache_dir "
+          "none says no cache without this warning.", file=sys.stderr)
+    return None
+  return path
 
 
 def claim_and_train(spec: config_lib.RunSpec) -> records.Record:

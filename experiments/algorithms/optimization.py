@@ -120,20 +120,11 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
     204-206): `_averaged_network`, the algorithm's ``evaluated``.
 
   The metrics are ``loss`` and ``linear_probe``, 1 where the update stepped
-  the linear probe's optimizer and 0 where the full one (a record's mean is
-  the share of its steps in the probe).
+  the linear probe's optimizer, else 0 (a record's share of probe steps).
 
-  With the hparam ``auto_lr`` the full optimizer is built at rate 1 and its
-  output scaled by the learning rate, a hyperparameter of its state
-  (`optax.inject_hyperparams`; scaled after LARS's momentum, as DomainBed's
-  LARS scales it, ``lib/misc.py`` line 566), which the
-  training loop sets at its evaluations (the algorithm's
-  ``set_learning_rate``) as DomainBed's ``set_lr`` sets the optimizer's
-  (lines 208-233, ``scripts/train_autolr.py``; the decisions are
-  ``experiments.lr_plateau``'s). The linear probe's stays ``linear_lr``, as
-  DomainBed's ``scheduler`` wraps ``self.optimizer`` alone (line 178).
-  Without it the learning rates stay constant, as in DomainBed's
-  ``scripts/train.py``, and the optimizer is built as before.
+  With the hparam ``auto_lr`` the training loop sets the full optimizer's
+  learning rate at its evaluations (`_full_optimizer`); without it the
+  learning rates stay constant, as in DomainBed's ``scripts/train.py``.
   (At b93c22a1 DomainBed's ``lars`` fails to build: it passes
   ``foreach=False``, which its ``LARS`` does not take, line 537.)
 
@@ -155,18 +146,7 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
                      "build its network with Network.split(model).")
   sma = averaging.sma(sma_start_iter)
   linear_steps = hparams["linear_steps"]
-  auto_lr = hparams["auto_lr"]
-  if auto_lr:
-    # At rate 1, then scaled: DomainBed's LARS scales its momentum by the
-    # rate of the step (misc.py line 566), optax's each gradient by the rate
-    # of its own step, which differ once the rate changes. (Adam's are
-    # the same.)
-    tx = optax.inject_hyperparams(
-        lambda learning_rate: optax.chain(
-            _erm_plus_plus_optimizer(hparams, 1.0), optax.scale(learning_rate))
-    )(learning_rate=hparams["lr"])
-  else:
-    tx = _erm_plus_plus_optimizer(hparams, hparams["lr"])
+  tx = _full_optimizer(hparams)
   linear_tx = _linear_probe_optimizer(hparams)
   objective = _pooled_objective(network)
 
@@ -206,7 +186,31 @@ def erm_plus_plus(network: base.Network, hparams: base.HParams, *,
 
   return base.Algorithm(
       init, update, evaluated=_averaged_network,
-      set_learning_rate=_with_learning_rate if auto_lr else None)
+      set_learning_rate=_with_learning_rate if hparams["auto_lr"] else None)
+
+
+def _full_optimizer(hparams: base.HParams) -> optax.GradientTransformation:
+  """ERM++'s full optimizer, over every parameter at ``lr``.
+
+  With the hparam ``auto_lr`` it is built at rate 1 and its output scaled
+  by the learning rate, a hyperparameter of its state
+  (`optax.inject_hyperparams`), which the training loop sets at its
+  evaluations (the algorithm's ``set_learning_rate``) as DomainBed's
+  ``set_lr`` sets the optimizer's (lines 208-233,
+  ``scripts/train_autolr.py``; the decisions are
+  ``experiments.lr_plateau``'s). It scales after LARS's momentum, as
+  DomainBed's LARS scales it (``lib/misc.py`` line 566), where optax's
+  scales each gradient by the rate of its own step; the two differ once the
+  rate changes (Adam's are the same). The linear probe's stays
+  ``linear_lr``, as DomainBed's ``scheduler`` wraps ``self.optimizer`` alone
+  (line 178). Without ``auto_lr`` the optimizer is built as before.
+  """
+  if not hparams["auto_lr"]:
+    return _erm_plus_plus_optimizer(hparams, hparams["lr"])
+  return optax.inject_hyperparams(
+      lambda learning_rate: optax.chain(
+          _erm_plus_plus_optimizer(hparams, 1.0), optax.scale(learning_rate))
+  )(learning_rate=hparams["lr"])
 
 
 def _with_learning_rate(state: ErmPlusPlusState,

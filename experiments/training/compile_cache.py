@@ -1,7 +1,7 @@
 """JAX's persistent compilation cache, as a run keeps its programs there.
 
 Where the cache is (``--compile_cache_dir``) is resolved and checked with
-the run (``experiments.config.checked_compile_cache``), before JAX is
+the run (``experiments.train.checked_compile_cache``), before JAX is
 imported; this module points JAX at it.
 """
 

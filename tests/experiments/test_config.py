@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import pytest
 
+from experiments import averaging_flags
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import errors
@@ -156,7 +157,7 @@ def test_every_field_but_location_and_execution_names_the_run():
   # Without averaging, its fields are none of the run's.
   assert set(config.identity()) == fields.difference(
       config_lib.LOCATION_FIELDS, config_lib.EXECUTION_FIELDS,
-      config_lib.AVERAGING_FIELDS)
+      averaging_flags.FIELDS)
   on = config_lib.Config(plateau_check_freq=100).resolve()
   assert on.identity() == {**config.identity(), "plateau_check_freq": 100}
   assert on.output_dir != config.output_dir

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from experiments import averaging_flags
 from experiments import config as config_lib
 from experiments import errors
 from experiments.runs import convergence
@@ -132,7 +133,7 @@ def test_run_writes_domainbed_results_and_done(reference):
   # Without --averaging, nothing of it: no keys, no averaged params.
   assert not [key for key in records[-1] if key.startswith(
       ("averaged_", "swad_")) or key.endswith("_out_loss")]
-  assert not set(config_lib.AVERAGING_FIELDS) & set(records[-1]["args"])
+  assert not set(averaging_flags.FIELDS) & set(records[-1]["args"])
   assert not (reference / "averaged_params.npz").exists()
   params = _params(reference)
   assert "params/head/kernel" in params
@@ -893,19 +894,19 @@ def test_flags_that_cannot_run_are_usage_errors_before_any_work(
 
 def test_the_compile_cache_is_the_users_unless_moved_or_off(monkeypatch,
                                                             tmp_path):
-  monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
+  monkeypatch.delenv(train.COMPILE_CACHE_ENV, raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-  assert config_lib.compile_cache_path(None) == (
+  assert train.compile_cache_path(None) == (
       tmp_path / "xdg" / "pgrad_jax" / "jax_cache")
   monkeypatch.delenv("XDG_CACHE_HOME")
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
-  assert config_lib.compile_cache_path(None) == (
+  assert train.compile_cache_path(None) == (
       tmp_path / "home" / ".cache" / "pgrad_jax" / "jax_cache")
-  monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(tmp_path / "env"))
-  assert config_lib.compile_cache_path(None) == tmp_path / "env"
-  assert config_lib.compile_cache_path(str(tmp_path / "flag")) == (
+  monkeypatch.setenv(train.COMPILE_CACHE_ENV, str(tmp_path / "env"))
+  assert train.compile_cache_path(None) == tmp_path / "env"
+  assert train.compile_cache_path(str(tmp_path / "flag")) == (
       tmp_path / "flag")
-  assert config_lib.compile_cache_path("none") is None
+  assert train.compile_cache_path("none") is None
   # Where runs execute, not what they compute: not in their identity.
   config = config_lib.parse_args(["--compile_cache_dir", "none"])
   assert config.identity() == config_lib.parse_args([]).identity()
@@ -951,24 +952,24 @@ def test_one_process_at_a_time_trains_a_run(reference, tmp_path, capsys):
 
 def test_a_compile_cache_the_user_names_must_be_writable(monkeypatch,
                                                         tmp_path):
-  monkeypatch.delenv(config_lib.COMPILE_CACHE_ENV, raising=False)
+  monkeypatch.delenv(train.COMPILE_CACHE_ENV, raising=False)
   # A directory under a file: no one can create it, root included.
   blocked = tmp_path / "a_file"
   blocked.write_text("")
-  assert config_lib.checked_compile_cache(str(tmp_path / "cache")) == (
+  assert train.checked_compile_cache(str(tmp_path / "cache")) == (
       tmp_path / "cache")
   assert (tmp_path / "cache").is_dir()
-  assert config_lib.checked_compile_cache("none") is None
+  assert train.checked_compile_cache("none") is None
   with pytest.raises(errors.UsageError,
                      match=r"--compile_cache_dir .*a_file/cache: cannot write "
                      r"the compilation cache there \(Not a directory\); pass "
                      "a writable --compile_cache_dir, or --compile_cache_dir "
                      "none"):
-    config_lib.checked_compile_cache(str(blocked / "cache"))
-  monkeypatch.setenv(config_lib.COMPILE_CACHE_ENV, str(blocked / "env"))
+    train.checked_compile_cache(str(blocked / "cache"))
+  monkeypatch.setenv(train.COMPILE_CACHE_ENV, str(blocked / "env"))
   with pytest.raises(errors.UsageError,
                      match=r"\$JAX_COMPILATION_CACHE_DIR .*a_file/env: cannot"):
-    config_lib.checked_compile_cache(None)
+    train.checked_compile_cache(None)
 
 
 def test_a_run_without_a_writable_default_cache_says_so_once(tmp_path):
@@ -978,7 +979,7 @@ def test_a_run_without_a_writable_default_cache_says_so_once(tmp_path):
   blocked = tmp_path / "a_file"
   blocked.write_text("")
   env = {k: v for k, v in os.environ.items()
-         if k != config_lib.COMPILE_CACHE_ENV}
+         if k != train.COMPILE_CACHE_ENV}
   output_dir = tmp_path / "run"
   finished = subprocess.run(
       _command(output_dir), cwd=REPO, capture_output=True, text=True,
