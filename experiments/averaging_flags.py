@@ -18,6 +18,7 @@ finished run's result is printed without it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from experiments import errors
@@ -33,6 +34,22 @@ KNOBS = {
 }
 # The config's fields that --averaging adds.
 FIELDS = ("averaging", *(knob for knobs in KNOBS.values() for knob in knobs))
+# Between an algorithm and its weight averaging in a `method`'s name.
+JOINT = " + "
+
+
+def method(args: Mapping[str, Any]) -> str:
+  """What a run of these ``args`` is reported and compared as: its
+  algorithm, and its weight averaging where it has one.
+
+  >>> method({"algorithm": "ERM", "averaging": "swad"})
+  'ERM + SWAD'
+  >>> method({"algorithm": "ERM"})
+  'ERM'
+  """
+  averaging = args.get("averaging", "none")
+  return args["algorithm"] + ("" if averaging == "none"
+                              else JOINT + averaging.upper())
 
 def resolve(config: Any) -> Any:
   """``config`` (a ``config.Config``) with the knobs of its

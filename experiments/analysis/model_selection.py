@@ -31,27 +31,15 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 
+from experiments import averaging_flags
 from experiments.rundir.records import Record, averaged_record, env_key
 from experiments.rundir.records import held_out_env, train_envs
 
 
-# Between an algorithm and its weight averaging in a `method`'s name.
-AVERAGING_JOINT = " + "
-
-
 def method(record: Record) -> str:
-  """What a record's run is reported as: its algorithm, and its weight
-  averaging where it has one.
-
-  >>> method({"args": {"algorithm": "ERM", "averaging": "swad"}})
-  'ERM + SWAD'
-  >>> method({"args": {"algorithm": "ERM"}})
-  'ERM'
-  """
-  averaging = record["args"].get("averaging", "none")
-  algorithm = record["args"]["algorithm"]
-  return algorithm if averaging == "none" else (
-      algorithm + AVERAGING_JOINT + averaging.upper())
+  """What a record's run is reported as (`averaging_flags.method`): its
+  algorithm, and its weight averaging where it has one ("ERM + SWAD")."""
+  return averaging_flags.method(record["args"])
 
 
 def averages(record: Record) -> bool:

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from matplotlib.figure import Figure
 
+from experiments import averaging_flags
 from experiments import catalog
 from experiments import errors
 from experiments.analysis import claims as claims_lib
@@ -167,7 +168,7 @@ def _in_order(methods: set[str]) -> list[str]:
   """The rows of the tables: the methods (`model_selection.method`) in the
   registry's order of their algorithms, each algorithm's weight averagings
   after it ("ERM", "ERM + SWAD", "PGrad-B", ...)."""
-  algorithm = lambda method: method.split(model_selection.AVERAGING_JOINT)[0]
+  algorithm = lambda method: method.split(averaging_flags.JOINT)[0]
   algorithms = catalog.ALGORITHMS.in_order(map(algorithm, methods))
   return sorted(methods, key=lambda method: (
       algorithms.index(algorithm(method)), method))

@@ -63,6 +63,7 @@ def make_runs(
     hparams: str | None = None,
     trajectory_freq: int | None = None,
     model: str | None = None,
+    averaging: str | None = None,
 ) -> list[run_lib.Run]:
   """Lists the runs of a sweep, trial by trial.
 
@@ -87,13 +88,16 @@ def make_runs(
       (`catalog.TRAJECTORY_ALGORITHMS`), unless ``None``.
     model: passed on to training unless ``None`` (then each dataset's
       default model).
+    averaging: passed on to training unless ``None`` or ``"none"``: every
+      run averages its weights so (``--averaging``, at its knobs' defaults).
 
   Returns:
     The runs.
   """
   optional = {"steps": steps, "checkpoint_freq": checkpoint_freq,
-              "plateau_check_freq": plateau_check_freq, "model": model}
-  optional = {k: v for k, v in optional.items() if v is not None}
+              "plateau_check_freq": plateau_check_freq, "model": model,
+              "averaging": averaging}
+  optional = {k: v for k, v in optional.items() if v not in (None, "none")}
   try:
     fixed = json.loads(hparams) if hparams else {}
   except json.JSONDecodeError as e:

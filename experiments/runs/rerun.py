@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import averaging_flags
 from experiments import hparams_registry
 from experiments.runs import convergence
 from experiments.runs import environment
@@ -105,9 +106,13 @@ def first_difference(committed: Sequence[dict[str, Any]],
 
 
 def group(run: run_lib.Run) -> tuple[Any, ...]:
-  """The run's ``(dataset, algorithm, hparams_seed, trial_seed)``."""
+  """The run's ``(dataset, algorithm, hparams_seed, trial_seed)``; its
+  algorithm with its weight averaging where it has one
+  (`averaging_flags.method`: "ERM + SWAD" is compared with its own
+  trials, not ERM's)."""
   a = run.args
-  return a["dataset"], a["algorithm"], a["hparams_seed"], a["trial_seed"]
+  return (a["dataset"], averaging_flags.method(a), a["hparams_seed"],
+          a["trial_seed"])
 
 
 def sample(runs: Sequence[run_lib.Run],
@@ -128,7 +133,7 @@ def _cell(run: run_lib.Run) -> tuple[Any, ...]:
   """The run's dataset, algorithm, draw and held-out domains: its trials
   differ in nothing else."""
   a = run.args
-  return (a["dataset"], a["algorithm"], a["hparams_seed"],
+  return (a["dataset"], averaging_flags.method(a), a["hparams_seed"],
           tuple(a["test_envs"]))
 
 

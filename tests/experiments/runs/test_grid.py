@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments.runs import grid
+from experiments.runs import rerun
 from experiments.runs import sweep
 
 from test_sweep import launches, sweep_flags
@@ -32,6 +33,24 @@ def test_make_runs_holds_out_every_domain_by_default(tmp_path):
   command = stopping[0].command("train")
   assert command[command.index("--plateau_check_freq") + 1] == "50"
   assert not {r.output_dir for r in stopping} & {r.output_dir for r in longer}
+
+
+def test_averaging_runs_are_their_algorithms_runs_averaged(tmp_path):
+  kwargs = dict(output_dir=tmp_path, datasets=["ColoredDigits"],
+                algorithms=["ERM"], n_hparams=1, n_trials=2)
+  plain = grid.make_runs(**kwargs)
+  assert [r.output_dir for r in grid.make_runs(**kwargs, averaging="none")
+          ] == [r.output_dir for r in plain]
+  averaged = grid.make_runs(**kwargs, averaging="swad")
+  assert not {r.output_dir for r in averaged} & {r.output_dir for r in plain}
+  # The same runs, seeds included, with --averaging: they train alike.
+  assert [{k: v for k, v in r.args.items() if k != "averaging"}
+          for r in averaged] == [r.args for r in plain]
+  assert all(r.args["averaging"] == "swad" for r in averaged)
+  command = averaged[0].command("train")
+  assert command[command.index("--averaging") + 1] == "swad"
+  # Compared with their own trials, not the algorithm's.
+  assert {rerun.group(r)[1] for r in averaged} == {"ERM + SWAD"}
 
 
 def test_fixed_hparams_reach_only_the_algorithms_that_have_them(tmp_path):
