@@ -9,6 +9,13 @@ error naming the difference; ``--extend_grid`` adds runs to the grid (more
 draws, trials, datasets, algorithms or held-out domains) and the next launch
 saves the larger grid. `make_runs` lists a grid's runs: datasets x
 algorithms x held-out domains x hparams x seeds, as DomainBed's sweep does.
+
+A grid's ``averaging`` (``--averaging``) is every run's: a sweep of ERM
+with SWAD is a sweep of "ERM + SWAD" runs. Another averaging names none of
+the grid's runs, so it is another sweep, in another directory, not an
+extension. A grid saved before sweeps took a flag lacks its key; it is read
+with the flag's value that names the runs it named then
+(`_ADDED_GRID_FLAGS`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import averaging_flags
 from experiments import catalog
 from experiments import errors
 from experiments import hparams_registry
@@ -34,7 +42,10 @@ GRID_DEFAULTS = {
     "datasets": list(DEFAULT_DATASETS), "algorithms": list(catalog.ALGORITHMS),
     "test_envs": None, "n_hparams": 20, "n_trials": 3, "steps": None,
     "checkpoint_freq": None, "plateau_check_freq": None, "hparams": None,
-    "trajectory_freq": None, "model": None}
+    "trajectory_freq": None, "model": None, "averaging": "none"}
+# The grid flags added after sweeps saved their grids, with the value that
+# names the runs that a grid saved without them named.
+_ADDED_GRID_FLAGS = {"averaging": "none"}
 # Grid flags whose order does not matter.
 _UNORDERED_GRID_FLAGS = ("datasets", "algorithms", "test_envs")
 
@@ -98,6 +109,8 @@ def make_runs(
               "plateau_check_freq": plateau_check_freq, "model": model,
               "averaging": averaging}
   optional = {k: v for k, v in optional.items() if v not in (None, "none")}
+  if averaging is not None:
+    _check_averaging(averaging, algorithms)
   try:
     fixed = json.loads(hparams) if hparams else {}
   except json.JSONDecodeError as e:
@@ -137,8 +150,30 @@ def make_runs(
   return runs
 
 
+def _check_averaging(averaging: str, algorithms: Sequence[str]) -> None:
+  """Refuses an averaging that training would refuse for every run of the
+  grid, or for every run of one of its algorithms.
+
+  Raises:
+    ValueError: ``averaging`` is none of `averaging_flags.KNOBS`, or is
+      not ``"none"`` for a grid of ERMPlusPlus, which averages itself.
+  """
+  if averaging not in averaging_flags.KNOBS:
+    raise ValueError(f"--averaging {averaging!r} is none of "
+                     f"{', '.join(averaging_flags.KNOBS)}.")
+  if averaging != "none" and "ERMPlusPlus" in algorithms:
+    raise ValueError(
+        f"--averaging {averaging}: ERMPlusPlus averages its weights itself, "
+        "and training refuses to average them again. Give --algorithms "
+        "without ERMPlusPlus (the default is all of them), or sweep it in "
+        "another --output_dir without --averaging.")
+
+
 def read_grid(output_dir: str | Path) -> dict[str, Any] | None:
   """The grid that `save_grid` saved in a sweep's directory, or ``None``.
+
+  A grid saved before a flag of `_ADDED_GRID_FLAGS` was added gets that
+  flag's value there, which names the runs the grid named then.
 
   Raises:
     UsageError: the grid file is not a JSON object of grid flags.
@@ -152,12 +187,15 @@ def read_grid(output_dir: str | Path) -> dict[str, Any] | None:
     raise errors.UsageError(
         f"{path} cannot be read as the sweep's grid ({e}); restore it, or "
         "delete it and give the sweep's flags again.") from None
-  if not isinstance(grid, dict) or set(grid) != set(GRID_DEFAULTS):
+  if not isinstance(grid, dict) or not (
+      set(GRID_DEFAULTS) - set(_ADDED_GRID_FLAGS) <= set(grid)
+      <= set(GRID_DEFAULTS)):
     raise errors.UsageError(
         f"{path} is not a sweep's grid: it must hold exactly the keys "
-        f"{sorted(GRID_DEFAULTS)}; restore it, or delete it and give the "
-        "sweep's flags again.")
-  return grid
+        f"{sorted(GRID_DEFAULTS)} (those but {sorted(_ADDED_GRID_FLAGS)} if "
+        "saved before they were added); restore it, or delete it and give "
+        "the sweep's flags again.")
+  return {**_ADDED_GRID_FLAGS, **grid}
 
 
 def save_grid(output_dir: str | Path, grid: Mapping[str, Any]) -> None:
@@ -252,5 +290,8 @@ def resolve_grid(output_dir: str | Path, given: Mapping[str, Any],
           + "; ".join(differences) + f" would leave out {len(dropped)} of "
           f"the {grid_file} grid's runs (e.g. {dropped[0].label}). Keep "
           "every dataset, algorithm and held-out domain, at least as many "
-          "draws and trials, and the same other flags.")
+          "draws and trials, and the same other flags"
+          + ("; a sweep of another --averaging goes in another --output_dir "
+             "(the report reads both under their parent)."
+             if grid["averaging"] != saved["averaging"] else "."))
   return grid

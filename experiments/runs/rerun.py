@@ -75,6 +75,10 @@ _UNREPRODUCIBLE = ("output_dir", *records.TIMING_FIELDS)
 # The flags that pick the longer command's run, and its length.
 _LONGER_FLAGS = ("dataset", "algorithm", "hparams_seed", "trial_seed",
                  "test_env", "longer_steps")
+# What a run's --algorithm means where runs are picked by it.
+_METHOD_HELP = ("The run's method, as the list command and the report name "
+                "it: its algorithm ('ERM': without weight averaging), or its "
+                "algorithm and averaging ('ERM + SWAD').")
 # The characters of a run's first difference that its line shows.
 _SHOWN = 160
 # What `reproduce` finds of a run, and whether it passes.
@@ -118,13 +122,18 @@ def group(run: run_lib.Run) -> tuple[Any, ...]:
 def sample(runs: Sequence[run_lib.Run],
            hparams_seeds: Sequence[int] | None = None,
            algorithms: Sequence[str] | None = None) -> list[run_lib.Run]:
-  """One run per (dataset, algorithm, hparams_seed, trial_seed) group, the one
-  holding out the lowest domain, from the given draws and algorithms
-  (default: all)."""
+  """One run per `group`, the one holding out the lowest domain, from the
+  given draws and algorithms (default: all).
+
+  ``algorithms`` are methods' names (`averaging_flags.method`), as the
+  report's rows and `group` name them: "ERM" is ERM's runs without weight
+  averaging, "ERM + SWAD" those with SWAD's.
+  """
   chosen = {}
   for run in sorted(runs, key=lambda run: run.args["test_envs"]):
     if ((hparams_seeds is None or run.args["hparams_seed"] in hparams_seeds)
-        and (algorithms is None or run.args["algorithm"] in algorithms)):
+        and (algorithms is None
+             or averaging_flags.method(run.args) in algorithms)):
       chosen.setdefault(group(run), run)
   return list(chosen.values())
 
@@ -302,7 +311,9 @@ def longer_run(runs: Sequence[run_lib.Run], *, dataset: str, algorithm: str,
 
   Args:
     runs: the sweep's runs.
-    dataset, algorithm, hparams_seed, trial_seed, test_env: which run.
+    dataset, algorithm, hparams_seed, trial_seed, test_env: which run;
+      ``algorithm`` is its method (`averaging_flags.method`): "ERM" for a
+      run of ERM without weight averaging, "ERM + SWAD" for one with.
     longer_steps: how long the copy trains; at least the run's steps
       between plateau checks (``plateau_check_freq``), if it has them.
     output_dir: the directory its run directory goes under.
@@ -326,10 +337,14 @@ def longer_run(runs: Sequence[run_lib.Run], *, dataset: str, algorithm: str,
       args = {k: v for k, v in run.args.items()
               if k not in ("trajectory_freq", "plateau_check_freq")}
       return type(run).create({**args, "steps": longer_steps}, output_dir)
+  methods = sorted({averaging_flags.method(run.args) for run in runs})
   raise ValueError(
       f"There is no run of {algorithm} on {dataset} with hparams_seed "
       f"{hparams_seed}, trial_seed {trial_seed} and test_env {test_env}; "
-      "the list command lists the runs.")
+      + ("" if algorithm in methods else
+         f"the runs are of {', '.join(methods)} (the names --algorithm "
+         "takes); ")
+      + "the list command lists the runs.")
 
 
 def describe_ends(run: Sequence[records.Record], every: int) -> str:
@@ -370,7 +385,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       "longer", "Which run to train on, and for how long.")
   for name in _LONGER_FLAGS[:-1]:
     longer.add_argument(f"--{name}", type=str if name in (
-        "dataset", "algorithm") else int)
+        "dataset", "algorithm") else int, help=_METHOD_HELP if name == (
+            "algorithm") else None)
   longer.add_argument("--longer_steps", type=int,
                       help="How many steps the longer run trains.")
   longer.add_argument("--every", type=int, default=1000,

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import averaging_flags
 from experiments import config as config_lib
 from experiments.rundir import pack
 from experiments.rundir import records
@@ -237,9 +238,12 @@ class Run:
 
   @property
   def label(self) -> str:
-    """What the run trains, in words: dataset, algorithm and seeds."""
+    """What the run trains, in words: dataset, method (its algorithm, and
+    its weight averaging where it has one: `averaging_flags.method`) and
+    seeds."""
     a = self.args
-    return (f"{a['dataset']} {a['algorithm']} test_envs={a['test_envs']}"
+    return (f"{a['dataset']} {averaging_flags.method(a)} "
+            f"test_envs={a['test_envs']}"
             f" hparams_seed={a['hparams_seed']} trial_seed={a['trial_seed']}")
 
   def __str__(self) -> str:

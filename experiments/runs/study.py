@@ -36,7 +36,8 @@ in, else against the noise of its trials (docs/study.md, "Reproducing the
 study"; requirements/study.txt locks the versions that trained the
 committed study); ``longer`` trains one run on past its plateau
 (`experiments.runs.rerun`, which serves plain sweeps too). ``--algorithms``
-narrows ``reproduce``'s sample to some of the study's algorithms.
+narrows ``reproduce``'s sample to some of the study's methods: "ERM" is
+ERM's runs without weight averaging, "ERM + SWAD" its runs with SWAD's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from experiments import averaging_flags
 from experiments.runs import environment
 from experiments.runs import launchers
 from experiments.rundir import pack as pack_lib
@@ -136,8 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--jobs", type=int, default=2,
                       help="Runs trained at once; default: 2.")
   parser.add_argument("--algorithms", nargs="+", default=None,
-                      metavar="ALGORITHM",
-                      help="reproduce: the algorithms to sample; default: "
+                      metavar="METHOD",
+                      help="reproduce: the methods to sample, as the list "
+                      "command and the report name them: an algorithm "
+                      "('ERM': its runs without weight averaging) or an "
+                      "algorithm and its averaging ('ERM + SWAD'); default: "
                       "all.")
   rerun.add_arguments(parser)
   args = parser.parse_args(argv)
@@ -151,13 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   args.output_dir = args.output_dir or study.OUTPUT_DIR
   runs = study.runs(args.output_dir)
   if args.algorithms is not None:
-    known = {run.args["algorithm"] for run in runs}
+    known = {averaging_flags.method(run.args) for run in runs}
     if unknown := [a for a in args.algorithms if a not in known]:
       parser.error(f"--algorithms {' '.join(unknown)}: the study trains "
                    f"none of them; it trains {', '.join(sorted(known))}.")
   if args.command in rerun.COMMANDS:
     sampled = [run for run in runs if args.algorithms is None
-               or run.args["algorithm"] in args.algorithms]
+               or averaging_flags.method(run.args) in args.algorithms]
     return rerun.main(parser, args, sampled, args.output_dir,
                       study_lock(study))
   if args.command == "list":

@@ -37,6 +37,8 @@ Usage::
         --algorithms ERM PGrad --n_hparams 20 --n_trials 3 \\
         --output_dir sweeps/digits --jobs 2
     python -m experiments.runs.sweep launch --launcher multi_gpu ...
+    python -m experiments.runs.sweep launch --algorithms ERM \\
+        --averaging swad --output_dir sweeps/digits_swad  # "ERM + SWAD"
     python -m experiments.runs.sweep launch --launcher slurm \\
         --slurm_partition gpu --slurm_time 240 ...
     python -m experiments.runs.sweep list --output_dir sweeps/digits
@@ -57,6 +59,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from experiments import averaging_flags
 from experiments import catalog
 from experiments import config as config_lib
 from experiments import errors
@@ -179,6 +182,12 @@ def make_parser() -> argparse.ArgumentParser:
       "--trajectory_freq", type=int, default=argparse.SUPPRESS,
       help="Steps between params snapshots of the default-hparams runs of "
       f"{' and '.join(catalog.TRAJECTORY_ALGORITHMS)}; default: none.")
+  grid.add_argument(
+      "--averaging", default=argparse.SUPPRESS,
+      choices=list(averaging_flags.KNOBS),
+      help="Every run averages its weights so, at its knobs' defaults, and "
+      "is reported as its algorithm with it ('ERM + SWAD'); another "
+      "averaging is another sweep, in another --output_dir. Default: none.")
   grid.add_argument(
       "--extend_grid", action="store_true",
       help="Add runs to the saved grid (more datasets, algorithms, held-out "

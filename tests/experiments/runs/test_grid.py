@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from experiments import errors
 from experiments.runs import grid
 from experiments.runs import rerun
 from experiments.runs import sweep
@@ -167,3 +168,93 @@ def test_extend_grid_adds_runs_and_saves_the_larger_grid(
     assert "would leave out" in capsys.readouterr().err
   assert json.loads((tmp_path / grid.GRID_FILE).read_text())[
       "n_hparams"] == 3
+
+
+# A sweep.json as launch wrote it before sweeps took --averaging.
+OLD_GRID = {"algorithms": ["ERM", "PGrad"], "checkpoint_freq": None,
+            "datasets": ["ColoredDigits"], "hparams": None, "model": None,
+            "n_hparams": 3, "n_trials": 1, "plateau_check_freq": None,
+            "steps": 7, "test_envs": [1], "trajectory_freq": None}
+
+
+def test_a_grid_saved_before_averaging_reads_as_averaging_none(
+    tmp_path, train_command, capsys):
+  (tmp_path / grid.GRID_FILE).write_text(json.dumps(OLD_GRID, indent=1))
+  assert grid.read_grid(tmp_path) == {**OLD_GRID, "averaging": "none"}
+  # Its runs are the ones it named then: the flags' runs, without averaging.
+  runs = sweep.runs_for(sweep.parse_args(sweep_flags(tmp_path)))
+  assert not any("averaging" in run.args for run in runs)
+  alone = ["--output_dir", str(tmp_path), "--train_command", train_command]
+  assert sweep.main(["launch", *alone, "--averaging", "none"]) == 0
+  assert all(len(launches(run)) == 1 for run in runs)
+  capsys.readouterr()
+  assert sweep.main(["list", *alone]) == 0
+  assert "6 runs: 6 done" in capsys.readouterr().out
+  assert sweep.main(["list", *alone, "--averaging", "swad"]) == 2
+  assert ("--averaging swad (the grid has --averaging none)"
+          in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("keys", [
+    {**OLD_GRID, "averagin": "swad"},  # A foreign key.
+    {k: v for k, v in OLD_GRID.items() if k != "steps"},  # One missing.
+    {k: v for k, v in OLD_GRID.items() if k != "steps"} | {"averaging": "swad"},
+])
+def test_a_grid_of_other_keys_is_still_refused(tmp_path, keys):
+  (tmp_path / grid.GRID_FILE).write_text(json.dumps(keys))
+  with pytest.raises(errors.UsageError,
+                     match="is not a sweep's grid: it must hold"):
+    grid.read_grid(tmp_path)
+
+
+def test_an_averaging_that_is_none_of_the_choices_is_refused(tmp_path):
+  # A sweep.json edited by hand reaches make_runs unchecked by argparse.
+  with pytest.raises(ValueError,
+                     match="--averaging 'SWAD' is none of none, ema, sma, swad"):
+    grid.make_runs(output_dir=tmp_path, datasets=["ColoredDigits"],
+                   algorithms=["ERM"], n_hparams=1, n_trials=1,
+                   averaging="SWAD")
+
+
+def test_another_averaging_contradicts_the_saved_grid_in_one_line(
+    tmp_path, train_command, capsys):
+  flags = sweep_flags(tmp_path, n_hparams=1) + [
+      "--train_command", train_command, "--averaging", "swad"]
+  assert sweep.main(flags) == 0
+  assert json.loads((tmp_path / grid.GRID_FILE).read_text())[
+      "averaging"] == "swad"
+  before = sorted(p.name for p in tmp_path.iterdir())
+  capsys.readouterr()
+  alone = ["--output_dir", str(tmp_path), "--train_command", train_command]
+  for command in (["list"], ["launch"], ["cost", "--step_ms", "1"],
+                  ["delete_incomplete", "--yes"]):
+    assert sweep.main([*command, *alone, "--averaging", "none"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(
+        f"python -m experiments.runs.sweep: error: {tmp_path} is a sweep of "
+        f"another grid ({tmp_path / grid.GRID_FILE}): --averaging none (the "
+        "grid has --averaging swad).")
+    assert err.count("\n") == 1
+  # Another averaging trains other runs, none of the grid's: not an
+  # extension of it, but another sweep.
+  assert sweep.main(["launch", *alone, "--averaging", "ema",
+                     "--extend_grid"]) == 2
+  err = capsys.readouterr().err
+  assert ("--averaging ema (the grid has --averaging swad) would leave out 2 "
+          "of the") in err
+  assert "another --output_dir" in err and err.count("\n") == 1
+  assert sorted(p.name for p in tmp_path.iterdir()) == before
+  assert json.loads((tmp_path / grid.GRID_FILE).read_text())[
+      "averaging"] == "swad"
+
+
+def test_averaging_for_erm_plus_plus_is_refused_before_any_run(tmp_path,
+                                                               capsys):
+  # ERM++ averages its own weights; training refuses --averaging for it.
+  assert sweep.main(["list", "--output_dir", str(tmp_path), "--datasets",
+                     "ColoredDigits", "--averaging", "sma"]) == 2
+  err = capsys.readouterr().err
+  assert "--averaging sma: ERMPlusPlus averages its weights itself" in err
+  assert "--algorithms" in err and err.count("\n") == 1
+  assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from experiments import averaging_flags
 from experiments.runs import environment
+from experiments.runs import grid
 from experiments.runs import noise
 from experiments.rundir import pack
 from experiments.rundir import records
@@ -107,6 +109,62 @@ def test_a_plain_sweep_reproduces_its_runs_to_equal_records(tmp_path,
       "step 2: env1_in_acc = 2.0, "
       f"{committed[-1]['env1_in_acc']!r} committed")
 
+
+
+def test_a_sweep_of_averaging_runs_reproduces_them_as_their_method(
+    tmp_path, capsys):
+  flags = [*TINY_SWEEP, "--averaging", "swad", "--output_dir",
+           str(tmp_path / "sweep")]
+  assert sweep.main(flags) == 0
+  [run] = sweep.runs_for(sweep.parse_args(flags))
+  trained = records.read_run(run.output_dir).records
+  assert {record["args"]["averaging"] for record in trained} == {"swad"}
+  assert "averaged_segments" in trained[-1]
+  capsys.readouterr()
+  assert sweep.main(["reproduce", "--output_dir", str(tmp_path / "sweep"),
+                     "--output", str(tmp_path / "report.json")]) == 0
+  assert "\nequal: RotatedDigits ERM + SWAD 0 0, " in capsys.readouterr().out
+  [result] = json.loads((tmp_path / "report.json").read_text())["runs"]
+  assert result["group"] == ["RotatedDigits", "ERM + SWAD", 0, 0]
+
+
+def test_sample_picks_algorithms_by_their_method(tmp_path):
+  kwargs = dict(output_dir=tmp_path, datasets=["ColoredDigits"],
+                algorithms=["ERM", "PGrad"], n_hparams=1, n_trials=2,
+                test_envs=[0])
+  plain = grid.make_runs(**kwargs)
+  averaged = grid.make_runs(**kwargs, averaging="swad")
+  runs = plain + averaged
+  # "ERM" is ERM's runs without averaging; "ERM + SWAD" those with it.
+  assert rerun.sample(runs, algorithms=["ERM"]) == [
+      r for r in plain if r.args["algorithm"] == "ERM"]
+  assert rerun.sample(runs, algorithms=["ERM + SWAD", "PGrad"]) == [
+      r for r in runs if averaging_flags.method(r.args) in (
+          "ERM + SWAD", "PGrad")]
+  assert len(rerun.sample(runs)) == 8
+
+
+def test_longer_names_the_run_by_its_method(tmp_path, capsys):
+  flags = [*TINY_SWEEP, "--averaging", "swad", "--output_dir",
+           str(tmp_path / "sweep")]
+  [run] = sweep.runs_for(sweep.parse_args(flags))
+  longer = rerun.longer_run(
+      [run], dataset="RotatedDigits", algorithm="ERM + SWAD", hparams_seed=0,
+      trial_seed=0, test_env=1, longer_steps=5, output_dir=tmp_path / "l")
+  assert longer.args == {**run.args, "steps": 5}
+  # ERM's runs without averaging are not the sweep's: it says whose it has.
+  try:
+    sweep.main(["longer", *flags, "--dataset", "RotatedDigits",
+                "--algorithm", "ERM", "--hparams_seed", "0", "--trial_seed",
+                "0", "--test_env", "1", "--longer_steps", "5"])
+  except SystemExit as e:
+    assert e.code == 2
+  else:
+    raise AssertionError("a run the sweep lacks was not refused")
+  assert ("no run of ERM on RotatedDigits with hparams_seed 0, trial_seed 0 "
+          "and test_env 1; the runs are of ERM + SWAD (the names --algorithm "
+          "takes)") in capsys.readouterr().err
+  assert not (tmp_path / "sweep_longer").exists()
 
 MACHINE = {"processor": "AMD EPYC 7B13", "backend": "cpu", "jax": "0.10.2"}
 OTHER_MACHINE = {"processor": "Intel(R) Xeon(R) Platinum 8481C",

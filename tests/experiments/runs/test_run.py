@@ -63,3 +63,16 @@ def test_model_names_runs_and_num_workers_does_not(tmp_path, train_command):
       cores // 2)
   with pytest.raises(SystemExit, match="2"):
     sweep.parse_args(flags + ["--model", "nope"])
+
+
+def test_a_run_that_averages_is_labelled_by_its_method():
+  args = {"dataset": "RotatedDigits", "algorithm": "ERM", "test_envs": [1],
+          "hparams_seed": 0, "trial_seed": 2, "seed": 5}
+  # A run without averaging reads as it always has.
+  assert run_lib.Run.create(args, "sweep").label == (
+      "RotatedDigits ERM test_envs=[1] hparams_seed=0 trial_seed=2")
+  averaged = run_lib.Run.create({**args, "averaging": "swad"}, "sweep")
+  assert averaged.label == (
+      "RotatedDigits ERM + SWAD test_envs=[1] hparams_seed=0 trial_seed=2")
+  assert str(averaged) == (f"not started  {averaged.output_dir}  "
+                           f"{averaged.label}")

@@ -350,3 +350,32 @@ def test_a_usage_error_found_after_parsing_names_the_command(tmp_path, capsys):
   assert sweep.main(["list", "--output_dir", str(tmp_path)]) == 2
   assert capsys.readouterr().err.startswith(
       "python -m experiments.runs.sweep: error: ")
+
+
+def test_a_sweep_with_averaging_passes_it_to_every_run_and_lists_its_method(
+    tmp_path, train_command, capsys):
+  flags = sweep_flags(tmp_path, n_hparams=4) + ["--averaging", "swad"]
+  # hparams_seed 3 fails, for both algorithms.
+  assert sweep.main(flags + ["--train_command", train_command]) == 1
+  runs = sweep.runs_for(sweep.parse_args(flags))
+  assert len(runs) == 8
+  assert all(run.args["averaging"] == "swad" for run in runs)
+  assert all(flag(launch["argv"], "--averaging") == "swad"
+             for run in runs for launch in launches(run))
+  capsys.readouterr()
+  alone = ["--output_dir", str(tmp_path)]
+  assert sweep.main(["list", *alone]) == 0
+  listing = capsys.readouterr().out.splitlines()
+  assert [line.split(f"{run.output_dir}  ")[1].split("  [")[0]
+          for run, line in zip(runs, listing)] == [
+      f"ColoredDigits {algorithm} + SWAD test_envs=[1] hparams_seed={seed} "
+      "trial_seed=0" for algorithm in ("ERM", "PGrad") for seed in range(4)]
+  assert listing[-1].startswith("8 runs: 6 done, 2 incomplete, 0 not started")
+  assert sweep.main(["cost", *alone, "--step_ms", "1000",
+                     "--gpu_counts", "1"]) == 0
+  assert capsys.readouterr().out.startswith(
+      "8 runs, 56 training steps at 1000 ms a step")
+  assert sweep.main(["delete_incomplete", "--yes", *alone]) == 0
+  assert "Deleted 2 incomplete or damaged runs." in capsys.readouterr().out
+  assert [run.status is run_lib.Status.NOT_STARTED for run in runs] == [
+      False, False, False, True] * 2
