@@ -19,6 +19,7 @@ from experiments import catalog
 from experiments import train
 from experiments.runs import convergence
 from experiments.analysis import claims as claims_lib
+from experiments.analysis import curves
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.rundir import pack
@@ -410,7 +411,7 @@ def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
                                    step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
                                    domains=DOMAIN_NAMES["ColoredDigits"],
                                    **extra))
-  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
+  written, skipped = curves.write_plots(records, "ColoredDigits", 0, tmp_path)
   plots_by_caption = {plot.caption: plot for plot in written}
   assert list(plots_by_caption) == [
       "held-out accuracy", "training loss per domain",
@@ -525,20 +526,22 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
     assert reason in err
   assert not list((tmp_path / "out" / "claims").glob("*_roughness.png"))
 
-  # A curve of one point is drawn as a marker: the report's figures again,
-  # not drawn a second time.
+  # A curve of one point is drawn as a marker with error bars, unjoined:
+  # the report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
-  written, skipped = report.write_plots(
+  written, skipped = curves.write_plots(
       pack.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
       tmp_path / "out" / "plots")
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   for caption in ("held-out accuracy", "training loss per domain"):
-    lines = [line for axes in figures[caption].axes
-             for line in axes.get_lines()]
-    assert lines
-    for line in lines:
-      assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+    for axes in figures[caption].axes:
+      assert [bars.get_label() for bars in axes.containers] == [
+          "ERM", "PGrad", "PGrad-Bottom"]
+      for bars in axes.containers:
+        point = bars.lines[0]
+        assert len(point.get_xdata()) == 1 and point.get_marker() == "o"
+        assert point.get_linestyle() == "None"
 
 
 def test_plots_are_palette_pngs_that_look_as_full_colour(tmp_path):
@@ -683,7 +686,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
 
   # The report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
-  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
+  written, skipped = curves.write_plots(records, "ColoredDigits", 0, tmp_path)
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   loss_figure = figures["training loss per domain"]
@@ -1008,9 +1011,15 @@ def test_runs_that_average_are_reported_by_both_models(tmp_path, undrawn):
     assert "| ERM |" not in section and "| PGrad |" not in section
   # Where the runs ended: a row of their own too.
   assert "\n| ERM + SWAD | 6 |" in text
-  # The curves and claims are the runs' without averaging.
+  # The claims are the runs' without averaging; the curves are every
+  # method's, and say what those of the runs that average show.
   assert report.main(["--input_dir", str(tmp_path / "sweep" / "plain"),
                       "--output_dir", str(tmp_path / "plain")]) == 0
   plain = (tmp_path / "plain" / "results.md").read_text()
-  curves = "\n## Training curves"
-  assert text[text.index(curves):] == plain[plain.index(curves):]
+  claims = "\n## The paper's claims"
+  assert text[text.index(claims):] == plain[plain.index(claims):]
+  assert ("ColoredDigits, held-out env0: held-out accuracy"
+          + curves.AVERAGED_ACCURACY) in text
+  assert ("ColoredDigits, held-out env0: training loss per domain"
+          + curves.TRAINED_LOSS) in text
+  assert curves.AVERAGED_ACCURACY not in plain
