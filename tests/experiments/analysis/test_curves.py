@@ -118,6 +118,73 @@ def test_every_method_is_a_line_of_its_own(tmp_path):
         "-", ":", "-."]
 
 
+def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
+    tmp_path, capsys):
+  records = []
+  steps = (5, 10)
+  spectra = {"PGrad-B": [[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]],
+             "PGrad-F": [[0.8, 0.1, 0.1], [0.6, 0.3, 0.1]]}
+  for algorithm in ("ERM", "PGrad-B", "PGrad-F", "Fish"):
+    for trial in (0, 1):
+      for step in steps:
+        extra = {f"env{i}_in_loss": step * (1 + trial) + i for i in (1, 2)}
+        if algorithm in spectra:
+          extra["eigenvalues"] = spectra[algorithm][trial]
+        if algorithm == "Fish":
+          extra = {}  # Records of an older run: no losses.
+        records.append(make_record("ColoredDigits", algorithm, 0, 0, trial,
+                                   step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
+                                   domains=["+90%", "+80%", "-90%"],
+                                   **extra))
+  written, skipped = curves.write_plots(records, "ColoredDigits", 0, tmp_path)
+  plots_by_caption = {plot.caption: plot for plot in written}
+  assert list(plots_by_caption) == [
+      "held-out accuracy", "training loss per domain",
+      "PGrad-F eigenvalue spectrum", "PGrad-B eigenvalue spectrum"]
+  assert skipped == ["no loss curves of Fish: their runs record no "
+                     "env{i}_in_loss"]
+  for plot in written:
+    assert plot.path.read_bytes().startswith(b"\x89PNG")
+
+  # Every figure names the dataset and the held-out domain, and domains go
+  # by their names.
+  held_out = "ColoredDigits, held out env0 (+90%)"
+  accuracy = plots_by_caption["held-out accuracy"].figure.axes[0]
+  assert accuracy.get_title() == held_out
+  loss = plots_by_caption["training loss per domain"].figure
+  assert loss.get_suptitle() == held_out
+  panels = loss.axes
+  assert [a.get_title() for a in panels] == [
+      "training domain env1 (+80%)", "training domain env2 (-90%)"]
+  assert [a.get_xlabel() for a in panels] == ["step", "step"]
+  assert panels[0].get_ylabel() == "training loss"
+  # The records came as ERM, PGrad-B, PGrad-F; the legend (the figure's,
+  # beside the panels) follows the registry, as the tables do, and every
+  # algorithm has its own colour.
+  [legend] = loss.legends
+  assert [t.get_text() for t in legend.get_texts()] == [
+      "ERM", "PGrad-F", "PGrad-B"]
+  assert len({line.get_color() for line in panels[0].get_lines()}) == 3
+  for axes, env in zip(panels, (1, 2)):
+    for line in axes.get_lines():
+      # Mean over the two trials of step * (1 + trial) + env.
+      expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in steps]
+      np.testing.assert_allclose(line.get_ydata(), expected)
+
+  spectrum_figure = plots_by_caption["PGrad-B eigenvalue spectrum"].figure
+  (spectrum,) = spectrum_figure.axes
+  assert spectrum_figure.get_suptitle() == f"PGrad-B: {held_out}"
+  # A colour per component.
+  assert len({tuple(line.get_color()) for line in spectrum.get_lines()}) == 3
+  assert spectrum.get_ylabel() == "normalised eigenvalue"
+  assert [line.get_label() for line in spectrum.get_lines()] == [
+      "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
+  # Both steps of a run hold the same spectrum; the trials are averaged.
+  expected = np.mean(np.array(spectra["PGrad-B"], np.float64), axis=0)
+  for line, value in zip(spectrum.get_lines(), expected):
+    np.testing.assert_allclose(line.get_ydata(), [value, value])
+
+
 def _build_figures_only(monkeypatch):
   """Figures built but neither drawn nor written: what they show is under
   test, not their PNGs."""
@@ -161,3 +228,21 @@ def test_every_averaging_has_a_style_of_its_own():
   assert len({style.marker for style in styles.values()}) == len(styles)
   # An algorithm's own runs keep the solid lines and round points they had.
   assert styles["none"] == plots.AveragingStyle("-", "o")
+
+
+def test_a_spectrum_is_its_algorithms_runs_alone(tmp_path, monkeypatch):
+  # PGrad-B + SWAD trains as PGrad-B does: its spectrum would be PGrad-B's
+  # again, averaged in twice.
+  _build_figures_only(monkeypatch)
+  records = []
+  for averaging, spectrum in (("none", [0.7, 0.2, 0.1]),
+                              ("swad", [0.5, 0.3, 0.2])):
+    for record in _records(averaging):
+      record["args"]["algorithm"] = "PGrad-B"
+      records.append({**record, "eigenvalues": spectrum})
+  written, skipped = curves.write_plots(records, "ColoredDigits", 0, tmp_path)
+  assert skipped == []
+  (spectrum,) = [p for p in written if "spectrum" in p.caption]
+  assert spectrum.caption == "PGrad-B eigenvalue spectrum"
+  assert [line.get_ydata()[0] for line in spectrum.figure.axes[0].get_lines()
+          ] == [0.7, 0.2, 0.1]
