@@ -32,6 +32,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from experiments import averaging_flags
+from experiments import catalog
 from experiments.rundir.records import Record, averaged_record, env_key
 from experiments.rundir.records import held_out_env, train_envs
 
@@ -45,6 +46,21 @@ def method(record: Record) -> str:
 def averages(record: Record) -> bool:
   """Whether a record's run averages its weights (``--averaging``)."""
   return record["args"].get("averaging", "none") != "none"
+
+
+def in_order(methods: Iterable[str]) -> list[str]:
+  """Methods (`method`) in the order of the report's rows and legends: the
+  registry's order of their algorithms, each algorithm's weight averagings
+  after it.
+
+  >>> in_order(["PGrad-B + SWAD", "ERM + SWAD", "PGrad-B", "ERM + SMA", "ERM"])
+  ['ERM', 'ERM + SMA', 'ERM + SWAD', 'PGrad-B', 'PGrad-B + SWAD']
+  """
+  methods = set(methods)
+  algorithm = lambda method: method.split(averaging_flags.JOINT)[0]
+  algorithms = catalog.ALGORITHMS.in_order(map(algorithm, methods))
+  return sorted(methods, key=lambda method: (
+      algorithms.index(algorithm(method)), method))
 
 
 def averaged_model(records: Iterable[Record]) -> list[Record]:

@@ -2,8 +2,11 @@
 
 Every training-dynamics function takes records (see `experiments.rundir.records`)
 of one dataset and held-out domain and writes one PNG, titled with the
-dataset and the held-out domain; `plot_claims` draws what
-`experiments.analysis.claims` measures. Domains are named as
+dataset and the held-out domain, with a line per method: an algorithm, or an
+algorithm with its weight averaging ("ERM + SWAD",
+`model_selection.method`), drawn in its algorithm's colour
+(`algorithm_colour`) and its averaging's line style (`AVERAGING_STYLES`).
+`plot_claims` draws what `experiments.analysis.claims` measures. Domains are named as
 ``env{i} (name)`` where the records carry their names. Curves are averaged
 over the runs in the records, which are meant to differ only in
 ``trial_seed``. The figures are drawn on
@@ -28,6 +31,7 @@ from PIL import Image
 
 from experiments import catalog
 from experiments.analysis import claims
+from experiments.analysis import model_selection
 from experiments.analysis.model_selection import by_run, group_by
 from experiments.rundir.records import Record, env_key, held_out_env, train_envs
 
@@ -161,11 +165,39 @@ def single_point_marker(steps: Sequence[Any]) -> str | None:
   return "o" if len(steps) == 1 else None
 
 
-def _plot_band(axes: Axes, records: Sequence[Record], key: str,
-               algorithm: str, *, spread: str = "std"):
-  """Plots a mean curve over runs with a band: +-1 standard deviation, or
-  with ``spread="range"`` from the lowest run to the highest (on a log
-  scale, where the mean minus a standard deviation can be negative)."""
+class AveragingStyle(NamedTuple):
+  """How the curves of a weight averaging's runs are drawn, in their
+  algorithm's colour.
+
+  Attributes:
+    linestyle: its lines' matplotlib line style.
+    marker: its points' marker, where a run has one point alone (SWAD's
+      final model; a sweep of one evaluation).
+  """
+
+  linestyle: str
+  marker: str
+
+
+# Per ``--averaging``, its curves' style: an algorithm's own runs solid,
+# each averaging of it in its colour, dashed or dotted apart.
+AVERAGING_STYLES = {
+    "none": AveragingStyle("-", "o"),
+    "ema": AveragingStyle("--", "s"),
+    "sma": AveragingStyle(":", "^"),
+    "swad": AveragingStyle("-.", "D"),
+}
+
+
+def _plot_band(axes: Axes, records: Sequence[Record], key: str, *,
+               spread: str = "std"):
+  """Plots one method's mean curve over runs with a band: +-1 standard
+  deviation, or with ``spread="range"`` from the lowest run to the highest
+  (on a log scale, where the mean minus a standard deviation can be
+  negative). Where every run has one point alone (SWAD's final model, a
+  sweep of one evaluation), the points are markers with that spread as
+  error bars, not joined: a line between the final points of runs that
+  ended at different steps is no curve, and a band at one step no band."""
   steps, mean, std = mean_std_over_runs(records, key)
   if spread == "range":
     _, values = _values_over_runs(records, key)
@@ -173,9 +205,18 @@ def _plot_band(axes: Axes, records: Sequence[Record], key: str,
                  np.array([v.max() for v in values]))
   else:
     low, high = mean - std, mean + std
-  (line,) = axes.plot(steps, mean, label=algorithm,
-                      color=algorithm_colour(algorithm),
-                      marker=single_point_marker(steps))
+  args = records[0]["args"]
+  style = AVERAGING_STYLES[args.get("averaging", "none")]
+  colour = algorithm_colour(args["algorithm"])
+  label = model_selection.method(records[0])
+  points = [r for r in records if key in r]
+  if len(by_run(points)) == len(points):
+    axes.errorbar(steps, mean, yerr=(mean - low, high - mean), label=label,
+                  color=colour, linestyle="none", marker=style.marker,
+                  capsize=3)
+    return
+  (line,) = axes.plot(steps, mean, label=label, color=colour,
+                      linestyle=style.linestyle)
   axes.fill_between(steps, low, high, alpha=0.25, color=line.get_color(),
                     linewidth=0)
 
@@ -206,20 +247,30 @@ def algorithm_colour(algorithm: str) -> tuple[float, ...]:
   return palette_colour(list(catalog.ALGORITHMS).index(algorithm))
 
 
-def _by_algorithm(records: Sequence[Record]) -> dict[str, list[Record]]:
-  """The records of each algorithm, in the registry's order (the legends')."""
-  runs = group_by(records, lambda r: r["args"]["algorithm"])
-  return {name: runs[name] for name in catalog.ALGORITHMS.in_order(runs)}
+def _by_method(records: Sequence[Record]) -> dict[str, list[Record]]:
+  """The records of each method (`model_selection.method`), in the order of
+  the report's rows (`model_selection.in_order`), the legends'."""
+  runs = group_by(records, model_selection.method)
+  return {name: runs[name] for name in model_selection.in_order(runs)}
+
+
+def _averaging_note(records: Sequence[Record], what: str) -> str:
+  """The end of a legend's title saying what the curves of the runs that
+  average their weights show, or nothing where no run averages."""
+  if not any(map(model_selection.averages, records)):
+    return ""
+  return f";\n+ averaging: {what}"
 
 
 def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
-  """Per-domain training loss of each algorithm (PGrad's Figure 3).
+  """Per-domain training loss of each method (PGrad's Figure 3).
 
   One panel per training domain ``i`` shows ``env{i}_in_loss`` against the
   step on a log scale (a converged run's loss falls by decades and its tail
-  only shows so), one curve per algorithm: the mean over trials, with a band
+  only shows so), one curve per method: the mean over trials, with a band
   from the lowest trial to the highest (over those still training, where
-  the trials stopped at different steps).
+  the trials stopped at different steps). A run that averages its weights
+  shows its trained weights' loss: averaging does not change training.
 
   Args:
     records: records of one dataset and held-out domain, with
@@ -234,9 +285,8 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
   fig.suptitle(held_out_title(records[0]))
   panels = fig.subplots(1, len(envs), sharey=True, squeeze=False)[0]
   for env, axes in zip(envs, panels):
-    for algorithm, runs in _by_algorithm(records).items():
-      _plot_band(axes, runs, env_key(env, "in", "loss"), algorithm,
-                 spread="range")
+    for runs in _by_method(records).values():
+      _plot_band(axes, runs, env_key(env, "in", "loss"), spread="range")
     # Small: the panels' titles side by side must not run into each other.
     axes.set_title(
         f"training domain {domain_name(env, records[0].get('domains'))}",
@@ -244,7 +294,8 @@ def plot_loss_curves(records: Sequence[Record], path: str | Path) -> Figure:
     step_x_axis(axes)
     log_y_axis(axes)
   panels[0].set_ylabel("training loss")
-  legend_beside(fig, "mean of trials;\nband: lowest\nto highest trial",
+  legend_beside(fig, "mean of trials;\nband: lowest\nto highest trial"
+                + _averaging_note(records, "the\ntrained weights'"),
                 axes=panels[0])
   save(fig, path)
   return fig
@@ -296,7 +347,7 @@ def plot_eigenvalue_spectrum(
               transform=axes.transAxes, fontsize="small")
   axes.set_xlabel("step (interval centre)")
   axes.set_ylabel("normalised eigenvalue")
-  fig.suptitle(f"{', '.join(_by_algorithm(records))}: "
+  fig.suptitle(f"{', '.join(_by_method(records))}: "
                f"{held_out_title(records[0])}", fontsize="medium")
   legend_beside(fig)
   save(fig, path)
@@ -306,11 +357,13 @@ def plot_eigenvalue_spectrum(
 def plot_heldout_accuracy(
     records: Sequence[Record], path: str | Path
 ) -> Figure:
-  """Accuracy on the held-out domain over training, per algorithm.
+  """Accuracy on the held-out domain over training, per method.
 
   The accuracy is ``env{t}_in_acc`` of the held-out domain ``t``, the test
   accuracy of model selection, with a band of +-1 standard deviation over
-  trials.
+  trials. A run that averages its weights shows its averaged model's, as
+  model selection reads it (`model_selection.averaged_model`): EMA's and
+  SMA's at every evaluation, SWAD's final model alone, a point.
 
   Args:
     records: records of one dataset and held-out domain.
@@ -322,12 +375,15 @@ def plot_heldout_accuracy(
   held_out = held_out_env(records[0])
   fig = Figure(figsize=(7, 3.5), layout="constrained")
   axes = fig.subplots()
-  for algorithm, runs in _by_algorithm(records).items():
-    _plot_band(axes, runs, env_key(held_out, "in", "acc"), algorithm)
+  for runs in _by_method(records).values():
+    if read := model_selection.averaged_model(runs):
+      _plot_band(axes, read, env_key(held_out, "in", "acc"))
   axes.set_title(held_out_title(records[0]), fontsize="medium")
   step_x_axis(axes)
   axes.set_ylabel("held-out domain accuracy")
-  legend_beside(fig, "mean of trials;\nband: ±1 s.d.")
+  legend_beside(fig, "mean of trials;\nband: ±1 s.d."
+                + _averaging_note(records, "the\naveraged model's;\n"
+                                  "a point: its\nfinal model alone"))
   save(fig, path)
   return fig
 

@@ -7,15 +7,13 @@ standard error over trials, in percent; ``X`` marks a missing result. Runs
 that average their weights (``--averaging``) are rows of their own ("ERM +
 SWAD", after ERM), read by their averaged model
 (`model_selection.averaged_model`); more tables then read their trained
-weights, and the curves and claims leave them out. A
-training table per dataset says where the runs ended
-(`experiments.runs.convergence`): final training loss and accuracy, whether the
+weights, and the claims leave them out. A training table per dataset says
+where the runs ended (`experiments.runs.convergence`): final training loss and accuracy, whether the
 validation accuracy had plateaued, and the training time. Training curves of
-the runs with default hparams (``hparams_seed`` 0) are plotted next to the
-tables: held-out accuracy and per-domain training loss of every algorithm, and
-the eigenvalue spectrum of every algorithm that records one (the PGrad
-variants). A plot that cannot be drawn is named, with the reason, in the report
-and on stderr.
+the runs with default hparams are plotted next to the tables
+(`experiments.analysis.curves`): held-out accuracy and per-domain training
+loss of every row's method, averaging runs included, and the eigenvalue
+spectrum of every algorithm that records one (the PGrad variants).
 
 Usage::
 
@@ -40,15 +38,14 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
-from experiments import averaging_flags
 from experiments import catalog
 from experiments import errors
 from experiments.analysis import claims as claims_lib
+from experiments.analysis import curves
 from experiments.runs import convergence
 from experiments.runs import grid as grid_lib
 from experiments.analysis import model_selection
@@ -59,25 +56,6 @@ from experiments.runs import run as run_lib
 from experiments.analysis import wilds_report
 from experiments.analysis.model_selection import SelectedAccuracies
 from experiments.rundir.records import Record
-
-PLOTS_DIR = "plots"
-# The runs whose training curves are plotted: DomainBed's default hparams.
-PLOTTED_HPARAMS_SEED = 0
-
-
-class Plot(NamedTuple):
-  """A figure written by `write_plots`.
-
-  Attributes:
-    caption: what it shows.
-    path: the PNG.
-    figure: the drawn figure, for inspection.
-  """
-
-  caption: str
-  path: Path
-  figure: Figure
-
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   """A Markdown table with a left-aligned first column, the rest centred.
@@ -162,16 +140,6 @@ def _labels(algorithms: Sequence[str], datasets: Sequence[str],
             for a in algorithms]
   most = max((n for row in counts for n in row), default=0)
   return [row_label(a, row, most) for a, row in zip(algorithms, counts)]
-
-
-def _in_order(methods: set[str]) -> list[str]:
-  """The rows of the tables: the methods (`model_selection.method`) in the
-  registry's order of their algorithms, each algorithm's weight averagings
-  after it ("ERM", "ERM + SWAD", "PGrad-B", ...)."""
-  algorithm = lambda method: method.split(averaging_flags.JOINT)[0]
-  algorithms = catalog.ALGORITHMS.in_order(map(algorithm, methods))
-  return sorted(methods, key=lambda method: (
-      algorithms.index(algorithm(method)), method))
 
 
 def _most_trials(rows: Sequence[Sequence[Sequence[float]]]) -> int:
@@ -341,58 +309,6 @@ def training_table(records: Sequence[Record],
        "steps (median; most)", "training time per run (s, median)"], rows)
 
 
-def write_plots(
-    records: Sequence[Record], dataset: str, env: int, plots_dir: Path
-) -> tuple[list[Plot], list[str]]:
-  """Plots the default-hparams runs of one dataset and held-out domain.
-
-  Args:
-    records: all records of the dataset with that single held-out domain.
-    dataset: the dataset.
-    env: the held-out domain.
-    plots_dir: where the PNGs go.
-
-  Returns:
-    The plots written, and for every plot not drawn, why.
-  """
-  runs = [r for r in records
-          if r["args"]["hparams_seed"] == PLOTTED_HPARAMS_SEED]
-  if not runs:
-    return [], [f"no plots: no run has hparams_seed {PLOTTED_HPARAMS_SEED}"]
-  by_algorithm = model_selection.group_by(runs,
-                                          lambda r: r["args"]["algorithm"])
-  algorithms = catalog.ALGORITHMS.in_order(by_algorithm)
-  loss_runs = [r for r in runs if records_lib.has_training_losses(r)]
-  # (caption, file suffix, plot function, records or [] with the reason).
-  figures = [
-      ("held-out accuracy", "accuracy", plots.plot_heldout_accuracy, runs, ""),
-      ("training loss per domain", "loss", plots.plot_loss_curves, loss_runs,
-       "no run records env{i}_in_loss"),
-  ]
-  skipped = []
-  without_loss = [a for a in algorithms if not any(
-      map(records_lib.has_training_losses, by_algorithm[a]))]
-  if loss_runs and without_loss:
-    skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
-                   "record no env{i}_in_loss")
-  spectra = [a for a in algorithms
-             if any(r.get("eigenvalues") for r in by_algorithm[a])]
-  figures += [(f"{a} eigenvalue spectrum", f"{a}_eigenvalues",
-               plots.plot_eigenvalue_spectrum, by_algorithm[a], "")
-              for a in spectra]
-  if not spectra:
-    skipped.append(f"no eigenvalue spectrum: none of {', '.join(algorithms)} "
-                   "records eigenvalues (the PGrad variants do)")
-  written = []
-  for caption, suffix, plot, selection, why_not in figures:
-    if not selection:
-      skipped.append(f"no {caption} plot: {why_not}")
-      continue
-    path = plots_dir / f"{dataset}_env{env}_{suffix}.png"
-    written.append(Plot(caption, path, plot(selection, path)))
-  return written, skipped
-
-
 def render(records: Sequence[Record], output_dir: Path,
            scope: str = "") -> str:
   """Builds the Markdown report and writes its plots.
@@ -410,7 +326,7 @@ def render(records: Sequence[Record], output_dir: Path,
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
   datasets = catalog.DATASETS.in_order(by_dataset)
-  algorithms = _in_order({model_selection.method(r) for r in records})
+  algorithms = model_selection.in_order(map(model_selection.method, records))
   num_domains = {d: records_lib.num_envs(by_dataset[d][0])
                  for d in datasets}
   domain_names = {d: next((r["domains"] for r in by_dataset[d]
@@ -431,8 +347,9 @@ def render(records: Sequence[Record], output_dir: Path,
     lines += ["", "The runs that average their weights (an algorithm \"+ "
               "SWAD\", \"+ EMA\", \"+ SMA\") are read by their averaged "
               "model (SWAD's: its final model, in its last record); the last "
-              "tables read their trained weights. The training curves and "
-              "the paper's claims leave them out."]
+              "tables read their trained weights. In the training curves "
+              "they are lines of their own; the paper's claims leave them "
+              "out."]
     read[", the trained weights of the runs that average"] = averaging
   for title, selection_records in read.items():
     rows = [a for a in algorithms
@@ -475,22 +392,9 @@ def render(records: Sequence[Record], output_dir: Path,
               "(PovertyMap: every fold and seed).", "",
               markdown_table(*wilds_table)]
 
-  plots_dir = output_dir / PLOTS_DIR
-  plots_dir.mkdir(parents=True, exist_ok=True)
-  lines += ["", f"## Training curves (hparams_seed {PLOTTED_HPARAMS_SEED})"]
-  for dataset in datasets:
-    by_env = model_selection.group_by(
-        [r for r in by_dataset[dataset] if not model_selection.averages(r)],
-        records_lib.held_out_env)
-    for env in sorted(by_env):
-      written, skipped = write_plots(by_env[env], dataset, env, plots_dir)
-      for plot in written:
-        link = plot.path.relative_to(output_dir).as_posix()
-        lines += ["", f"{dataset}, held-out env{env}: {plot.caption}", "",
-                  f"![{dataset} env{env} {plot.caption}]({link})"]
-      for reason in skipped:
-        print(f"{dataset}, held-out env{env}: {reason}.", file=sys.stderr)
-        lines += ["", f"{dataset}, held-out env{env}: {reason}."]
+  # The curves of the runs that average their weights are as the tables':
+  # lines of their own, their held-out accuracy their averaged model's.
+  lines += curves.section({d: by_dataset[d] for d in datasets}, output_dir)
   return "\n".join(lines) + "\n"
 
 

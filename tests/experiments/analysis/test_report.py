@@ -19,6 +19,7 @@ from experiments import catalog
 from experiments import train
 from experiments.runs import convergence
 from experiments.analysis import claims as claims_lib
+from experiments.analysis import curves
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.rundir import pack
@@ -393,72 +394,6 @@ def test_mean_std_over_runs():
   assert std.tolist() == [0.0, 1.0, 0.0]
 
 
-def test_every_algorithm_gets_loss_curves_and_every_variant_a_spectrum(
-    tmp_path, capsys):
-  records = []
-  spectra = {"PGrad-B": [[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]],
-             "PGrad-F": [[0.8, 0.1, 0.1], [0.6, 0.3, 0.1]]}
-  for algorithm in ("ERM", "PGrad-B", "PGrad-F", "Fish"):
-    for trial in (0, 1):
-      for step in STEPS:
-        extra = {f"env{i}_in_loss": step * (1 + trial) + i for i in (1, 2)}
-        if algorithm in spectra:
-          extra["eigenvalues"] = spectra[algorithm][trial]
-        if algorithm == "Fish":
-          extra = {}  # Records of an older run: no losses.
-        records.append(make_record("ColoredDigits", algorithm, 0, 0, trial,
-                                   step, in_accs=[0.5] * 3, out_accs=[0.5] * 3,
-                                   domains=DOMAIN_NAMES["ColoredDigits"],
-                                   **extra))
-  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
-  plots_by_caption = {plot.caption: plot for plot in written}
-  assert list(plots_by_caption) == [
-      "held-out accuracy", "training loss per domain",
-      "PGrad-F eigenvalue spectrum", "PGrad-B eigenvalue spectrum"]
-  assert skipped == ["no loss curves of Fish: their runs record no "
-                     "env{i}_in_loss"]
-  for plot in written:
-    assert plot.path.read_bytes().startswith(b"\x89PNG")
-
-  # Every figure names the dataset and the held-out domain, and domains go
-  # by their names.
-  held_out = "ColoredDigits, held out env0 (+90%)"
-  accuracy = plots_by_caption["held-out accuracy"].figure.axes[0]
-  assert accuracy.get_title() == held_out
-  loss = plots_by_caption["training loss per domain"].figure
-  assert loss.get_suptitle() == held_out
-  panels = loss.axes
-  assert [a.get_title() for a in panels] == [
-      "training domain env1 (+80%)", "training domain env2 (-90%)"]
-  assert [a.get_xlabel() for a in panels] == ["step", "step"]
-  assert panels[0].get_ylabel() == "training loss"
-  # The records came as ERM, PGrad-B, PGrad-F; the legend (the figure's,
-  # beside the panels) follows the registry, as the tables do, and every
-  # algorithm has its own colour.
-  [legend] = loss.legends
-  assert [t.get_text() for t in legend.get_texts()] == [
-      "ERM", "PGrad-F", "PGrad-B"]
-  assert len({line.get_color() for line in panels[0].get_lines()}) == 3
-  for axes, env in zip(panels, (1, 2)):
-    for line in axes.get_lines():
-      # Mean over the two trials of step * (1 + trial) + env.
-      expected = [np.mean([s * (1 + t) + env for t in (0, 1)]) for s in STEPS]
-      np.testing.assert_allclose(line.get_ydata(), expected)
-
-  spectrum_figure = plots_by_caption["PGrad-B eigenvalue spectrum"].figure
-  (spectrum,) = spectrum_figure.axes
-  assert spectrum_figure.get_suptitle() == f"PGrad-B: {held_out}"
-  # A colour per component.
-  assert len({tuple(line.get_color()) for line in spectrum.get_lines()}) == 3
-  assert spectrum.get_ylabel() == "normalised eigenvalue"
-  assert [line.get_label() for line in spectrum.get_lines()] == [
-      "$\\lambda_{1}$", "$\\lambda_{2}$", "$\\lambda_{3}$"]
-  # Both steps of a run hold the same spectrum; the trials are averaged.
-  expected = np.mean(np.array(spectra["PGrad-B"], np.float64), axis=0)
-  for line, value in zip(spectrum.get_lines(), expected):
-    np.testing.assert_allclose(line.get_ydata(), [value, value])
-
-
 def test_loss_bands_span_the_trials_on_a_log_scale(tmp_path):
   # Three trials: the band is their range, not the mean +- one standard
   # deviation (which would go below zero on a log scale).
@@ -525,20 +460,22 @@ def test_a_sweep_of_one_evaluation_draws_points_and_says_what_it_cannot(
     assert reason in err
   assert not list((tmp_path / "out" / "claims").glob("*_roughness.png"))
 
-  # A curve of one point is drawn as a marker: the report's figures again,
-  # not drawn a second time.
+  # A curve of one point is drawn as a marker with error bars, unjoined:
+  # the report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
-  written, skipped = report.write_plots(
+  written, skipped = curves.write_plots(
       pack.load_runs(tmp_path / "sweep").records, "ColoredDigits", 0,
       tmp_path / "out" / "plots")
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   for caption in ("held-out accuracy", "training loss per domain"):
-    lines = [line for axes in figures[caption].axes
-             for line in axes.get_lines()]
-    assert lines
-    for line in lines:
-      assert len(line.get_xdata()) == 1 and line.get_marker() == "o"
+    for axes in figures[caption].axes:
+      assert [bars.get_label() for bars in axes.containers] == [
+          "ERM", "PGrad", "PGrad-Bottom"]
+      for bars in axes.containers:
+        point = bars.lines[0]
+        assert len(point.get_xdata()) == 1 and point.get_marker() == "o"
+        assert point.get_linestyle() == "None"
 
 
 def test_plots_are_palette_pngs_that_look_as_full_colour(tmp_path):
@@ -683,7 +620,7 @@ def test_report_of_a_tiny_sweep_has_pgrad_b_spectrum_and_loss_curves(
 
   # The report's figures again, not drawn a second time.
   _build_figures_only(monkeypatch)
-  written, skipped = report.write_plots(records, "ColoredDigits", 0, tmp_path)
+  written, skipped = curves.write_plots(records, "ColoredDigits", 0, tmp_path)
   assert skipped == []
   figures = {plot.caption: plot.figure for plot in written}
   loss_figure = figures["training loss per domain"]
@@ -1008,9 +945,15 @@ def test_runs_that_average_are_reported_by_both_models(tmp_path, undrawn):
     assert "| ERM |" not in section and "| PGrad |" not in section
   # Where the runs ended: a row of their own too.
   assert "\n| ERM + SWAD | 6 |" in text
-  # The curves and claims are the runs' without averaging.
+  # The claims are the runs' without averaging; the curves are every
+  # method's, and say what those of the runs that average show.
   assert report.main(["--input_dir", str(tmp_path / "sweep" / "plain"),
                       "--output_dir", str(tmp_path / "plain")]) == 0
   plain = (tmp_path / "plain" / "results.md").read_text()
-  curves = "\n## Training curves"
-  assert text[text.index(curves):] == plain[plain.index(curves):]
+  claims = "\n## The paper's claims"
+  assert text[text.index(claims):] == plain[plain.index(claims):]
+  assert ("ColoredDigits, held-out env0: held-out accuracy"
+          + curves.AVERAGED_ACCURACY) in text
+  assert ("ColoredDigits, held-out env0: training loss per domain"
+          + curves.TRAINED_LOSS) in text
+  assert curves.AVERAGED_ACCURACY not in plain
