@@ -131,16 +131,24 @@ def held_out_metric(record: Record, env: int) -> float:
 
 def final_line(record: Record, output_dir: str | Path) -> str:
   """What a run prints at its end: its last record's held-out metric, said
-  for what it is, and where the run is."""
+  for what it is, its averaged weights' beside it where the run averages
+  them (``--averaging``), and where the run is."""
   test_envs = record["args"]["test_envs"]
   metric = ("accuracy" if env_key(test_envs[0], "in", "acc") in record
             else "Pearson's r")
-  held_out = ", ".join(f"{record['domains'][t]} (env{t}) "
-                       f"{held_out_metric(record, t):.4f}" for t in test_envs)
+
+  def held_out(of: Record) -> str:
+    return ", ".join(f"{of['domains'][t]} (env{t}) "
+                     f"{held_out_metric(of, t):.4f}" for t in test_envs)
+
   steps = f"{record['step']} step{'' if record['step'] == 1 else 's'}"
+  averaged = averaged_record(record)
+  of_average = "" if averaged is None else (
+      f"; its averaged weights' (--averaging "
+      f"{record['args']['averaging']}): {held_out(averaged)}")
   return (f"Held-out {metric} after {steps} (the last step's, "
           f"on the held-out domains' in splits; no model selection): "
-          f"{held_out}. Run directory: {output_dir}")
+          f"{held_out(record)}{of_average}. Run directory: {output_dir}")
 
 
 def divergence_warning(record: Record) -> str | None:

@@ -40,6 +40,7 @@ from experiments import algorithms
 from experiments import averaging
 from experiments import config as config_lib
 from experiments.rundir import records
+from experiments.training import progress
 from experiments.training import sharding
 from experiments.training import steps
 
@@ -204,6 +205,9 @@ class Averaging:
       final = self._swad.final(swad_state)
       averaged = final.params
       if self.bn_trains:
+        progress.say(f"Recomputing the BatchNorm statistics of SWAD's model "
+                     f"over {BATCHNORM_BATCHES} training batches, as swad's "
+                     "update_bn does.")
         batches = training_batches()
         averaged = {**averaged, "stats": averaging.cumulative_batch_statistics(
             lambda batch: batch_statistics(self._network, averaged["params"],

@@ -354,3 +354,16 @@ def test_a_divergence_is_told_by_the_losses_that_are_not_finite():
   # As JSON writes and reads them back.
   assert records.divergence_warning(json.loads(json.dumps(record))) == (
       records.divergence_warning(record))
+
+
+def test_the_final_line_of_an_averaging_run_gives_both_models():
+  record = {"args": {"test_envs": [1], "averaging": "swad"}, "step": 40,
+            "domains": ["a", "b"], "env1_in_acc": 0.25,
+            "averaged_env1_in_acc": 0.625}
+  line = records.final_line(record, "r")
+  assert ("in splits; no model selection): b (env1) 0.2500; its averaged "
+          "weights' (--averaging swad): b (env1) 0.6250. Run directory: r"
+          in line), line
+  # SWAD's records before the last have no averaged metrics.
+  del record["averaged_env1_in_acc"]
+  assert "averaged" not in records.final_line(record, "r")
