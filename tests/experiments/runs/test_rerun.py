@@ -59,9 +59,12 @@ def test_sample_takes_one_run_per_group_holding_out_the_lowest_domain(
   assert len(chosen) == 2 * len(digits.ALGORITHMS) * digits.N_TRIALS
   assert all(run.args["hparams_seed"] == 1 and run.args["test_envs"] == [0]
              for run in chosen)
-  assert len(rerun.sample(runs)) == len(chosen) * 2 + 2 * len(
-      digits.CLAIM_ALGORITHMS) * digits.N_TRIALS
-  erm = rerun.sample([r for r in runs if r.args["algorithm"] == "ERM"], [0])
+  # The recipes (ERM + SWAD, ..., ERM++) are groups of their own.
+  recipes = len(digits.AVERAGED) + len(digits.RECIPE_ALGORITHMS)
+  assert len(rerun.sample(runs)) == len(chosen) * 2 + 2 * (len(
+      digits.CLAIM_ALGORITHMS) + recipes) * digits.N_TRIALS
+  erm = rerun.sample([r for r in runs if r.args["algorithm"] == "ERM"
+                      and "averaging" not in r.args], [0])
   assert sorted((r.args["dataset"], r.args["trial_seed"]) for r in erm) == [
       (d, t) for d in sorted(digits.DATASETS) for t in range(digits.N_TRIALS)]
   assert all(r.args["algorithm"] == "ERM" and r.args["hparams_seed"] == 0
@@ -354,7 +357,8 @@ def test_longer_run_is_the_study_run_made_longer(tmp_path):
       trial_seed=0, test_env=2, longer_steps=5000,
       output_dir=tmp_path / "longer")
   (original,) = [r for r in runs if r.args["dataset"] == "ColoredDigits"
-                 and r.args["algorithm"] == "ERM" and r.args["trial_seed"] == 0
+                 and r.args["algorithm"] == "ERM" and "averaging" not in r.args
+                 and r.args["trial_seed"] == 0
                  and r.args["hparams_seed"] == 0 and r.args["test_envs"] == [2]]
   # Trial 0's default ERM run saves trajectories and stops at its plateau;
   # the longer one does neither.

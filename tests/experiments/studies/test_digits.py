@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments import averaging_flags
 from experiments import config as config_lib
 from experiments.rundir import claim
 from experiments.rundir import pack
@@ -22,7 +23,30 @@ def test_study_runs_follow_the_protocol(tmp_path):
   main = envs * len(digits.ALGORITHMS) * digits.N_HPARAMS * digits.N_TRIALS
   # The ablations hold out domain 0 of each dataset.
   ablations = 2 * len(digits.CLAIM_ALGORITHMS) * digits.N_TRIALS
-  assert len(runs) == main + ablations
+  # The recipes: every held-out domain, at the defaults.
+  methods = [averaging_flags.method({"algorithm": a, "averaging": averaging})
+             for a, averaging in digits.AVERAGED] + list(
+                 digits.RECIPE_ALGORITHMS)
+  recipes = envs * len(methods) * digits.N_TRIALS
+  assert len(runs) == main + ablations + recipes
+  runs, recipe_runs = runs[:main + ablations], runs[main + ablations:]
+  order = [(methods.index(averaging_flags.method(r.args)),
+            r.args["trial_seed"]) for r in recipe_runs]
+  assert order == sorted(order) and len(set(order)) == len(methods) * 3
+  paired = {(r.args["dataset"], r.args["algorithm"], tuple(r.args["test_envs"]),
+             r.args["trial_seed"]): r.args for r in runs
+            if r.args["hparams_seed"] == 0}
+  for run in recipe_runs:
+    args = run.args
+    assert args["hparams_seed"] == 0 and "trajectory_freq" not in args
+    hparams = json.loads(args["hparams"])
+    assert hparams.get("auto_lr", False) == (args["algorithm"] == "ERMPlusPlus")
+    if "averaging" in args:
+      # Trained as the algorithm's own run of that trial: the same seed.
+      own = paired[args["dataset"], args["algorithm"],
+                   tuple(args["test_envs"]), args["trial_seed"]]
+      assert {k: v for k, v in args.items() if k != "averaging"} == {
+          k: v for k, v in own.items() if k != "trajectory_freq"}
   assert len({run.output_dir for run in runs}) == len(runs)
   assert all(run.output_dir.parent == tmp_path for run in runs)
   assert digits.MAX_STEPS % digits.STEPS == 0
