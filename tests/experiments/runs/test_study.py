@@ -27,7 +27,7 @@ def test_study_skips_runs_marked_done(tmp_path, capsys):
 
 def test_a_packed_study_needs_no_run_directories(tmp_path, capsys,
                                                  monkeypatch):
-  # The study's 780 runs written unsynced: syncing each of their files to
+  # The study's runs written unsynced: syncing each of their files to
   # the disk, as training does for a run killed mid-write, took seconds of
   # waiting for it.
   monkeypatch.setattr(os, "fsync", lambda fd: None)
