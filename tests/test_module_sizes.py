@@ -14,15 +14,6 @@ ROOT = pathlib.Path(__file__).parent.parent
 PACKAGES = ("experiments", "pgrad_jax")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 100
-# The functions allowed past the limit, with the most lines each may have:
-# ``(module path, qualified name): lines``. The test fails on any other, on
-# one of these grown, and on one gone or back under the limit, so that the
-# list only shrinks. pgrad_jax's transform builds its optax transformation
-# as closures over its arguments (optax's style), its init and update
-# inside it.
-ALLOWED_FUNCTIONS = {
-    ("pgrad_jax/_src/transform.py", "_rollout_transform"): 121,
-}
 
 
 def function_lengths(source):
@@ -73,13 +64,8 @@ def test_no_module_or_function_past_the_limits():
   assert not modules, (
       f"Modules over {MAX_MODULE_LINES} lines, to split into one idea "
       f"each: {modules}")
-  grown = {key: lines for key, lines in functions.items()
-           if lines > ALLOWED_FUNCTIONS.get(key, MAX_FUNCTION_LINES)}
-  assert not grown, (
-      f"Functions over {MAX_FUNCTION_LINES} lines (or past their allowance "
-      f"in ALLOWED_FUNCTIONS), to split: {grown}")
-  gone = set(ALLOWED_FUNCTIONS) - set(functions)
-  assert not gone, f"Now within the limit: drop from ALLOWED_FUNCTIONS: {gone}"
+  assert not functions, (
+      f"Functions over {MAX_FUNCTION_LINES} lines, to split: {functions}")
 
 
 def test_the_limits_count_every_line_of_modules_and_functions(tmp_path):

@@ -101,6 +101,63 @@ def _is_empty_container(params: Any) -> bool:
   return params is None
 
 
+def _check_params(name: str, params: optax.Params) -> None:
+  """Refuses params that a rollout cannot step: none, or not floating."""
+  if _is_empty_container(params):
+    raise ValueError(
+        f"{name}.init needs the params, a pytree of floating-point arrays; "
+        f"got {params!r}.")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise TypeError(
+          f"{name} needs floating-point params; leaf "
+          f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}. "
+          "Keep integer state out of the params tree (e.g. nnx.Optimizer's "
+          "wrt=nnx.Param).")
+
+
+def _check_update(name: str, state: Any, params: optax.Params | None,
+                  model_state: Any, batches: Any, B: int,
+                  num_domains: int | None) -> int:
+  """Refuses an update's arguments that do not fit the transform; returns
+  how many domains the batches hold."""
+  if not isinstance(state, (PGradState, FishState)):
+    raise TypeError(
+        f"{name}.update needs the state that {name}.init returned; got "
+        f"{type(state).__name__}.")
+  if params is None:
+    raise ValueError(
+        f"{name}.update needs params: "
+        "tx.update(grads, state, params, loss_fn=..., batches=...).")
+  _check_model_state(name, model_state, state.model_state)
+  n = rollout_lib.check_batches(batches, B)
+  if num_domains is not None and n != num_domains:
+    raise ValueError(
+        f"batches hold {n} domains but {name} was built with "
+        f"num_domains={num_domains}; build it with num_domains={n}.")
+  return n
+
+
+def _skip_nonfinite(losses: jax.Array, update: optax.Updates,
+                    new_states: Any, old_states: Any
+                    ) -> tuple[optax.Updates, Any, Any, jax.Array]:
+  """``nonfinite="skip"``: where a loss, the update or the new model state
+  is not finite, a zero update and the old inner and model states.
+
+  Returns:
+    The update, the inner state, the model state, and whether it skipped.
+  """
+  finite = jnp.all(jnp.isfinite(losses))
+  for leaf in jax.tree.leaves((update, new_states[1])):
+    if jnp.issubdtype(leaf.dtype, jnp.inexact):
+      finite &= jnp.all(jnp.isfinite(leaf))
+  update = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype),
+                        update)
+  inner_state, model_state = jax.tree.map(
+      lambda new, old: jnp.where(finite, new, old), new_states, old_states)
+  return update, inner_state, model_state, ~finite
+
+
 def _rollout_transform(
     name: str,
     inner_opt: optax.GradientTransformation,
@@ -137,17 +194,7 @@ def _rollout_transform(
   # The states are typed at their fields: optax.OptState leaves out None,
   # which absent diagnostics are (and a pytree and a checkpoint hold).
   def init_fn(params: optax.Params) -> Any:
-    if _is_empty_container(params):
-      raise ValueError(
-          f"{name}.init needs the params, a pytree of floating-point arrays; "
-          f"got {params!r}.")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-        raise TypeError(
-            f"{name} needs floating-point params; leaf "
-            f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}. "
-            "Keep integer state out of the params tree (e.g. nnx.Optimizer's "
-            "wrt=nnx.Param).")
+    _check_params(name, params)
     return make_state(
         eigenvalues=jnp.zeros((num_steps + 1,), jnp.float32),
         losses=jnp.zeros((num_steps,), jnp.float32),
@@ -169,20 +216,8 @@ def _rollout_transform(
       **extra_args: Any,
   ) -> tuple[optax.Updates, Any]:
     del updates, extra_args  # The rollout computes its own gradients.
-    if not isinstance(state, (PGradState, FishState)):
-      raise TypeError(
-          f"{name}.update needs the state that {name}.init returned; got "
-          f"{type(state).__name__}.")
-    if params is None:
-      raise ValueError(
-          f"{name}.update needs params: "
-          "tx.update(grads, state, params, loss_fn=..., batches=...).")
-    _check_model_state(name, model_state, state.model_state)
-    n = rollout_lib.check_batches(batches, options.B)
-    if num_domains is not None and n != num_domains:
-      raise ValueError(
-          f"batches hold {n} domains but {name} was built with "
-          f"num_domains={num_domains}; build it with num_domains={n}.")
+    n = _check_update(name, state, params, model_state, batches, options.B,
+                      num_domains)
 
     # Step 1: roll out.
     key, order_key = jax.random.split(state.key)
@@ -199,16 +234,9 @@ def _rollout_transform(
     inner_state, new_model_state = rolled.inner_state, rolled.model_state
     skipped = jnp.zeros((), bool)
     if nonfinite == "skip":
-      finite = jnp.all(jnp.isfinite(rolled.losses))
-      for leaf in jax.tree.leaves((update, new_model_state)):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-          finite &= jnp.all(jnp.isfinite(leaf))
-      skipped = ~finite
-      update = jax.tree.map(lambda u: jnp.where(finite, u, 0).astype(u.dtype),
-                            update)
-      inner_state, new_model_state = jax.tree.map(
-          lambda new, old: jnp.where(finite, new, old),
-          (inner_state, new_model_state), (state.inner_state, model_state))
+      update, inner_state, new_model_state, skipped = _skip_nonfinite(
+          rolled.losses, update, (inner_state, new_model_state),
+          (state.inner_state, model_state))
 
     return update, make_state(
         eigenvalues=(None if step.eigenvalues is None
