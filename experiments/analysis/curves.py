@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from matplotlib.figure import Figure
 
+from experiments import averaging_flags
 from experiments.analysis import model_selection
 from experiments.analysis import plots
 from experiments.rundir import records as records_lib
@@ -94,12 +95,15 @@ def write_plots(
     skipped.append(f"no loss curves of {', '.join(without_loss)}: their runs "
                    "record no env{i}_in_loss")
   # An averaging run's spectrum is of its training, which averaging does not
-  # change: its algorithm's.
-  algorithms = [m for m in methods
-                if not model_selection.averages(by_method[m][0])]
+  # change: its algorithm's, drawn from the algorithm's own runs where there
+  # are any, else from the averaging runs'.
+  plain = {m for m in methods if not model_selection.averages(by_method[m][0])}
+  algorithms = [m for m in methods if m in plain
+                or by_method[m][0]["args"]["algorithm"] not in plain]
   spectra = [a for a in algorithms
              if any(r.get("eigenvalues") for r in by_method[a])]
-  figures += [(f"{a} eigenvalue spectrum", f"{a}_eigenvalues",
+  figures += [(f"{a} eigenvalue spectrum",
+               f"{a.replace(averaging_flags.JOINT, '+')}_eigenvalues",
                plots.plot_eigenvalue_spectrum, by_method[a], "")
               for a in spectra]
   if not spectra:

@@ -246,3 +246,18 @@ def test_a_spectrum_is_its_algorithms_runs_alone(tmp_path, monkeypatch):
   assert spectrum.caption == "PGrad-B eigenvalue spectrum"
   assert [line.get_ydata()[0] for line in spectrum.figure.axes[0].get_lines()
           ] == [0.7, 0.2, 0.1]
+
+
+def test_averaging_runs_alone_draw_their_algorithms_spectrum(tmp_path):
+  # PGrad-B + SWAD without plain PGrad-B runs: its training is PGrad-B's,
+  # so its spectrum is drawn rather than said to be missing.
+  runs = []
+  for record in _records("swad"):
+    record = {**record, "args": {**record["args"], "algorithm": "PGrad-B"},
+              "eigenvalues": [0.6, 0.3, 0.1]}
+    runs.append(record)
+  written, skipped = curves.write_plots(runs, "ColoredDigits", 0, tmp_path)
+  (spectrum,) = [p for p in written
+                 if p.caption == "PGrad-B + SWAD eigenvalue spectrum"]
+  assert spectrum.path.name == "ColoredDigits_env0_PGrad-B+SWAD_eigenvalues.png"
+  assert not [s for s in skipped if "spectrum" in s], skipped
