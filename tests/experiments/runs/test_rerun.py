@@ -156,17 +156,9 @@ def test_longer_names_the_run_by_its_method(tmp_path, capsys):
       trial_seed=0, test_env=1, longer_steps=5, output_dir=tmp_path / "l")
   assert longer.args == {**run.args, "steps": 5}
   # ERM's runs without averaging are not the sweep's: it says whose it has.
-  try:
-    sweep.main(["longer", *flags, "--dataset", "RotatedDigits",
-                "--algorithm", "ERM", "--hparams_seed", "0", "--trial_seed",
-                "0", "--test_env", "1", "--longer_steps", "5"])
-  except SystemExit as e:
-    assert e.code == 2
-  else:
-    raise AssertionError("a run the sweep lacks was not refused")
   assert ("no run of ERM on RotatedDigits with hparams_seed 0, trial_seed 0 "
           "and test_env 1; the runs are of ERM + SWAD (the names --algorithm "
-          "takes)") in capsys.readouterr().err
+          "takes)") in _refused_longer_run(flags, test_env=1, capsys=capsys)
   assert not (tmp_path / "sweep_longer").exists()
 
 MACHINE = {"processor": "AMD EPYC 7B13", "backend": "cpu", "jax": "0.10.2"}
@@ -335,18 +327,25 @@ def test_changed_hparams_are_checked_before_any_run_retrains(tmp_path,
     assert f"--changed_hparams: {said}" in err
 
 
-def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
-  flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
+def _refused_longer_run(flags, *, test_env, capsys):
+  """What ``sweep longer`` says, exiting 2, of ERM's run holding out
+  ``test_env`` in the sweep of ``flags``, which lacks it."""
   try:
     sweep.main(["longer", *flags, "--dataset", "RotatedDigits",
                 "--algorithm", "ERM", "--hparams_seed", "0", "--trial_seed",
-                "0", "--test_env", "0", "--longer_steps", "5"])
+                "0", "--test_env", str(test_env), "--longer_steps", "5"])
   except SystemExit as e:
     assert e.code == 2
   else:
     raise AssertionError("a run the sweep lacks was not refused")
+  return capsys.readouterr().err
+
+
+def test_a_plain_sweep_refuses_a_longer_run_it_lacks(tmp_path, capsys):
+  flags = [*TINY_SWEEP, "--output_dir", str(tmp_path / "sweep")]
   assert ("no run of ERM on RotatedDigits with hparams_seed 0, trial_seed 0 "
-          "and test_env 0" in capsys.readouterr().err)
+          "and test_env 0" in _refused_longer_run(flags, test_env=0,
+                                                  capsys=capsys))
   assert not (tmp_path / "sweep_longer").exists()
 
 
