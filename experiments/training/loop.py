@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from experiments import algorithms
 from experiments import config as config_lib
 from experiments import lr_plateau
+from experiments import second_stage
 from experiments.data import datasets
 from experiments.data import photo_augmentation as augmentation
 from experiments.data import pipeline as input_pipeline
@@ -53,14 +54,16 @@ LR_SCHEDULE_KEY = "lr_schedule"
 def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
              step: int) -> bool:
   """Whether a run stops at ``step`` before its last: its learning-rate
-  schedule stopped there (`lr_schedule_stopped`); with ``--averaging
+  schedule stopped there (`lr_schedule_stopped`), or, a second stage
+  (``--lr_schedule_from``), its first stage's did; with ``--averaging
   swad``, the step whose record says that the valley died; or, with
   ``plateau_check_freq``, a check step at which its records so far have
   plateaued (`convergence.run_end`).
 
   A resumed run reads its records so far from its results file, so a run
   killed after stopping and resumed stops again at the same step."""
-  if lr_schedule_stopped(run_records, step) or (
+  if step == second_stage.last_step(config) or lr_schedule_stopped(
+      run_records, step) or (
       run_records and run_records[-1]["step"] == step
       and run_records[-1].get(weight_averaging.SWAD_DEAD)):
     return True
@@ -112,6 +115,10 @@ class _Setup:
 
 def stop_reason(run_records: Sequence[records.Record]) -> str:
   """Why a run that `stops_at` its last record's step stopped there."""
+  args = run_records[-1]["args"]
+  if "lr_schedule" in args:
+    return (f"the first stage (--lr_schedule_from {args['lr_schedule_from']}) "
+            "ended there")
   if lr_schedule_stopped(run_records, run_records[-1]["step"]):
     return ("finished, the learning rate changed for the third time (hparam "
             "auto_lr)")
@@ -499,6 +506,8 @@ class _Training:
     """
     if self.set_learning_rate is None:
       return state, {}
+    if self.config.lr_schedule is not None:
+      return self._replay_lr(state, step, written, scheduled)
     schedule = next(
         (lr_plateau.from_record(r[LR_SCHEDULE_KEY]) for r in reversed(written)
          if LR_SCHEDULE_KEY in r), lr_plateau.plateau_init(self.hparams["lr"]))
@@ -523,6 +532,29 @@ class _Training:
                      "the run here, finished (DomainBed's train_autolr.py).")
     return state, {"lr": schedule.lr,
                    LR_SCHEDULE_KEY: lr_plateau.to_record(schedule), **entries}
+
+  def _replay_lr(self, state: steps.TrainState, step: int,
+                 written: Sequence[records.Record], scheduled: bool
+                 ) -> tuple[steps.TrainState, records.Record]:
+    """A second stage's learning rate (``--lr_schedule_from``) at an
+    evaluation: at each of its first stage's, the learning rate that the
+    first stage set there; an interrupt's records the one it steps at.
+
+    DomainBed's second stage sets, at each evaluation, the first stage's
+    learning rates in turn (``train_autolr.py`` line 381, ``set_lr`` lines
+    230-231); the record's ``lr``, as the first stage's, is the one from
+    this step on.
+    """
+    if not scheduled:
+      return state, {"lr": written[-1]["lr"] if written
+                     else self.hparams["lr"]}
+    lr = second_stage.learning_rates(self.config)[step]
+    state = state._replace(algorithm_state=self.set_learning_rate(
+        state.algorithm_state, self.setup.sharder.replicate(np.float32(lr))))
+    if written and lr != written[-1]["lr"]:
+      progress.say(f"Step {step}: learning rate {written[-1]['lr']:.6g} -> "
+                   f"{lr:.6g}, as the first stage's.")
+    return state, {"lr": lr}
 
   def _evaluate(self, state: steps.TrainState) -> records.Record:
     """The metrics of ``state``'s model on every split."""

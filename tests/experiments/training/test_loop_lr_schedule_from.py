@@ -1,0 +1,191 @@
+"""Tests for ERM++'s second stage (``--lr_schedule_from``, DomainBed's
+``train_autolr.py`` lines 260-422): its refusals, its replay of the first
+stage's learning rates in the loop, its data, and its resume.
+
+(The first stage, hparam ``auto_lr``, is test_loop_auto_lr.py's.)
+"""
+
+import contextlib
+import io
+import json
+import shutil
+
+import pytest
+
+from experiments import config as config_lib
+from experiments import train
+from experiments.data import datasets
+from experiments.rundir import records
+from test_loop_auto_lr import MAX_STEPS, _assert_same_run, _flags
+from test_train import _train_command, kill_at_first_checkpoint
+from test_train import read_records, run_here
+
+# The tiny ERM++ of test_loop_auto_lr.py stops at its third change, before
+# MAX_STEPS; this one's first stage is shorter, and trains all its steps.
+SHORT_STEPS = 4
+
+
+def _stage2(output_dir, stage1, *flags, holdout="0", **kwargs):
+  return [*_flags(output_dir, **kwargs), "--holdout_fraction", holdout,
+          "--lr_schedule_from", str(stage1), *flags]
+
+
+@pytest.fixture(name="stage1", scope="module")
+def fixture_stage1(tmp_path_factory):
+  """An uninterrupted first stage, stopped at its third change."""
+  output_dir = tmp_path_factory.mktemp("stage1")
+  assert train.main(_flags(output_dir)) == 0
+  return output_dir
+
+
+@pytest.fixture(name="stage2", scope="module")
+def fixture_stage2(stage1, tmp_path_factory):
+  """Its second stage's output directory and what the command printed."""
+  output_dir = tmp_path_factory.mktemp("stage2") / "run"
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    status = train.main(_stage2(output_dir, stage1))
+  assert status == 0, err.getvalue()
+  return output_dir, out.getvalue(), err.getvalue()
+
+
+def test_stage2_replays_stage1s_learning_rates_and_ends_where_it_did(
+    stage1, stage2):
+  first = read_records(stage1)
+  output_dir, out, err = stage2
+  second = read_records(output_dir)
+  last = first[-1]["step"]
+  assert first[-1]["lr_schedule"]["stopped"] and last < MAX_STEPS
+  # The same evaluations, each at the learning rate the first stage set
+  # there, to the first stage's last step (DomainBed's stops one before).
+  assert [(r["step"], r["lr"]) for r in second] == [
+      (r["step"], r["lr"]) for r in first]
+  assert len({r["lr"] for r in second}) == 4
+  # It follows no validation loss, and has none.
+  assert not any({"sma_val_loss", "lr_schedule"} & r.keys() for r in second)
+  assert records.is_done(output_dir)
+  assert (f"Stopped at step {last} of at most {MAX_STEPS}: the first stage "
+          f"(--lr_schedule_from {stage1}) ended there") in err
+  # The final line is the last record's held-out accuracy.
+  held_out = second[-1]["env0_in_acc"]
+  assert out.splitlines()[-1].startswith(
+      f"Held-out accuracy after {last} steps")
+  assert f"(env0) {held_out:.4f}." in out.splitlines()[-1]
+
+
+def test_stage2_trains_and_evaluates_on_every_example(stage1, stage2):
+  output_dir, _, _ = stage2
+  record = read_records(output_dir)[-1]
+  dataset = datasets.get_dataset("RotatedDigits", seed=0)
+  sizes = [len(domain) for domain in dataset.domains]
+  # No out splits: no out metrics, and an epoch is a pass over the smallest
+  # training domain whole (the first stage's, over its in split).
+  assert not [key for key in record if key.startswith("env")
+              and "_out_" in key]
+  assert all(record[f"env{i}_in_examples"] == 16 for i in range(len(sizes)))
+  assert record["epoch"] == record["step"] / (min(sizes[1:]) / 4)
+  first = read_records(stage1)[-1]
+  held = [n - datasets.held_out_size(n, 0.2) for n in sizes[1:]]
+  assert first["epoch"] == first["step"] / (min(held) / 4)
+  assert record["args"]["holdout_fraction"] == 0
+
+
+def test_a_different_first_stage_is_a_different_run(stage1, tmp_path):
+  config = config_lib.parse_args(_stage2(tmp_path / "a", stage1))
+  moved = tmp_path / "moved"
+  shutil.copytree(stage1, moved)
+  # Where the first stage lies is not what the run is; its schedule is.
+  assert config_lib.parse_args(
+      _stage2(tmp_path / "a", moved)).identity() == config.identity()
+  assert config.identity()["lr_schedule"] == [
+      [r["step"], r["lr"]] for r in read_records(stage1)]
+  lines = (moved / records.RESULTS_FILE).read_text().splitlines()
+  edited = json.loads(lines[-2])
+  edited["lr"] = 0.5
+  lines[-2] = json.dumps(edited)
+  (moved / records.RESULTS_FILE).write_text("\n".join(lines) + "\n")
+  assert config_lib.parse_args(
+      _stage2(tmp_path / "a", moved)).identity() != config.identity()
+
+
+def test_default_runs_record_neither_field():
+  for config in (config_lib.Config().resolve(),
+                 config_lib.parse_args(["--algorithm", "ERMPlusPlus"])):
+    assert not {"lr_schedule_from", "lr_schedule"} & config.record_args().keys()
+
+
+def _refused(flags, capsys, output_dir):
+  # Refused as the flags are parsed: argparse's exit.
+  with pytest.raises(SystemExit) as exit_:
+    train.main(flags)
+  assert exit_.value.code == 2
+  done = capsys.readouterr()
+  assert done.out == ""
+  # argparse's usage, then one line that says why.
+  lines = done.err.strip().splitlines()
+  errors = [line for line in lines if "error:" in line]
+  assert errors == [lines[-1]]
+  assert lines[-1].startswith(f"{config_lib.PROG}: error:")
+  assert not output_dir.exists()
+  return lines[-1]
+
+
+def test_holdout_fraction_0_without_a_first_stage_is_refused(tmp_path,
+                                                             capsys):
+  out = tmp_path / "run"
+  line = _refused([*_flags(out), "--holdout_fraction", "0"], capsys, out)
+  assert "--holdout_fraction 0" in line and "--lr_schedule_from" in line
+
+
+def test_a_second_stage_must_hold_out_nothing(stage1, tmp_path, capsys):
+  out = tmp_path / "run"
+  line = _refused(_stage2(out, stage1, holdout="0.2"), capsys, out)
+  assert "pass --holdout_fraction 0" in line
+
+
+def test_a_missing_or_unfinished_first_stage_is_refused(stage1, tmp_path,
+                                                        capsys):
+  out = tmp_path / "run"
+  line = _refused(_stage2(out, tmp_path / "none"), capsys, out)
+  assert "no run" in line
+  unfinished = tmp_path / "unfinished"
+  shutil.copytree(stage1, unfinished)
+  (unfinished / records.DONE_FILE).unlink()
+  line = _refused(_stage2(out, unfinished), capsys, out)
+  assert "not finished" in line and "resume it" in line
+
+
+def test_a_first_stage_without_a_schedule_is_refused(tmp_path, capsys):
+  first = tmp_path / "first"
+  assert train.main(_flags(first, auto_lr=False, steps=1)) == 0
+  capsys.readouterr()
+  out = tmp_path / "run"
+  line = _refused(_stage2(out, first, auto_lr=False, steps=1), capsys, out)
+  assert "no learning-rate schedule" in line and "auto_lr" in line
+
+
+def test_a_first_stage_of_other_flags_or_hparams_is_refused(stage1, tmp_path,
+                                                            capsys):
+  out = tmp_path / "run"
+  line = _refused(_stage2(out, stage1, "--seed", "1"), capsys, out)
+  assert "seed" in line and "1" in line and "0" in line
+  line = _refused(_stage2(out, stage1, steps=SHORT_STEPS), capsys, out)
+  assert "steps" in line
+  flags = _stage2(out, stage1)
+  hparams = json.loads(flags[flags.index("--hparams") + 1])
+  flags[flags.index("--hparams") + 1] = json.dumps({**hparams, "lr": 0.5})
+  line = _refused(flags, capsys, out)
+  assert "hparam lr" in line
+
+
+@pytest.mark.slow
+def test_a_second_stage_killed_after_a_change_resumes_bit_for_bit(
+    stage1, stage2, tmp_path, capsys):
+  change = next(r["step"] for r in read_records(stage1)
+                if r["lr_schedule"]["changes"] == 1)
+  output_dir = tmp_path / "run"
+  flags = _stage2(output_dir, stage1)
+  kill_at_first_checkpoint(_train_command(flags), output_dir, change)
+  resumed = run_here(flags, capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  _assert_same_run(output_dir, stage2[0])
