@@ -21,7 +21,7 @@ from test_train import _train_command, kill_at_first_checkpoint
 from test_train import read_records, run_here
 
 # The tiny ERM++ of test_loop_auto_lr.py stops at its third change, before
-# MAX_STEPS; this one's first stage is shorter, and trains all its steps.
+# MAX_STEPS; a first stage of SHORT_STEPS trains all its steps.
 SHORT_STEPS = 4
 
 
@@ -71,6 +71,52 @@ def test_stage2_replays_stage1s_learning_rates_and_ends_where_it_did(
   assert out.splitlines()[-1].startswith(
       f"Held-out accuracy after {last} steps")
   assert f"(env0) {held_out:.4f}." in out.splitlines()[-1]
+
+
+def test_stage2_of_a_first_stage_that_never_stopped_trains_all_its_steps(
+    tmp_path, capsys):
+  # DomainBed's fails at its last evaluation here (schedule[0] of an empty
+  # list); this one ends on --steps, as the first stage did.
+  first = tmp_path / "first"
+  assert train.main(_flags(first, steps=SHORT_STEPS)) == 0
+  assert not read_records(first)[-1]["lr_schedule"]["stopped"]
+  second = run_here(_stage2(tmp_path / "second", first, steps=SHORT_STEPS),
+                    capsys)
+  assert second.returncode == 0, second.stderr
+  assert "Stopped at step" not in second.stderr
+  # Two evaluations after the probe: the first improves on no loss, so at
+  # most one is bad, and patience 1 changes nothing.
+  assert [(r["step"], r["lr"]) for r in read_records(tmp_path / "second")] == [
+      (r["step"], r["lr"]) for r in read_records(first)] == [
+          (step, 1.0) for step in range(1, SHORT_STEPS + 1)]
+
+
+def test_the_optimizer_steps_at_the_replayed_rate(stage1, stage2, tmp_path,
+                                                  capsys):
+  # A first stage whose first change went to another rate: the second
+  # stage trains as the other until that evaluation, bit for bit, and
+  # differently from the step after it.
+  run = read_records(stage1)
+  change = next(i for i, r in enumerate(run)
+                if r["lr_schedule"]["changes"] == 1)
+  edited = tmp_path / "edited"
+  shutil.copytree(stage1, edited)
+  run[change]["lr"] = run[change]["lr"] * 3
+  (edited / records.RESULTS_FILE).write_text(
+      "".join(json.dumps(r) + "\n" for r in run))
+  other = run_here(_stage2(tmp_path / "run", edited), capsys)
+  assert other.returncode == 0, other.stderr
+  ours, theirs = read_records(stage2[0]), read_records(tmp_path / "run")
+  metrics = lambda r: {k: v for k, v in r.items()
+                       if k.startswith("env") or k == "loss"}
+  assert [metrics(r) for r in theirs[:change + 1]] == [
+      metrics(r) for r in ours[:change + 1]]
+  # The record after: the network after one step at the other rate (its
+  # training loss is the step's, before it).
+  losses = lambda r: [v for k, v in sorted(r.items())
+                      if k.startswith("env") and k.endswith("_loss")]
+  assert all(a != b for a, b in zip(losses(theirs[change + 1]),
+                                    losses(ours[change + 1]), strict=True))
 
 
 def test_stage2_trains_and_evaluates_on_every_example(stage1, stage2):
