@@ -56,7 +56,8 @@ def resolve(config: Any, hparams: Mapping[str, Any]) -> Any:
   Raises:
     errors.UsageError: ``--holdout_fraction`` is not 0 with the flag, or
       ``--plateau_check_freq`` is given; the first stage is not there, not
-      finished, damaged, or has no schedule (no ``auto_lr``); or its flags
+      finished, damaged, or has no schedule (no ``auto_lr``), or is a
+      second stage itself; or its flags
       or hparams differ from this run's but where `_MAY_DIFFER`.
   """
   source = config.lr_schedule_from
@@ -90,6 +91,10 @@ def resolve(config: Any, hparams: Mapping[str, Any]) -> Any:
         f"--lr_schedule_from {source}: that run has no learning-rate "
         "schedule to replay; pass a finished ERM++ run of hparam auto_lr "
         "(its first stage).")
+  if first[-1]["args"].get("lr_schedule") is not None:
+    raise errors.UsageError(
+        f"--lr_schedule_from {source}: that run is a second stage itself; "
+        "pass the first stage it replays (its --lr_schedule_from).")
   differences = _differences(first[-1]["args"], config.record_args(),
                              "--{} {}, the first stage's {}")
   differences += _differences(first[-1]["hparams"], hparams,

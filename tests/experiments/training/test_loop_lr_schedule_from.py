@@ -9,16 +9,19 @@ import contextlib
 import io
 import json
 import shutil
+import signal
 
 import pytest
 
 from experiments import config as config_lib
 from experiments import train
 from experiments.data import datasets
+from experiments.rundir import checkpoints
 from experiments.rundir import records
-from test_loop_auto_lr import MAX_STEPS, _assert_same_run, _flags
-from test_train import _train_command, kill_at_first_checkpoint
-from test_train import read_records, run_here
+from test_loop_auto_lr import LR, MAX_STEPS, _assert_same_run, _flags
+from test_train import _SIGNAL_IN_STEP, _train_command
+from test_train import kill_at_first_checkpoint, read_records, run_after
+from test_train import run_here
 
 # The tiny ERM++ of test_loop_auto_lr.py stops at its third change, before
 # MAX_STEPS; a first stage of SHORT_STEPS trains all its steps.
@@ -210,6 +213,13 @@ def test_a_first_stage_without_a_schedule_is_refused(tmp_path, capsys):
   assert "no learning-rate schedule" in line and "auto_lr" in line
 
 
+def test_a_second_stage_is_no_first_stage(stage1, stage2, tmp_path, capsys):
+  out = tmp_path / "run"
+  line = _refused(_stage2(out, stage2[0]), capsys, out)
+  assert "is a second stage itself" in line
+  assert f"--lr_schedule_from {stage2[0]}" in line
+
+
 def test_a_first_stage_of_other_flags_or_hparams_is_refused(stage1, tmp_path,
                                                             capsys):
   out = tmp_path / "run"
@@ -235,3 +245,31 @@ def test_a_second_stage_killed_after_a_change_resumes_bit_for_bit(
   resumed = run_here(flags, capsys)
   assert resumed.returncode == 0, resumed.stderr
   _assert_same_run(output_dir, stage2[0])
+
+
+@pytest.mark.slow
+def test_an_interrupt_between_evaluations_keeps_the_replayed_rate(
+    tmp_path, capsys):
+  # Evaluations every 2 steps; a signal in the step after the first
+  # change: the interrupt's record has the rate that the change set, and
+  # the resumed run ends as the uninterrupted one.
+  first = tmp_path / "first"
+  assert train.main(_flags(first, checkpoint_freq=2)) == 0
+  change = next(r for r in read_records(first)
+                if r["lr_schedule"]["changes"] == 1)
+  reference = tmp_path / "reference"
+  assert train.main(_stage2(reference, first, checkpoint_freq=2)) == 0
+  output_dir = tmp_path / "run"
+  flags = _stage2(output_dir, first, checkpoint_freq=2)
+  stopped = run_after(
+      _SIGNAL_IN_STEP.format(calls=change["step"] + 1,
+                             sig=int(signal.SIGTERM)),
+      _train_command(flags))
+  assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+  interrupt = read_records(output_dir)[-1]
+  assert interrupt["step"] == change["step"] + 1
+  assert checkpoints.INTERRUPT_KEY in interrupt
+  assert interrupt["lr"] == change["lr"] != LR
+  resumed = run_here(flags, capsys)
+  assert resumed.returncode == 0, resumed.stderr
+  _assert_same_run(output_dir, reference)
