@@ -1,7 +1,8 @@
 """The configuration of one training run, its flags and its run directory.
 
 Every field of `Config` is a flag of ``python -m experiments.train`` with the
-same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
+same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``), but
+``lr_schedule``, what ``--lr_schedule_from`` resolves to. Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
 
 Everything a run reads is resolved and checked once, into a frozen
@@ -177,7 +178,8 @@ class Config:
       "--holdout_fraction 0 (training on every example) and another "
       "--output_dir.")
   # Not a flag: the schedule that --lr_schedule_from resolves to
-  # (`second_stage.resolve`), part of the run's identity.
+  # (`second_stage.resolve`), [step, lr] per first-stage record, part of
+  # the run's identity.
   lr_schedule: list[list[float]] | None = dataclasses.field(
       default=None, metadata={"flag": False})
   compile_cache_dir: str | None = _field(

@@ -502,7 +502,9 @@ class _Training:
     validation loss (`evaluate.validation_loss`) steps the schedule
     (`lr_plateau`), whose state the run's last record holds. Every record
     has ``lr``, the full optimizer's learning rate from this step on, and
-    ``lr_schedule``; those that stepped it ``sma_val_loss``.
+    ``lr_schedule``; those that stepped it ``sma_val_loss``. A second
+    stage (``--lr_schedule_from``) replays its first stage's instead
+    (`_replay_lr`).
     """
     if self.set_learning_rate is None:
       return state, {}
@@ -542,8 +544,8 @@ class _Training:
 
     DomainBed's second stage sets, at each evaluation, the first stage's
     learning rates in turn (``train_autolr.py`` line 381, ``set_lr`` lines
-    230-231); the record's ``lr``, as the first stage's, is the one from
-    this step on.
+    231-232 of ``algorithms.py``); the record's ``lr``, as the first
+    stage's, is the one from this step on.
     """
     if not scheduled:
       return state, {"lr": written[-1]["lr"] if written
