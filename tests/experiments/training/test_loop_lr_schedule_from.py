@@ -122,7 +122,7 @@ def test_the_optimizer_steps_at_the_replayed_rate(stage1, stage2, tmp_path,
                                     losses(ours[change + 1]), strict=True))
 
 
-def test_stage2_trains_and_evaluates_on_every_example(stage1, stage2):
+def test_stage2_counts_its_epochs_over_whole_domains(stage1, stage2):
   output_dir, _, _ = stage2
   record = read_records(output_dir)[-1]
   dataset = datasets.get_dataset("RotatedDigits", seed=0)
@@ -137,6 +137,30 @@ def test_stage2_trains_and_evaluates_on_every_example(stage1, stage2):
   held = [n - datasets.held_out_size(n, 0.2) for n in sizes[1:]]
   assert first["epoch"] == first["step"] / (min(held) / 4)
   assert record["args"]["holdout_fraction"] == 0
+
+
+def test_stage2_evaluates_every_example_in_the_in_splits(tmp_path, capsys):
+  # One step, every example evaluated: the first stage's in splits hold
+  # what the 20% held out leaves; the second's, every example, and it has
+  # no out split.
+  def every_example(flags):
+    at = flags.index("--eval_examples")
+    return flags[:at] + flags[at + 2:]
+  first = tmp_path / "first"
+  assert run_here(every_example(_flags(first, steps=1)), capsys).returncode == 0
+  second = run_here(every_example(_stage2(tmp_path / "second", first,
+                                          steps=1)), capsys)
+  assert second.returncode == 0, second.stderr
+  sizes = [len(d) for d in datasets.get_dataset("RotatedDigits",
+                                                seed=0).domains]
+  held_out = [datasets.held_out_size(n, 0.2) for n in sizes]
+  [one] = read_records(first)
+  assert [one[f"env{i}_in_examples"] for i in range(len(sizes))] == [
+      n - h for n, h in zip(sizes, held_out)]
+  assert [one[f"env{i}_out_examples"] for i in range(len(sizes))] == held_out
+  [two] = read_records(tmp_path / "second")
+  assert [two[f"env{i}_in_examples"] for i in range(len(sizes))] == sizes
+  assert not [key for key in two if "_out_" in key]
 
 
 def test_a_different_first_stage_is_a_different_run(stage1, tmp_path):
