@@ -1,7 +1,8 @@
 """The configuration of one training run, its flags and its run directory.
 
 Every field of `Config` is a flag of ``python -m experiments.train`` with the
-same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``). Fields left as
+same name (``--test_envs 0 1``, ``--hparams '{"lr": 1e-4}'``), but
+``lr_schedule``, what ``--lr_schedule_from`` resolves to. Fields left as
 ``None`` are filled in per dataset by `Config.resolve`.
 
 Everything a run reads is resolved and checked once, into a frozen
@@ -31,6 +32,7 @@ from typing import Any
 from experiments import catalog
 from experiments import hparams_registry
 from experiments import averaging_flags
+from experiments import second_stage
 from experiments.data import datasets
 from experiments import errors
 from experiments.rundir import claim
@@ -40,7 +42,9 @@ from experiments.rundir import records
 DEFAULT_RUNS_DIR = Path("runs")
 # Fields that say where files are or how to treat an existing run, not what
 # is trained: runs that differ only in them are the same run.
-LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite")
+# (A second stage's first stage, --lr_schedule_from, is one: its schedule,
+# the ``lr_schedule`` field, is what the run is.)
+LOCATION_FIELDS = ("output_dir", "data_dir", "overwrite", "lr_schedule_from")
 # Fields that say how a run executes, not what it computes: out of its
 # identity and of its records, so that a run resumed with other values is
 # the same run with the same records.
@@ -166,6 +170,18 @@ class Config:
       "ahead of the training step, and threads that read the evaluation "
       "batches; 0 builds every batch when it is needed. The results do not "
       "depend on it. Default: the CPU cores of this host.")
+  lr_schedule_from: str | None = _field(
+      None, "ERM++'s second stage (DomainBed's train_autolr.py): the "
+      "directory of a finished run of hparam auto_lr, its first stage, whose "
+      "learning rates this run sets at the same evaluations, to its last "
+      "step. Pass the first stage's flags and hparams, with "
+      "--holdout_fraction 0 (training on every example) and another "
+      "--output_dir.")
+  # Not a flag: the schedule that --lr_schedule_from resolves to
+  # (`second_stage.resolve`), [step, lr] per first-stage record, part of
+  # the run's identity.
+  lr_schedule: list[list[float]] | None = dataclasses.field(
+      default=None, metadata={"flag": False})
   compile_cache_dir: str | None = _field(
       None, "Where compiled steps are kept for later runs of the same shape "
       "to load instead of compiling (JAX's persistent compilation cache); "
@@ -212,7 +228,12 @@ class Config:
           "--plateau_check_freq must be a multiple of --checkpoint_freq "
           f"({config.checkpoint_freq}): the criterion reads the evaluations; "
           f"got {config.plateau_check_freq}.")
-    if not 0 < config.holdout_fraction < 1:
+    if config.holdout_fraction == 0 and not config.lr_schedule_from:
+      raise errors.UsageError(
+          "--holdout_fraction 0 holds out no validation data, which only "
+          "ERM++'s second stage (--lr_schedule_from) trains without; pass a "
+          "fraction in (0, 1).")
+    if not 0 <= config.holdout_fraction < 1:
       raise errors.UsageError("--holdout_fraction must be in (0, 1), got "
                               f"{config.holdout_fraction}.")
     if not config.test_envs or min(config.test_envs) < 0:
@@ -223,6 +244,8 @@ class Config:
           f"--data_dir {config.data_dir} is a file; pass the directory that "
           "holds the datasets.")
     config = averaging_flags.resolve(config)
+    if config.lr_schedule_from is not None:
+      config = second_stage.resolve(config, config.hyperparameters())
     if config.output_dir is None:
       envs = "_".join(map(str, config.test_envs))
       name = f"{config.dataset}-{config.algorithm}-test{envs}"
@@ -244,10 +267,12 @@ class Config:
   def record_args(self) -> dict[str, Any]:
     """The fields a results record holds as its ``args``: all but
     EXECUTION_FIELDS, and the ``--averaging`` fields that the run does not
-    use (all of them without averaging, `averaging_flags.FIELDS`)."""
+    use (all of them without averaging, `averaging_flags.FIELDS`), and the
+    second stage's unless it is one (`second_stage.FIELDS`)."""
     return {name: value for name, value in dataclasses.asdict(self).items()
             if name not in EXECUTION_FIELDS and not (
-                name in averaging_flags.FIELDS and value in (None, "none"))}
+                name in averaging_flags.FIELDS and value in (None, "none"))
+            and not (name in second_stage.FIELDS and value is None)}
 
   def check_batch_split(self, hparams: Mapping[str, Any]) -> None:
     """Checks that every domain's batch splits as the step splits it.
@@ -420,6 +445,8 @@ def make_parser() -> argparse.ArgumentParser:
   hints = typing.get_type_hints(Config)
   defaults = Config()
   for field in dataclasses.fields(Config):
+    if not field.metadata.get("flag", True):
+      continue
     hint = hints[field.name]
     default = getattr(defaults, field.name)
     help_text = field.metadata["help"]

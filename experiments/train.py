@@ -200,7 +200,8 @@ def _check_validation_examples(config: config_lib.Config,
     errors.UsageError: ``--holdout_fraction`` holds out none of a training
       domain.
   """
-  if not hparams.get("auto_lr"):
+  if not hparams.get("auto_lr") or config.lr_schedule is not None:
+    # A second stage replays its first stage's rates: it needs none.
     return
   empty = [d for d in train_domains if datasets.held_out_size(
       len(dataset.domains[d]), config.holdout_fraction) == 0]

@@ -48,6 +48,13 @@ def averages(record: Record) -> bool:
   return record["args"].get("averaging", "none") != "none"
 
 
+def has_validation(record: Record) -> bool:
+  """Whether a record's run holds out validation data, which every
+  selection method reads: not so a run of ``--holdout_fraction 0`` (ERM++'s
+  second stage, ``--lr_schedule_from``), which has no out splits."""
+  return record["args"].get("holdout_fraction") != 0
+
+
 def in_order(methods: Iterable[str]) -> list[str]:
   """Methods (`method`) in the order of the report's rows and legends: the
   registry's order of their algorithms, each algorithm's weight averagings

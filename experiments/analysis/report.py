@@ -324,6 +324,9 @@ def render(records: Sequence[Record], output_dir: Path,
   """
   wilds_table = wilds_report.wilds_table(records)
   records = [r for r in records if len(r["args"]["test_envs"]) == 1]
+  unselectable = len(model_selection.by_run(
+      [r for r in records if not model_selection.has_validation(r)]))
+  records = [r for r in records if model_selection.has_validation(r)]
   by_dataset = model_selection.group_by(records, lambda r: r["args"]["dataset"])
   datasets = catalog.DATASETS.in_order(by_dataset)
   algorithms = model_selection.in_order(map(model_selection.method, records))
@@ -341,6 +344,13 @@ def render(records: Sequence[Record], output_dir: Path,
       " A row whose cells selected among fewer hparam draws than its"
       " table's most says how many.",
   ]
+  if unselectable:
+    runs, them = (("1 run holds", "it") if unselectable == 1
+                  else (f"{unselectable} runs hold", "them"))
+    lines += ["", f"{runs} out no validation data (--holdout_fraction 0, "
+              f"ERM++'s second stage): no model selection reads {them}, and "
+              f"this report leaves {them} out; the records hold the held-out "
+              "domains' accuracy at every evaluation (env{i}_in_acc)."]
   read = {"": model_selection.averaged_model(records)}
   averaging = [r for r in records if model_selection.averages(r)]
   if averaging:

@@ -28,13 +28,13 @@ import orbax.checkpoint as ocp
 from experiments import algorithms
 from experiments import config as config_lib
 from experiments import lr_plateau
+from experiments import second_stage
 from experiments.data import datasets
 from experiments.data import photo_augmentation as augmentation
 from experiments.data import pipeline as input_pipeline
 from experiments.rundir import checkpoints
 from experiments.rundir import claim
 from experiments.rundir import records
-from experiments.runs import convergence
 from experiments.runs import environment
 from experiments.training import compile_cache
 from experiments.training import evaluate
@@ -42,40 +42,8 @@ from experiments.training import interrupts
 from experiments.training import progress
 from experiments.training import sharding
 from experiments.training import steps
+from experiments.training import stopping
 from experiments.training import weight_averaging
-
-
-# A record's key of ERM++'s learning-rate schedule (``auto_lr``): its
-# `lr_plateau.PlateauState`, as `lr_plateau.to_record` writes it.
-LR_SCHEDULE_KEY = "lr_schedule"
-
-
-def stops_at(config: config_lib.Config, run_records: Sequence[records.Record],
-             step: int) -> bool:
-  """Whether a run stops at ``step`` before its last: its learning-rate
-  schedule stopped there (`lr_schedule_stopped`); with ``--averaging
-  swad``, the step whose record says that the valley died; or, with
-  ``plateau_check_freq``, a check step at which its records so far have
-  plateaued (`convergence.run_end`).
-
-  A resumed run reads its records so far from its results file, so a run
-  killed after stopping and resumed stops again at the same step."""
-  if lr_schedule_stopped(run_records, step) or (
-      run_records and run_records[-1]["step"] == step
-      and run_records[-1].get(weight_averaging.SWAD_DEAD)):
-    return True
-  if not config.plateau_check_freq or not step or (
-      step % config.plateau_check_freq):
-    return False
-  return convergence.run_end(run_records).plateaued
-
-
-def lr_schedule_stopped(run_records: Sequence[records.Record],
-                        step: int) -> bool:
-  """Whether the record of ``step``, the last, says that ERM++'s
-  learning-rate schedule stopped there (`lr_plateau`: its third change)."""
-  return bool(run_records) and run_records[-1]["step"] == step and (
-      run_records[-1].get(LR_SCHEDULE_KEY, {}).get("stopped", False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +76,6 @@ class _Setup:
   batch_shape: tuple[int, int]
   init_time: float
   averaging: weight_averaging.Averaging | None
-
-
-def stop_reason(run_records: Sequence[records.Record]) -> str:
-  """Why a run that `stops_at` its last record's step stopped there."""
-  if lr_schedule_stopped(run_records, run_records[-1]["step"]):
-    return ("finished, the learning rate changed for the third time (hparam "
-            "auto_lr)")
-  if run_records[-1].get(weight_averaging.SWAD_DEAD):
-    return "SWAD's loss valley ended (--averaging swad), where swad stops"
-  return "plateaued (--plateau_check_freq)"
 
 
 def _set_up(spec: config_lib.RunSpec) -> _Setup:
@@ -293,8 +251,8 @@ def train(spec: config_lib.RunSpec,
     setup.train_iter.close()  # Stops its workers, freeing batches read ahead.
     directory.close()
     step = int(state.step)
-    if stop.signum is not None and step < config.steps and not stops_at(
-        config, written, step):
+    if stop.signum is not None and step < config.steps and not (
+        stopping.stops_at(config, written, step)):
       raise interrupts.Interrupted(stop.signum)
     checkpoints.save_params(output_dir / records.FINAL_PARAMS_FILE,
                             state.params, state.stats)
@@ -303,7 +261,7 @@ def train(spec: config_lib.RunSpec,
     records.mark_done(output_dir)
     if step < config.steps:
       progress.say(f"Stopped at step {step} of at most {config.steps}: "
-                   f"{stop_reason(written)}.")
+                   f"{stopping.stop_reason(written)}.")
     return written[-1]
 
 
@@ -353,8 +311,8 @@ class _Training:
     self._estimate_start = None
 
   def _trains_on(self, step: int, written: Sequence[records.Record]) -> bool:
-    return step < self.config.steps and not stops_at(self.config, written,
-                                                     step)
+    return step < self.config.steps and not stopping.stops_at(
+        self.config, written, step)
 
   def _next_batch(self) -> Any:
     """The next training batch, on the devices, its reading timed."""
@@ -495,13 +453,18 @@ class _Training:
     validation loss (`evaluate.validation_loss`) steps the schedule
     (`lr_plateau`), whose state the run's last record holds. Every record
     has ``lr``, the full optimizer's learning rate from this step on, and
-    ``lr_schedule``; those that stepped it ``sma_val_loss``.
+    ``lr_schedule``; those that stepped it ``sma_val_loss``. A second
+    stage (``--lr_schedule_from``) replays its first stage's instead
+    (`_replay_lr`).
     """
     if self.set_learning_rate is None:
       return state, {}
+    if self.config.lr_schedule is not None:
+      return self._replay_lr(state, step, written, scheduled)
     schedule = next(
-        (lr_plateau.from_record(r[LR_SCHEDULE_KEY]) for r in reversed(written)
-         if LR_SCHEDULE_KEY in r), lr_plateau.plateau_init(self.hparams["lr"]))
+        (lr_plateau.from_record(r[stopping.LR_SCHEDULE_KEY])
+         for r in reversed(written) if stopping.LR_SCHEDULE_KEY in r),
+        lr_plateau.plateau_init(self.hparams["lr"]))
     entries = {}
     if scheduled and step > self.hparams["linear_steps"]:
       setup = self.setup
@@ -522,7 +485,31 @@ class _Training:
         progress.say(f"Step {step}: the learning rate's third change ends "
                      "the run here, finished (DomainBed's train_autolr.py).")
     return state, {"lr": schedule.lr,
-                   LR_SCHEDULE_KEY: lr_plateau.to_record(schedule), **entries}
+                   stopping.LR_SCHEDULE_KEY: lr_plateau.to_record(schedule),
+                   **entries}
+
+  def _replay_lr(self, state: steps.TrainState, step: int,
+                 written: Sequence[records.Record], scheduled: bool
+                 ) -> tuple[steps.TrainState, records.Record]:
+    """A second stage's learning rate (``--lr_schedule_from``) at an
+    evaluation: at each of its first stage's, the learning rate that the
+    first stage set there; an interrupt's records the one it steps at.
+
+    DomainBed's second stage sets, at each evaluation, the first stage's
+    learning rates in turn (``train_autolr.py`` line 381, ``set_lr`` lines
+    231-232 of ``algorithms.py``); the record's ``lr``, as the first
+    stage's, is the one from this step on.
+    """
+    if not scheduled:
+      return state, {"lr": written[-1]["lr"] if written
+                     else self.hparams["lr"]}
+    lr = second_stage.learning_rates(self.config)[step]
+    state = state._replace(algorithm_state=self.set_learning_rate(
+        state.algorithm_state, self.setup.sharder.replicate(np.float32(lr))))
+    if written and lr != written[-1]["lr"]:
+      progress.say(f"Step {step}: learning rate {written[-1]['lr']:.6g} -> "
+                   f"{lr:.6g}, as the first stage's.")
+    return state, {"lr": lr}
 
   def _evaluate(self, state: steps.TrainState) -> records.Record:
     """The metrics of ``state``'s model on every split."""

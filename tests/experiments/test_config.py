@@ -26,6 +26,7 @@ from experiments import hparams_registry
 from experiments.rundir import pack
 from experiments.rundir import records
 from experiments.runs import run as run_lib
+from experiments import second_stage
 from experiments import train
 from experiments.rundir import claim
 from experiments.training import steps as train_steps
@@ -48,8 +49,14 @@ def test_every_config_field_is_a_flag(tmp_path):
            "num_workers": 2, "compile_cache_dir": "c", "averaging": "swad",
            "swad_n_converge": 2, "swad_n_tolerance": 4,
            "swad_tolerance_ratio": 0.5, "ema_decay": None,
-           "sma_start_iter": None}
+           "sma_start_iter": None, "lr_schedule_from": None,
+           "lr_schedule": None}
   assert set(flags) == {f.name for f in dataclasses.fields(config_lib.Config)}
+  # The one field that is no flag: what --lr_schedule_from resolves to
+  # (test_loop_lr_schedule_from.py passes that flag).
+  parsed = vars(config_lib.make_parser().parse_args([]))
+  assert {f.name for f in dataclasses.fields(config_lib.Config)
+          if f.name not in parsed} == {"lr_schedule"}
   argv = []
   for name, value in flags.items():
     if value is None:  # The knobs of another averaging: not passed.
@@ -157,7 +164,7 @@ def test_every_field_but_location_and_execution_names_the_run():
   # Without averaging, its fields are none of the run's.
   assert set(config.identity()) == fields.difference(
       config_lib.LOCATION_FIELDS, config_lib.EXECUTION_FIELDS,
-      averaging_flags.FIELDS)
+      averaging_flags.FIELDS, second_stage.FIELDS)
   on = config_lib.Config(plateau_check_freq=100).resolve()
   assert on.identity() == {**config.identity(), "plateau_check_freq": 100}
   assert on.output_dir != config.output_dir

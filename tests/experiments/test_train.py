@@ -34,7 +34,7 @@ from experiments import train
 from experiments.rundir import checkpoints
 from experiments.rundir import claim
 from experiments.training import evaluate
-from experiments.training import loop
+from experiments.training import stopping
 from experiments.training import progress
 from experiments.training import steps as train_steps
 from test_model_selection import make_record
@@ -271,7 +271,7 @@ def test_stops_at_reads_the_records_at_check_steps_only():
   def stops(step, check_freq):
     config = config_lib.Config(steps=1000, checkpoint_freq=100,
                                plateau_check_freq=check_freq)
-    return loop.stops_at(config, run[:step // 100], step)
+    return stopping.stops_at(config, run[:step // 100], step)
   # 200: 0.4 -> 0.9 over the window (it reaches back to step 100); 300 and
   # 400: no move.
   assert [stops(s, 100) for s in (100, 200, 300, 400)] == [

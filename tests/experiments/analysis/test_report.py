@@ -957,3 +957,29 @@ def test_runs_that_average_are_reported_by_both_models(tmp_path, undrawn):
   assert ("ColoredDigits, held-out env0: training loss per domain"
           + curves.TRAINED_LOSS) in text
   assert curves.AVERAGED_ACCURACY not in plain
+
+
+def test_runs_without_validation_data_are_left_out_and_said_so(tmp_path,
+                                                               undrawn):
+  # ERM++'s second stage (--lr_schedule_from, --holdout_fraction 0) has no
+  # out split: neither selection method can read it. The tables are the
+  # sweep's, without it, and the report says how many runs it left out.
+  second_stage = [
+      make_record("ColoredDigits", "ERMPlusPlus", 0, 0, 0, step,
+                  in_accs=[], out_accs=[],
+                  **{f"env{i}_in_{metric}": 0.1 for i in range(3)
+                     for metric in ("acc", "loss")})
+      for step in STEPS]
+  for record in second_stage:
+    record["args"].update(holdout_fraction=0, lr_schedule=[[5, 1.0]],
+                          lr_schedule_from="stage1")
+  write_runs(tmp_path / "sweep", sweep_records() + second_stage)
+  assert report.main(["--input_dir", str(tmp_path / "sweep"),
+                      "--output_dir", str(tmp_path / "out")]) == 0
+  text = (tmp_path / "out" / "results.md").read_text()
+  for section in text.split("## Model selection: ")[1:]:
+    assert COLORED_TABLE in section
+    assert "### Averages\n\n" + SUMMARY_TABLE in section
+  assert "ERMPlusPlus" not in text.split("## Model selection: ")[1]
+  assert ("1 run holds out no validation data (--holdout_fraction 0, ERM++'s "
+          "second stage): no model selection reads it") in text

@@ -23,6 +23,7 @@ from experiments import train
 from experiments.models import layers
 from experiments.rundir import records
 from experiments.training import loop
+from experiments.training import stopping
 from experiments.training import weight_averaging
 from test_averaging import RefAveragedModel
 from test_averaging import RefLossValley
@@ -186,7 +187,7 @@ def test_swad_stops_the_run_where_its_valley_dies(tmp_path, capsys):
   assert (f"Stopped at step {step} of at most {STEPS}: SWAD's loss valley "
           "ended") in result.stderr
   assert (tmp_path / records.DONE_FILE).exists()
-  assert loop.stops_at(config_lib.parse_args(flags), run_records, step)
+  assert stopping.stops_at(config_lib.parse_args(flags), run_records, step)
   # Finished: the same command trains no further.
   again = run_here(flags, capsys)
   assert again.returncode == 0 and read_records(tmp_path) == run_records
