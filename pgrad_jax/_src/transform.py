@@ -116,11 +116,13 @@ def _check_params(name: str, params: optax.Params) -> None:
           "wrt=nnx.Param).")
 
 
-def _check_update(name: str, state: Any, params: optax.Params | None,
-                  model_state: Any, batches: Any, B: int,
-                  num_domains: int | None) -> int:
+def _check_update(
+    name: str, state: Any, params: optax.Params | None, model_state: Any,
+    batches: Any, B: int, num_domains: int | None
+) -> tuple[PGradState | FishState, optax.Params, int]:
   """Refuses an update's arguments that do not fit the transform; returns
-  how many domains the batches hold."""
+  the state and params, known to be the transform's, and how many domains
+  the batches hold."""
   if not isinstance(state, (PGradState, FishState)):
     raise TypeError(
         f"{name}.update needs the state that {name}.init returned; got "
@@ -135,7 +137,7 @@ def _check_update(name: str, state: Any, params: optax.Params | None,
     raise ValueError(
         f"batches hold {n} domains but {name} was built with "
         f"num_domains={num_domains}; build it with num_domains={n}.")
-  return n
+  return state, params, n
 
 
 def _skip_nonfinite(losses: jax.Array, update: optax.Updates,
@@ -216,14 +218,14 @@ def _rollout_transform(
       **extra_args: Any,
   ) -> tuple[optax.Updates, Any]:
     del updates, extra_args  # The rollout computes its own gradients.
-    n = _check_update(name, state, params, model_state, batches, options.B,
-                      num_domains)
+    checked, params, n = _check_update(name, state, params, model_state,
+                                       batches, options.B, num_domains)
 
     # Step 1: roll out.
-    key, order_key = jax.random.split(state.key)
+    key, order_key = jax.random.split(checked.key)
     domains, chunks = schedule(order_key, n)
     inner_state = inner_opt.init(params) if reset_inner_state else (
-        state.inner_state)
+        checked.inner_state)
     rolled = rollout_lib.take_steps(
         loss_fn, inner_opt, params, inner_state, batches, domains, chunks,
         options, layout=None, model_state=model_state)
@@ -236,7 +238,7 @@ def _rollout_transform(
     if nonfinite == "skip":
       update, inner_state, new_model_state, skipped = _skip_nonfinite(
           rolled.losses, update, (inner_state, new_model_state),
-          (state.inner_state, model_state))
+          (checked.inner_state, model_state))
 
     return update, make_state(
         eigenvalues=(None if step.eigenvalues is None
@@ -247,7 +249,7 @@ def _rollout_transform(
         key=key,
         ref_norm=step.ref_norm.astype(jnp.float32),
         loss=jnp.mean(rolled.losses),
-        num_skipped=state.num_skipped + skipped.astype(jnp.int32))
+        num_skipped=checked.num_skipped + skipped.astype(jnp.int32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
