@@ -179,9 +179,11 @@ def make_case(model: str, args: argparse.Namespace) -> Case:
 
 def loop_flags() -> dict[str, str]:
   """The training command's flags in this version of the loop, with their
-  help (`experiments.config.Config`'s fields)."""
+  help (`experiments.config.Config`'s fields but those that are no flag,
+  such as ``lr_schedule``, which a flag resolves to)."""
   return {field.name: field.metadata["help"]
-          for field in dataclasses.fields(config_lib.Config)}
+          for field in dataclasses.fields(config_lib.Config)
+          if field.metadata.get("flag", True)}
 
 
 def train_command(case: Case, algorithm: str, output_dir: Path,
