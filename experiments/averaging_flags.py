@@ -18,6 +18,7 @@ finished run's result is printed without it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -88,6 +89,12 @@ def resolve(config: Any) -> Any:
   if averaging == "sma" and config.sma_start_iter < 1:
     raise errors.UsageError("--sma_start_iter counts updates from 1, so it "
                             f"must be at least 1, got {config.sma_start_iter}.")
+  if averaging == "sma" and config.steps < config.sma_start_iter:
+    # Not an error (a short trial run is fine), but its "average" is only
+    # the trained weights, which the final line would show twice unexplained.
+    print(f"Warning: --averaging sma starts at update {config.sma_start_iter}"
+          f" (--sma_start_iter), after this run's {config.steps} steps: its "
+          "average is the trained weights.", file=sys.stderr)
   if averaging == "swad":
     try:
       loss_valley.valley_init(valley_config(config))

@@ -217,6 +217,16 @@ def test_averaging_flags_are_checked(flags, message, capsys):
   assert "Traceback" not in err
 
 
+def test_an_sma_that_never_starts_is_warned_of(capsys):
+  config, _ = config_lib.parse_flags(["--averaging", "sma", "--steps", "300"])
+  assert config.sma_start_iter == 600
+  assert ("Warning: --averaging sma starts at update 600 (--sma_start_iter), "
+          "after this run's 300 steps: its average is the trained weights."
+          in capsys.readouterr().err)
+  config_lib.parse_flags(["--averaging", "sma", "--steps", "600"])
+  assert "Warning" not in capsys.readouterr().err
+
+
 # The default command made cheap: two steps, small batches in one chunk (a
 # shorter rollout compiles faster), small evaluations.
 SHORT = ["--steps", "2", "--checkpoint_freq", "2", "--eval_examples", "16",
