@@ -305,28 +305,40 @@ def _erm_plus_plus(network, hparams, sma_start_iter):
                                     sma_start_iter=sma_start_iter)
 
 
+def _erm_plus_plus_hparams(linear_steps, lars, **extra):
+  """The float64 comparisons' hparams: LARS steps matrices by lr times a
+  thousandth of their norm, so it gets larger rates."""
+  hparams = {**algorithm_hparams("ERMPlusPlus"), "lr": 0.05,
+             "linear_lr": 0.02, "weight_decay": 0.01,
+             "linear_steps": linear_steps, "lars": lars, **extra}
+  if lars:
+    hparams.update(lr=2.0, linear_lr=1.0)
+  return hparams
+
+
+def _float64_batches(steps):
+  """``steps`` batches of 2 domains x 2 examples, their floats in float64
+  (under ``jax.enable_x64``)."""
+  return [jax.tree.map(lambda x: x.astype(jnp.float64)
+                       if x.dtype == jnp.float32 else x,
+                       make_batches(step, (2, 2, 1)))
+          for step in range(steps)]
+
+
 @pytest.mark.parametrize("lars", [False, True])
 def test_erm_plus_plus_matches_a_numpy_model_of_domainbed(lars):
   # Three updates of the probe (linear_steps + 1), then four of the full
   # optimizer; the average holds more than the latest network from update
   # 4 on: the networks after updates 3 to 7 at the end.
   steps, linear_steps, start = 7, 2, 4
-  hparams = {**algorithm_hparams("ERMPlusPlus"), "lr": 0.05,
-             "linear_lr": 0.02, "weight_decay": 0.01,
-             "linear_steps": linear_steps, "lars": lars}
-  if lars:  # LARS steps matrices by lr times a thousandth of their norm.
-    hparams.update(lr=2.0, linear_lr=1.0)
+  hparams = _erm_plus_plus_hparams(linear_steps, lars)
   with jax.enable_x64(True):
     network, params, stats = _erm_plus_plus_model()
     algorithm = _erm_plus_plus(network, hparams, start)
     update = jax.jit(algorithm.update)
     evaluated = jax.jit(algorithm.evaluated)
     state = algorithm.init(params)
-    batch_list = [
-        jax.tree.map(lambda x: x.astype(jnp.float64)
-                     if x.dtype == jnp.float32 else x, make_batches(step,
-                                                                    (2, 2, 1)))
-        for step in range(steps)]
+    batch_list = _float64_batches(steps)
     theta = _arrays(params, _ERM_PLUS_PLUS_PARAMS)
     buffers = _arrays(stats, _ERM_PLUS_PLUS_STATS)
     # Before any update the evaluated network is the network itself.
@@ -378,11 +390,7 @@ def test_erm_plus_plus_auto_lr_steps_at_the_learning_rate_it_is_set(lars):
   # learning rate after updates 4 and 5, as DomainBed's set_lr does at an
   # evaluation; the probe's stays linear_lr.
   steps, linear_steps, start = 7, 2, 4
-  hparams = {**algorithm_hparams("ERMPlusPlus"), "lr": 0.05,
-             "linear_lr": 0.02, "weight_decay": 0.01,
-             "linear_steps": linear_steps, "lars": lars, "auto_lr": True}
-  if lars:
-    hparams.update(lr=2.0, linear_lr=1.0)
+  hparams = _erm_plus_plus_hparams(linear_steps, lars, auto_lr=True)
   lrs = {4: hparams["lr"] * 0.1, 5: hparams["lr"] * 0.01}
   with jax.enable_x64(True):
     network, params, stats = _erm_plus_plus_model()
@@ -392,10 +400,7 @@ def test_erm_plus_plus_auto_lr_steps_at_the_learning_rate_it_is_set(lars):
     state = algorithm.init(params)
     theta = _arrays(params, _ERM_PLUS_PLUS_PARAMS)
     buffers = _arrays(stats, _ERM_PLUS_PLUS_STATS)
-    batch_list = [jax.tree.map(lambda x: x.astype(jnp.float64)
-                               if x.dtype == jnp.float32 else x,
-                               make_batches(step, (2, 2, 1)))
-                  for step in range(steps)]
+    batch_list = _float64_batches(steps)
     got = []
     for step, batches in enumerate(batch_list):
       params, stats, state, _ = update(params, stats, state, batches,
